@@ -1,0 +1,757 @@
+"""LocalTier beyond the conformance suite: crashes, permissions, capacity, recycling, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import gc
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiercheck.errors import ConfigError, StorageError, TierClosed, TierFull
+from tiercheck.tiers import LocalTier, SupportsReserve, _atomic, local
+
+MiB = 1024 * 1024
+
+
+def blob(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def folders_under(root: Path) -> list[Path]:
+    """``root`` itself (if it exists) and every folder below it."""
+    if not root.is_dir():
+        return []
+    return [root, *sorted(p for p in root.rglob("*") if p.is_dir())]
+
+
+def temp_files_under(root: Path) -> list[Path]:
+    return [p for p in files_under(root) if _atomic.INTERNAL_MARK in str(p.relative_to(root))]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "local"
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    """A fresh folder in /dev/shm (the real thing), removed afterwards."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("/dev/shm does not exist on this system")
+    path = Path(f"/dev/shm/tiercheck-test-{uuid.uuid4().hex}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --- crash survival ----------------------------------------------------------------------------
+
+CHILD = r"""
+import asyncio, random, sys
+from tiercheck.tiers import LocalTier
+
+def blob(size, seed):
+    return random.Random(seed).randbytes(size)
+
+async def main(root, big):
+    tier = LocalTier(root)
+    await tier.put("small", blob(1000, 1))
+    await tier.put("big/put", blob(big, 2))
+    reservation = await tier.reserve("big/reserved", big)
+    reservation.buffer[:] = blob(big, 3)
+    await reservation.commit()
+    reservation.release()
+    await tier.put("rewritten", blob(big, 4))
+    await tier.put("recycled", b"x" * big)
+    await tier.delete("recycled")
+    new = blob(big, 5)
+    print("committed", flush=True)
+    i = 0
+    while True:
+        # Rewrite one key forever, alternating both write paths, until killed mid-write.
+        if i % 2:
+            await tier.put("rewritten", new)
+        else:
+            reservation = await tier.reserve("rewritten", big)
+            reservation.buffer[:] = new
+            await reservation.commit()
+            reservation.release()
+        await tier.put(f"fresh/{i}", new)
+        i += 1
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("delay", [0.0, 0.03, 0.15])
+async def test_blobs_survive_sigkill_of_the_writer(shm_root: Path, delay: float) -> None:
+    """A writer SIGKILLed mid-write leaves every committed blob whole and no visible debris.
+
+    The child stores blobs by put and by reserve + commit, then rewrites a key in a loop; it is
+    killed at some point of that loop. Another process (this one) then finds the committed blobs
+    intact, the rewritten key holding the old or the new blob (never a mix), each ``fresh/*`` key
+    whole, no temporary file listed, and the dead writer's temporary files and spares cleaned up.
+    """
+    big = 16 * MiB
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CHILD,
+        str(shm_root),
+        str(big),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), timeout=120)
+        await asyncio.sleep(delay)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        _, errors = await child.communicate()
+    assert line == b"committed\n", errors.decode()
+    assert child.returncode == -signal.SIGKILL
+
+    old, new = blob(big, 4), blob(big, 5)
+    async with LocalTier(shm_root) as tier:
+        assert await tier.get("small") == blob(1000, 1)
+        assert await tier.get("big/put") == blob(big, 2)
+        assert await tier.get("big/reserved") == blob(big, 3)
+        assert await tier.get("rewritten") in (old, new)
+        keys = [key async for key in tier.list()]
+        assert set(keys) - {"small", "big/put", "big/reserved", "rewritten"} == {
+            key for key in keys if key.startswith("fresh/")
+        }
+        for key in keys:
+            if key.startswith("fresh/"):
+                assert await tier.get(key) == new
+        assert not await tier.exists("recycled")
+        # Opening the root removed what the dead writer left half done.
+        assert temp_files_under(shm_root) == []
+
+
+# --- layout and permissions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+async def test_folders_are_0700_and_files_0600_whatever_the_umask(root: Path, umask: int) -> None:
+    """Every folder the tier creates is 0700 and every file 0600, under any umask."""
+    previous = os.umask(umask)
+    try:
+        async with LocalTier(root) as tier:
+            await tier.put("a/b/c", b"put")
+            await tier.putv("a/v", [b"put", b"v"])
+            reservation = await tier.reserve("r/s/t", 10)
+            reservation.buffer[:] = b"0123456789"
+            await reservation.commit()
+            reservation.release()
+            await tier.put("spare/me", b"12345")
+            await tier.delete("spare/me")
+            assert tier.spare_count == 1
+            folders = folders_under(root)
+            files = files_under(root)
+            assert {p.name for p in folders} >= {"local", "a", "b", "r", "s", ".tiercheck#spares"}
+            assert len(files) == 4
+            for folder in folders:
+                assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+            for file in files:
+                assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    finally:
+        os.umask(previous)
+
+
+def test_default_root_is_in_shared_memory() -> None:
+    """Without a root, blobs go to /dev/shm/tiercheck/<job_id>/<node>, node = the hostname."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("/dev/shm does not exist on this system")
+    assert LocalTier(job_id="run-1", node="n7").root == Path("/dev/shm/tiercheck/run-1/n7")
+    assert LocalTier(job_id="run-1").root == Path("/dev/shm/tiercheck/run-1", socket.gethostname())
+    assert LocalTier().root == Path("/dev/shm/tiercheck/default", socket.gethostname())
+
+
+def test_default_root_falls_back_to_the_temp_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where /dev/shm does not exist, the default root is <tempdir>/tiercheck/<job>/<node>."""
+    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path / "no-shm-here"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert LocalTier(job_id="j", node="n").root == tmp_path / "tiercheck" / "j" / "n"
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "..", ".", "x:y", " pad"])
+def test_job_id_and_node_must_be_folder_names(bad: str) -> None:
+    """job_id and node that are not single valid folder names raise ConfigError."""
+    with pytest.raises(ConfigError):
+        LocalTier(job_id=bad, node="n")
+    with pytest.raises(ConfigError):
+        LocalTier(job_id="j", node=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"capacity": -1}, {"capacity": 1.5}, {"spare_files": -1}, {"spare_files": True}]
+)
+def test_bad_options_raise_config_error(root: Path, kwargs: dict[str, object]) -> None:
+    """Negative or non-integer capacity and spare_files are rejected at construction."""
+    with pytest.raises(ConfigError):
+        LocalTier(root, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_default_root_owned_by_someone_else_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A default root that belongs to another user is not written into (StorageError)."""
+    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path / "no-shm-here"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tier = LocalTier(job_id="j", node="n")
+    tier.root.mkdir(parents=True)
+    real_uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real_uid + 4242)
+    with pytest.raises(StorageError):
+        await tier.put("k", b"x")
+    assert list(tier.root.iterdir()) == []
+
+
+async def test_construction_does_no_io(tmp_path: Path) -> None:
+    """Creating a tier touches nothing; the root appears on first use."""
+    tier = LocalTier(tmp_path / "later")
+    assert not (tmp_path / "later").exists()
+    assert not await tier.exists("k")
+    assert (tmp_path / "later").is_dir()
+
+
+async def test_key_cannot_be_both_a_blob_and_a_folder(root: Path) -> None:
+    """'a' and 'a/b' cannot both be blobs on a filesystem: StorageError, nothing changed."""
+    async with LocalTier(root) as tier:
+        await tier.put("a", b"blob a")
+        with pytest.raises(StorageError):
+            await tier.put("a/b", b"x")
+        await tier.put("x/y", b"blob x/y")
+        with pytest.raises(StorageError):
+            await tier.put("x", b"x")
+        with pytest.raises(StorageError):
+            await tier.reserve("a/c", 1)
+        assert await tier.get("a") == b"blob a"
+        assert await tier.get("x/y") == b"blob x/y"
+        assert sorted([k async for k in tier.list()]) == ["a", "x/y"]
+        assert temp_files_under(root) == []
+
+
+async def test_non_contiguous_buffer_is_a_type_error(root: Path) -> None:
+    """A strided view cannot be written as one blob: TypeError before any I/O."""
+    async with LocalTier(root) as tier:
+        with pytest.raises(TypeError):
+            await tier.put("k", memoryview(b"abcdef")[::2])
+        assert files_under(root) == []
+
+
+async def test_deleting_prunes_empty_folders(root: Path) -> None:
+    """Deleting the last blob of a folder removes the folder (but never the root)."""
+    async with LocalTier(root, spare_files=0) as tier:
+        await tier.put("v1/r0/a", b"1")
+        await tier.put("v1/r1/b", b"2")
+        await tier.delete("v1/r0/a")
+        assert folders_under(root) == [root, root / "v1", root / "v1" / "r1"]
+        await tier.delete("v1/r1/b")
+        assert folders_under(root) == [root]
+
+
+# --- writes are zero-copy and off the event loop --------------------------------------------------
+
+
+async def test_puts_write_the_callers_buffers_without_joining(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """put writes the caller's own buffer and putv each part in turn: no join, no copy."""
+    seen: list[list[object]] = []
+    real = _atomic.write_all
+
+    def spy(fd: int, parts: list[memoryview]) -> int:
+        seen.append([part.obj for part in parts])
+        return real(fd, parts)
+
+    monkeypatch.setattr(_atomic, "write_all", spy)
+    data = bytearray(blob(3 * MiB, 1))
+    parts = [bytes(blob(MiB, 2)), bytearray(blob(10, 3)), bytes(blob(2 * MiB, 4))]
+    async with LocalTier(root) as tier:
+        await tier.put("one", data)
+        await tier.putv("many", parts)
+        assert await tier.get("many") == b"".join(parts)
+    assert len(seen) == 2
+    assert seen[0][0] is data
+    assert len(seen[1]) == 3
+    assert all(a is b for a, b in zip(seen[1], parts, strict=True))
+
+
+async def test_file_work_runs_in_worker_threads(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes, reads, reservations, listing and deletes never run on the event-loop thread."""
+    loop_thread = threading.get_ident()
+    threads: dict[str, set[int]] = {}
+
+    def spy(name: str, fn: object) -> object:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            threads.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kwargs)  # type: ignore[operator]
+
+        return wrapper
+
+    for name in ("write_all", "create_temp", "publish", "prune_empty_dirs"):
+        monkeypatch.setattr(_atomic, name, spy(name, getattr(_atomic, name)))
+    monkeypatch.setattr(local, "_read_exactly", spy("read", local._read_exactly))
+    monkeypatch.setattr(local, "_walk_keys", spy("walk", local._walk_keys))
+    monkeypatch.setattr(local.mmap, "mmap", spy("mmap", local.mmap.mmap))
+    async with LocalTier(root) as tier:
+        await tier.put("a/b", blob(MiB, 1))
+        await tier.get("a/b")
+        reservation = await tier.reserve("a/c", 100)
+        reservation.buffer[:] = b"z" * 100
+        await reservation.commit()
+        reservation.release()
+        assert [k async for k in tier.list("a/")]
+        await tier.delete("a/b")
+        await tier.delete("a/c")
+    expected = {"write_all", "create_temp", "publish", "prune_empty_dirs", "read", "walk", "mmap"}
+    assert set(threads) == expected
+    for name, idents in threads.items():
+        assert loop_thread not in idents, name
+
+
+@pytest.mark.slow
+async def test_large_transfers_do_not_stall_the_event_loop(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With asyncio debug on, 256 MiB puts and gets cause no slow-callback warning."""
+    data = bytes(256 * MiB)
+    tail = data[:MiB]
+    loop = asyncio.get_running_loop()
+    loop.set_debug(True)
+    loop.slow_callback_duration = 0.1
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncio"):
+            async with LocalTier(root) as tier:
+                await tier.put("big", data)
+                got = await tier.get("big")
+                await tier.putv("big2", [data, tail])
+                await tier.delete("big")
+    finally:
+        loop.set_debug(False)
+    assert len(got) == len(data)
+    slow = [r.getMessage() for r in caplog.records if "Executing" in r.getMessage()]
+    assert slow == []
+
+
+async def test_fsync_option_syncs_data_and_renames(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsync=True (for a root on disk) syncs each file and its folder, on put and on commit."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    async with LocalTier(root) as tier:
+        await tier.put("quick", b"x")
+    assert synced == []
+    async with LocalTier(root, fsync=True) as tier:
+        await tier.put("a/b", b"x")
+        assert len(synced) == 2
+        reservation = await tier.reserve("a/c", 3)
+        reservation.buffer[:] = b"abc"
+        await reservation.commit()
+        reservation.release()
+        assert len(synced) == 4
+        assert await tier.get("a/c") == b"abc"
+
+
+# --- capacity ------------------------------------------------------------------------------------
+
+
+async def test_put_over_capacity_raises_before_writing(root: Path) -> None:
+    """A put that would exceed the capacity raises TierFull and writes nothing at all."""
+    async with LocalTier(root, capacity=1000) as tier:
+        await tier.put("a", b"1" * 600)
+        assert tier.usage == 600
+        before = files_under(root)
+        with pytest.raises(TierFull) as info:
+            await tier.put("b", b"2" * 401)
+        assert isinstance(info.value, OSError)
+        assert files_under(root) == before
+        assert not await tier.exists("b")
+        assert await tier.get("a") == b"1" * 600
+        assert tier.usage == 600
+        await tier.put("b", b"2" * 400)
+        assert tier.usage == 1000
+
+
+async def test_overwrite_counts_the_new_size_in_place_of_the_old(root: Path) -> None:
+    """Overwriting a key needs room for the new size only; an oversized overwrite keeps the old."""
+    async with LocalTier(root, capacity=1000) as tier:
+        await tier.put("a", b"1" * 600)
+        await tier.put("a", b"2" * 900)
+        assert tier.usage == 900
+        with pytest.raises(TierFull):
+            await tier.put("a", b"3" * 1001)
+        assert await tier.get("a") == b"2" * 900
+        await tier.put("a", b"4" * 10)
+        assert tier.usage == 10
+
+
+async def test_usage_falls_after_delete(root: Path) -> None:
+    """Deleting frees capacity: usage falls, and a put that did not fit now does."""
+    async with LocalTier(root, capacity=1000) as tier:
+        await tier.put("a", b"1" * 700)
+        with pytest.raises(TierFull):
+            await tier.put("b", b"2" * 700)
+        await tier.delete("a")
+        assert tier.usage == 0
+        await tier.put("b", b"2" * 700)
+        assert tier.usage == 700
+
+
+async def test_reservations_count_against_capacity(root: Path) -> None:
+    """An open reservation holds capacity; abort gives it back, commit turns it into a blob."""
+    async with LocalTier(root, capacity=1000) as tier:
+        first = await tier.reserve("r1", 800)
+        assert tier.usage == 800
+        with pytest.raises(TierFull):
+            await tier.reserve("r2", 300)
+        with pytest.raises(TierFull):
+            await tier.put("p", b"x" * 300)
+        await first.abort()
+        first.release()
+        assert tier.usage == 0
+        second = await tier.reserve("r2", 300)
+        second.buffer[:] = b"y" * 300
+        await second.commit()
+        second.release()
+        assert tier.usage == 300
+        assert not await tier.exists("r1")
+
+
+async def test_spares_are_dropped_when_room_is_needed(root: Path) -> None:
+    """Spares never cause TierFull: they are given up (and counted) to make room."""
+    async with LocalTier(root, capacity=1000, spare_files=4) as tier:
+        await tier.put("a", b"1" * 400)
+        await tier.put("b", b"2" * 500)
+        await tier.delete("a")
+        await tier.delete("b")
+        assert tier.usage == 0
+        assert tier.spare_bytes == 900
+        await tier.put("c", b"3" * 950)
+        assert tier.usage + tier.spare_bytes <= 1000
+        assert await tier.get("c") == b"3" * 950
+        assert sum(p.stat().st_size for p in files_under(root)) <= 1000
+
+
+async def test_usage_starts_from_what_the_root_holds(root: Path) -> None:
+    """A new instance counts the blobs already in its root; refresh_usage rescans."""
+    async with LocalTier(root) as first:
+        await first.put("a", b"1" * 100)
+        await first.put("b/c", b"2" * 50)
+        async with LocalTier(root, capacity=200) as second:
+            assert await second.exists("a")
+            assert second.usage == 150
+            with pytest.raises(TierFull):
+                await second.put("d", b"3" * 51)
+            await first.put("e", b"4" * 25)
+            assert second.usage == 150
+            assert await second.refresh_usage() == 175
+
+
+async def test_filesystem_full_is_tier_full(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC from the filesystem raises TierFull; no temporary file is left behind."""
+
+    def full(fd: int, parts: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async with LocalTier(root) as tier:
+        await tier.put("k", b"old")
+        monkeypatch.setattr(_atomic, "write_all", full)
+        with pytest.raises(TierFull):
+            await tier.put("k", b"new")
+        assert await tier.get("k") == b"old"
+        assert temp_files_under(root) == []
+        assert tier.usage == 3
+
+
+async def test_other_os_errors_are_storage_errors(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error while writing raises StorageError (cause chained), the old blob intact."""
+
+    def broken(fd: int, parts: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async with LocalTier(root) as tier:
+        await tier.put("k", b"old")
+        monkeypatch.setattr(_atomic, "write_all", broken)
+        with pytest.raises(StorageError) as info:
+            await tier.put("k", b"new")
+        assert isinstance(info.value.__cause__, OSError)
+        assert await tier.get("k") == b"old"
+        assert temp_files_under(root) == []
+
+
+# --- reservations and recycling ------------------------------------------------------------------
+
+
+async def test_local_tier_supports_reserve(root: Path) -> None:
+    """LocalTier implements the SupportsReserve protocol."""
+    assert isinstance(LocalTier(root), SupportsReserve)
+
+
+async def test_reservation_state_errors(root: Path) -> None:
+    """Commit twice, abort after commit, commit after abort are errors; abort/release repeat."""
+    async with LocalTier(root) as tier:
+        committed = await tier.reserve("c", 4)
+        committed.buffer[:] = b"abcd"
+        await committed.commit()
+        assert committed.committed
+        with pytest.raises(RuntimeError):
+            await committed.commit()
+        with pytest.raises(RuntimeError):
+            await committed.abort()
+        committed.release()
+        committed.release()
+        with pytest.raises(ValueError):  # noqa: PT011 -- the type is the contract
+            _ = committed.buffer
+
+        aborted = await tier.reserve("a", 4)
+        await aborted.abort()
+        await aborted.abort()
+        with pytest.raises(RuntimeError):
+            await aborted.commit()
+        aborted.release()
+        assert await tier.get("c") == b"abcd"
+        assert not await tier.exists("a")
+
+
+async def test_reserve_rejects_bad_sizes(root: Path) -> None:
+    """nbytes must be a non-negative int."""
+    async with LocalTier(root) as tier:
+        with pytest.raises(ValueError):  # noqa: PT011 -- the type is the contract
+            await tier.reserve("k", -1)
+        with pytest.raises(TypeError):
+            await tier.reserve("k", 1.0)  # type: ignore[arg-type]
+
+
+async def test_aclose_aborts_open_reservations_and_frees_spares(root: Path) -> None:
+    """Closing removes uncommitted reservations and spares; committed blobs stay."""
+    tier = LocalTier(root)
+    await tier.put("kept", b"kept")
+    await tier.put("spare", b"s" * 100)
+    await tier.delete("spare")
+    assert tier.spare_count == 1
+    pending = await tier.reserve("pending", 10)
+    pending.buffer[:] = b"p" * 10
+    await tier.aclose()
+    with pytest.raises(TierClosed):
+        await pending.commit()
+    pending.release()
+    assert [p.relative_to(root).as_posix() for p in files_under(root)] == ["kept"]
+    async with LocalTier(root) as again:
+        assert await again.get("kept") == b"kept"
+        assert not await again.exists("pending")
+
+
+async def test_deleted_blobs_are_recycled(root: Path) -> None:
+    """A deleted blob's file becomes a spare, and the next put or reserve refills that file."""
+    async with LocalTier(root, spare_files=2) as tier:
+        await tier.put("a", b"1" * 4096)
+        inode = (root / "a").stat().st_ino
+        await tier.delete("a")
+        assert tier.spare_count == 1
+        assert tier.spare_bytes == 4096
+        reservation = await tier.reserve("b", 4096)
+        assert tier.spare_count == 0
+        reservation.buffer[:] = b"2" * 4096
+        await reservation.commit()
+        reservation.release()
+        assert (root / "b").stat().st_ino == inode
+        assert await tier.get("b") == b"2" * 4096
+        for key in ("c", "d", "e"):
+            await tier.put(key, key.encode() * 100)
+        for key in ("c", "d", "e"):
+            await tier.delete(key)
+        assert tier.spare_count == 2
+
+
+async def test_a_held_reservation_is_never_recycled(root: Path) -> None:
+    """Deleting a key whose committed buffer is still held removes the file instead of reusing it.
+
+    The held buffer keeps showing its own bytes while the tier stores new blobs of the same
+    size; once released, files are recycled again.
+    """
+    async with LocalTier(root) as tier:
+        held = await tier.reserve("held", MiB)
+        held.buffer[:] = blob(MiB, 1)
+        await held.commit()
+        await tier.delete("held")
+        assert tier.spare_count == 0
+        for i in range(3):
+            await tier.put(f"other{i}", blob(MiB, 10 + i))
+            await tier.delete(f"other{i}")
+        assert held.buffer == blob(MiB, 1)
+        held.release()
+        assert tier.spare_count == 1
+
+
+async def test_tensor_views_outlive_release(root: Path) -> None:
+    """Tensors made from a buffer stay valid after release, and keep their file from recycling."""
+    async with LocalTier(root) as tier:
+        reservation = await tier.reserve("t", MiB)
+        tensor = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
+        tensor.fill_(7)
+        await reservation.commit()
+        reservation.release()
+        await tier.delete("t")
+        assert tier.spare_count == 0
+        other = await tier.reserve("u", MiB)
+        torch.frombuffer(other.buffer, dtype=torch.uint8).fill_(9)
+        await other.commit()
+        other.release()
+        assert int(tensor.min()) == 7
+        assert int(tensor.max()) == 7
+        del tensor
+        gc.collect()
+        await tier.delete("u")
+        assert tier.spare_count == 1
+
+
+async def test_a_reader_in_another_process_blocks_recycling(root: Path) -> None:
+    """A file someone holds a shared flock on (a get in progress) is removed, not recycled."""
+    async with LocalTier(root) as tier:
+        await tier.put("k", blob(MiB, 1))
+        fd = os.open(root / "k", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            await tier.delete("k")
+            assert tier.spare_count == 0
+            await tier.put("k2", blob(MiB, 2))
+            assert os.pread(fd, MiB, 0) == blob(MiB, 1)
+        finally:
+            os.close(fd)
+
+
+async def test_dead_writers_debris_is_cleaned_on_open(root: Path) -> None:
+    """Temporary files and spares of a dead process on this host are removed on first use.
+
+    Those of live processes, and of other hosts, are left alone; none of them is ever listed.
+    """
+    host = socket.gethostname()
+    dead = dead_pid()
+    (root / "v1").mkdir(parents=True)
+    (root / ".tiercheck#spares").mkdir()
+    dead_temp = root / "v1" / f".tiercheck#tmp#{host}#{dead}#aaaa"
+    dead_spare = root / ".tiercheck#spares" / f".tiercheck#tmp#{host}#{dead}#bbbb"
+    live_temp = root / "v1" / f".tiercheck#tmp#{host}#{os.getpid()}#cccc"
+    foreign = root / "v1" / f".tiercheck#tmp#another-host#{dead}#dddd"
+    for path in (dead_temp, dead_spare, live_temp, foreign):
+        path.write_bytes(b"debris")
+    (root / "v1" / "blob").write_bytes(b"real")
+    async with LocalTier(root) as tier:
+        assert [k async for k in tier.list()] == ["v1/blob"]
+        assert tier.usage == 4
+    assert not dead_temp.exists()
+    assert not dead_spare.exists()
+    assert live_temp.exists()
+    assert foreign.exists()
+
+
+# --- a model-based check of accounting and recycling --------------------------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "reserve", "abort", "delete", "hold"]),
+        st.sampled_from(["k0", "k1", "d/k2", "d/k3"]),
+        st.integers(min_value=0, max_value=3000),
+    ),
+    max_size=25,
+)
+
+
+@given(ops=OPS)
+def test_random_operations_match_a_dict(ops: list[tuple[str, str, int]]) -> None:
+    """Any sequence of puts, reserves, aborts and deletes leaves the tier equal to a dict.
+
+    After every step: every key reads back its model value, the listing equals the model's keys,
+    usage equals the model's total size, and spares stay within their limit. Some committed
+    buffers are held (not released) to the end and must keep their bytes throughout.
+    """
+    asyncio.run(_run_model(ops))
+
+
+async def _run_model(ops: list[tuple[str, str, int]]) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        model: dict[str, bytes] = {}
+        held: list[tuple[object, bytes]] = []
+        async with LocalTier(Path(folder) / "root", spare_files=2) as tier:
+            for step, (op, key, size) in enumerate(ops):
+                data = blob(size, step)
+                if op == "put":
+                    await tier.put(key, data)
+                    model[key] = data
+                elif op in ("reserve", "hold", "abort"):
+                    reservation = await tier.reserve(key, size)
+                    reservation.buffer[:] = data
+                    if op == "abort":
+                        await reservation.abort()
+                        reservation.release()
+                    else:
+                        await reservation.commit()
+                        model[key] = data
+                        if op == "hold":
+                            held.append((reservation, data))
+                        else:
+                            reservation.release()
+                else:
+                    await tier.delete(key)
+                    model.pop(key, None)
+                for k, v in model.items():
+                    assert await tier.get(k) == v, (step, k)
+                assert sorted([k async for k in tier.list()]) == sorted(model)
+                assert tier.usage == sum(len(v) for v in model.values())
+                assert tier.spare_count <= 2
+                for reservation, data in held:
+                    assert reservation.buffer == data  # type: ignore[attr-defined]
+            for reservation, _ in held:
+                reservation.release()  # type: ignore[attr-defined]

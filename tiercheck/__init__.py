@@ -1,0 +1,45 @@
+"""tiercheck: tiered checkpointing for large-model training.
+
+Each save lands first in fast, fragile places (this node's shared memory, a peer node's memory)
+and some travel on to durable storage (any fsspec URL). After a failure,
+:meth:`Checkpointer.restore` brings back the newest version that every rank can rebuild, from
+the fastest tier that survived.
+
+The public names are few; everything else may move between releases.
+"""
+
+from __future__ import annotations
+
+from tiercheck.tiers import LocalTier, PersistentTier
+from tiercheck.tiers.base import FailureScope, Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BaseMismatch",
+    "BlobNotFound",
+    "ChecksumMismatch",
+    "ConfigError",
+    "FailureScope",
+    "FormatError",
+    "InvalidKey",
+    "LocalTier",
+    "ManifestError",
+    "PeerUnavailable",
+    "PersistentTier",
+    "PluginImportError",
+    "RestoreError",
+    "SaveSkipped",
+    "StorageError",
+    "Tier",
+    "TierClosed",
+    "TierFull",
+    "TierNotTargeted",
+    "TierWriteFailed",
+    "TiercheckError",
+    "UnknownTier",
+    "UnsupportedFormat",
+    "UnsupportedObject",
+    "VersionError",
+    "__version__",
+]

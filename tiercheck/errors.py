@@ -1,0 +1,126 @@
+"""Every error tiercheck raises.
+
+One root, :class:`TiercheckError`; each subclass also inherits the builtin exception a caller
+would naturally catch (a missing blob is a :class:`FileNotFoundError`, a bad key a
+:class:`ValueError`), so ``except FileNotFoundError`` keeps working for code that does not know
+tiercheck. Messages say what was expected, what was found, and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BaseMismatch",
+    "BlobNotFound",
+    "ChecksumMismatch",
+    "ConfigError",
+    "FormatError",
+    "InvalidKey",
+    "ManifestError",
+    "PeerUnavailable",
+    "PluginImportError",
+    "RestoreError",
+    "SaveSkipped",
+    "StorageError",
+    "TierClosed",
+    "TierFull",
+    "TierNotTargeted",
+    "TierWriteFailed",
+    "TiercheckError",
+    "UnknownTier",
+    "UnsupportedFormat",
+    "UnsupportedObject",
+    "VersionError",
+]
+
+
+class TiercheckError(Exception):
+    """Root of every error raised by tiercheck."""
+
+
+# --- tiers -----------------------------------------------------------------------------------
+
+
+class BlobNotFound(TiercheckError, FileNotFoundError):
+    """A blob that was asked for is not in the tier (or is there but unreadable as a whole)."""
+
+
+class InvalidKey(TiercheckError, ValueError):
+    """A key breaks the key grammar of :mod:`tiercheck.tiers.base` (empty, ``..``, absolute...)."""
+
+
+class TierClosed(TiercheckError, RuntimeError):
+    """A tier was used after :meth:`~tiercheck.tiers.Tier.aclose`."""
+
+
+class TierFull(TiercheckError, OSError):
+    """A put would exceed the tier's configured capacity; nothing was written."""
+
+
+class StorageError(TiercheckError, OSError):
+    """A storage operation failed for good (after any retries); names the location and key."""
+
+
+class UnknownTier(TiercheckError, LookupError):
+    """No tier is registered under the requested name."""
+
+
+class PluginImportError(TiercheckError, ImportError):
+    """A registered tier or codec plugin could not be imported."""
+
+
+# --- codec -----------------------------------------------------------------------------------
+
+
+class ChecksumMismatch(TiercheckError, ValueError):
+    """The bytes read back do not match the checksum written with them."""
+
+
+class FormatError(TiercheckError, ValueError):
+    """Bytes that should be a tiercheck blob are not one (bad magic, truncated, bad header)."""
+
+
+class UnsupportedFormat(FormatError):
+    """A blob was written by a format or codec stage version this build cannot read."""
+
+
+class BaseMismatch(TiercheckError, ValueError):
+    """A delta was decoded against a base other than the one it was encoded against."""
+
+
+class UnsupportedObject(TiercheckError, TypeError):
+    """A state holds an object the no-pickle flattening cannot represent."""
+
+
+# --- checkpointer ----------------------------------------------------------------------------
+
+
+class ConfigError(TiercheckError, ValueError):
+    """An option given to a tiercheck object is invalid."""
+
+
+class VersionError(TiercheckError, ValueError):
+    """A save was asked for a version that is not newer than the previous one."""
+
+
+class TierNotTargeted(TiercheckError, LookupError):
+    """A save handle was asked about a tier that this version does not go to."""
+
+
+class TierWriteFailed(TiercheckError, RuntimeError):
+    """A version could not be committed in a tier (the cause is chained)."""
+
+
+class SaveSkipped(TiercheckError, RuntimeError):
+    """A save was skipped by the ``"skip"`` back-pressure policy; nothing was written."""
+
+
+class ManifestError(TiercheckError, OSError):
+    """The node's manifest cannot be opened, or its contents are corrupt."""
+
+
+class RestoreError(TiercheckError, RuntimeError):
+    """A restore could not complete (for example ranks could not agree on a version)."""
+
+
+class PeerUnavailable(TiercheckError, ConnectionError):
+    """A peer rank did not answer within the configured timeout."""

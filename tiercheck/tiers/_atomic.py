@@ -1,0 +1,357 @@
+"""Atomic publication of files: the one place tiercheck writes a file under its final name.
+
+Every filesystem-backed tier (the local tier always, the persistent tier on local filesystems)
+publishes a blob the same way:
+
+1. :func:`create_temp` opens a new file under a unique, hidden *temporary name* in the target's
+   own directory (so the final rename never crosses filesystems), creating the directory first
+   if needed. :func:`adopt_temp` does the same with an existing file (a recycled one).
+2. The caller writes the blob into it (:func:`write_all` writes a sequence of buffers without
+   joining them) and optionally ``fsync``\\ s it.
+3. :func:`publish` renames it over the final name with :func:`os.replace`, which is atomic on
+   POSIX: a reader opens either the old file or the new one, never half of one.
+4. On any failure before that, :func:`discard` removes the temporary file, so a failed write leaves
+   the previous blob in place and no debris behind. (A process killed mid-write leaves its
+   temporary file behind; its name carries the host and the process id so that a later process
+   can tell that the writer is gone, see :func:`parse_temp_name`.)
+
+:func:`atomic_write` strings these together for callers that need nothing more.
+
+Names
+-----
+Every name tiercheck itself creates inside a tier's folder contains ``#``, a character that
+:func:`~tiercheck.tiers.base.validate_key` forbids in keys. So no key can ever name a temporary
+or internal file, and listings tell them apart from blobs by the name alone
+(:func:`is_internal_name`). They also start with ``.`` so that ordinary directory listings hide
+them from people.
+
+Directories
+-----------
+Deleting a blob may leave its directory empty; :func:`prune_empty_dirs` removes such directories
+so that a long run does not accumulate thousands of them. That races with a writer that has just
+created the directory and is about to create its temporary file there; :func:`create_temp`
+therefore recreates a directory that vanished under it and tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import socket
+import stat
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "INTERNAL_MARK",
+    "adopt_temp",
+    "as_byte_view",
+    "atomic_write",
+    "create_temp",
+    "discard",
+    "fsync_dir",
+    "fsync_dir_of",
+    "is_internal_name",
+    "make_dirs",
+    "owned_by_dead_process",
+    "parse_temp_name",
+    "pid_alive",
+    "prune_empty_dirs",
+    "publish",
+    "split_prefix",
+    "temp_name",
+    "write_all",
+]
+
+#: The character that marks a name as tiercheck's own (never valid in a key).
+INTERNAL_MARK = "#"
+
+_TEMP_PREFIX = ".tiercheck#tmp#"
+
+# A directory removed by a concurrent prune between our mkdir and our open is recreated; more
+# than a handful of such losses in a row means something else is deleting the folder.
+_CREATE_ATTEMPTS = 8
+
+# Hostnames are made of letters, digits, '-' and '.', so they never contain the separator.
+_HOST = socket.gethostname().replace(INTERNAL_MARK, "_") or "localhost"
+
+
+def as_byte_view(data: object) -> memoryview:
+    """Return a flat, one-byte-per-item (``B``) view of a bytes-like ``data``, without copying.
+
+    Raises :class:`TypeError` for objects that do not expose a contiguous buffer, before any I/O,
+    so that a failing put never touches storage.
+    """
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"a blob must be a bytes-like object (bytes, bytearray, memoryview), "
+            f"got {type(data).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        view.release()
+        raise TypeError("a blob must be a C-contiguous buffer; copy it first (bytes(view))")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    # A view with items wider than one byte (an array of floats, a tensor's numpy view) is
+    # stored as its raw bytes; len() of such a view counts items, nbytes counts bytes.
+    flat = view.cast("B")
+    view.release()
+    return flat
+
+
+def temp_name() -> str:
+    """A fresh temporary file name: hidden, unique, and naming this host and process."""
+    return f"{_TEMP_PREFIX}{_HOST}#{os.getpid()}#{secrets.token_hex(8)}"
+
+
+def parse_temp_name(name: str) -> tuple[str, int] | None:
+    """``(host, pid)`` of the process that made the temporary file ``name``, or ``None``.
+
+    ``None`` means the name is not one of :func:`temp_name`'s.
+    """
+    if not name.startswith(_TEMP_PREFIX):
+        return None
+    host, sep, rest = name[len(_TEMP_PREFIX) :].partition(INTERNAL_MARK)
+    pid_text, sep2, _token = rest.partition(INTERNAL_MARK)
+    if not (sep and sep2 and pid_text.isdigit()):
+        return None
+    return host, int(pid_text)
+
+
+def owned_by_dead_process(name: str) -> bool:
+    """Whether ``name`` was made by a process of this host that no longer runs.
+
+    Only names that carry a host and a pid (temporary files, spares) can be judged; anything else
+    is reported as alive, so callers never delete what they cannot attribute.
+    """
+    parsed = parse_temp_name(name)
+    if parsed is None:
+        return False
+    host, pid = parsed
+    return host == _HOST and not pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (in this pid namespace)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # It exists but belongs to another user.
+        return True
+    return True
+
+
+def is_internal_name(name: str) -> bool:
+    """Whether a file or folder name is tiercheck's own (temporary, spare...), never a key."""
+    return INTERNAL_MARK in name
+
+
+def split_prefix(prefix: str) -> tuple[str, str]:
+    """Split a listing prefix into its complete segments and the partial last one.
+
+    ``"v1/rank"`` gives ``("v1", "rank")``; ``"v1/"`` gives ``("v1", "")``; ``"v"`` gives
+    ``("", "v")``. The complete part names the folder a listing can start from.
+    """
+    head, _sep, tail = prefix.rpartition("/")
+    return head, tail
+
+
+def make_dirs(path: str, mode: int | None = None) -> None:
+    """Create folder ``path`` and its missing parents.
+
+    With ``mode``, every folder *created here* gets exactly that mode, whatever the umask (unlike
+    :func:`os.makedirs`, which applies the mode to the leaf only and then through the umask).
+    Folders that already exist are left alone.
+    """
+    missing: list[str] = []
+    current = path
+    while True:
+        try:
+            st = os.stat(current)
+        except FileNotFoundError:
+            missing.append(current)
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            current = parent
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", current)
+        break
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o777 if mode is None else mode)
+        except FileExistsError:
+            # Created concurrently by another writer; fine as long as it is a folder.
+            if not os.path.isdir(folder):
+                raise
+            continue
+        if mode is not None:
+            # mkdir's mode went through the umask; the caller asked for exactly this one.
+            os.chmod(folder, mode)
+
+
+def create_temp(
+    directory: str, *, file_mode: int | None = None, dir_mode: int | None = None
+) -> tuple[int, str]:
+    """Create a new, empty temporary file in ``directory``; return ``(fd, path)``.
+
+    The folder (and its parents) is created if missing, with ``dir_mode``. The file is opened
+    read-write; with ``file_mode`` it gets exactly that mode whatever the umask, otherwise the
+    usual ``0o666 & ~umask``.
+    """
+    last_error: FileNotFoundError | None = None
+    for _ in range(_CREATE_ATTEMPTS):
+        path = os.path.join(directory, temp_name())
+        try:
+            fd = os.open(
+                path,
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o600 if file_mode is not None else 0o666,
+            )
+        except FileNotFoundError as exc:
+            last_error = exc
+            make_dirs(directory, dir_mode)
+            continue
+        if file_mode is not None:
+            try:
+                os.fchmod(fd, file_mode)
+            except BaseException:
+                os.close(fd)
+                discard(path)
+                raise
+        return fd, path
+    assert last_error is not None
+    raise last_error
+
+
+def adopt_temp(source: str, directory: str, *, dir_mode: int | None = None) -> tuple[int, str]:
+    """Move an existing file ``source`` into ``directory`` under a temporary name; open it.
+
+    Returns ``(fd, path)`` like :func:`create_temp`. Used to recycle a file: its pages are
+    already allocated. Raises :class:`FileNotFoundError` if ``source`` is gone.
+    """
+    last_error: FileNotFoundError | None = None
+    for _ in range(_CREATE_ATTEMPTS):
+        path = os.path.join(directory, temp_name())
+        try:
+            os.rename(source, path)
+        except FileNotFoundError as exc:
+            if not os.path.lexists(source):
+                raise
+            last_error = exc
+            make_dirs(directory, dir_mode)
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except BaseException:
+            discard(path)
+            raise
+        return fd, path
+    assert last_error is not None
+    raise last_error
+
+
+def write_all(fd: int, parts: Iterable[memoryview]) -> int:
+    """Write every part, in order, from the file's current offset; return the bytes written.
+
+    Each part is written straight from the caller's memory: no joining, no intermediate copy.
+    Short writes (the kernel writes at most about 2 GiB per call) are continued.
+    """
+    total = 0
+    for part in parts:
+        view = part
+        while view.nbytes:
+            written = os.write(fd, view)
+            if written <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            total += written
+            view = view[written:]
+    return total
+
+
+def publish(temp_path: str, target: str, *, fsync_dir: bool = False) -> None:
+    """Atomically rename ``temp_path`` over ``target`` (replacing it if present).
+
+    With ``fsync_dir``, the folder is synced afterwards so that the rename itself is durable.
+    """
+    os.replace(temp_path, target)
+    if fsync_dir:
+        fsync_dir_of(target)
+
+
+def fsync_dir_of(path: str) -> None:
+    """``fsync`` the folder that holds ``path`` (makes a rename or creation durable)."""
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(directory: str) -> None:
+    """``fsync`` a folder."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def discard(path: str) -> None:
+    """Remove a temporary file; a file that is already gone is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def prune_empty_dirs(directory: str, stop: str) -> None:
+    """Remove ``directory`` and then its parents while they are empty, never ``stop`` itself.
+
+    ``directory`` must be ``stop`` or lie below it. Stops quietly at the first folder that is not
+    empty or is already gone (both are the expected outcome of concurrent writers); any other
+    failure is raised.
+    """
+    stop = os.path.normpath(stop)
+    current = os.path.normpath(directory)
+    while current != stop and current.startswith(stop + os.sep):
+        try:
+            os.rmdir(current)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return
+            raise
+        current = os.path.dirname(current)
+
+
+def atomic_write(
+    target: str,
+    parts: Sequence[memoryview],
+    *,
+    fsync: bool = False,
+    file_mode: int | None = None,
+    dir_mode: int | None = None,
+) -> int:
+    """Write the concatenation of ``parts`` to ``target`` atomically; return the size.
+
+    Readers of ``target`` see the previous file or the whole new one. If anything fails, the
+    temporary file is removed and the previous file is untouched. With ``fsync``, the data and
+    the rename are made durable before returning.
+    """
+    fd, temp_path = create_temp(os.path.dirname(target), file_mode=file_mode, dir_mode=dir_mode)
+    try:
+        try:
+            size = write_all(fd, parts)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        publish(temp_path, target, fsync_dir=fsync)
+    except BaseException:
+        discard(temp_path)
+        raise
+    return size

@@ -1,0 +1,223 @@
+"""The one async interface every tier implements, and the optional abilities a tier may add.
+
+A tier moves bytes under string keys. It never sees tensors or versions: the codec turns state
+into blobs, the checkpointer decides which blob goes where, the manifest remembers what landed.
+
+Lifecycle (who calls what, in order)
+-----------------------------------
+1. The checkpointer (or a test, or a plugin author's own code) constructs the tier; construction
+   does no I/O that can block for long.
+2. ``async with tier:`` (or plain use followed by :meth:`Tier.aclose`). Every method is a
+   coroutine and may be called concurrently from one event loop; a tier never blocks the loop
+   with file, network or hashing work (it uses threads or an async API).
+3. ``put`` / ``get`` / ``exists`` / ``list`` / ``delete`` in any order, for any valid key.
+4. ``aclose()`` releases resources. It is idempotent; any other call afterwards raises
+   :class:`~tiercheck.errors.TierClosed`. What was stored stays stored: closing is not deleting.
+
+The contract every implementation keeps
+---------------------------------------
+* **Atomic put.** A reader running concurrently with, or after, ``put(key, data)`` sees the whole
+  previous blob, the whole new blob, or nothing -- never a mix, never a prefix. A put that fails
+  leaves the previous blob (if any) in place.
+* **Missing keys** make ``get`` raise :class:`~tiercheck.errors.BlobNotFound`
+  (a :class:`FileNotFoundError`).
+* **Delete is idempotent**: deleting a missing key is not an error.
+* **List is by string prefix**: ``list("v0001/")`` yields every stored key that starts with that
+  prefix, in no particular order, and never yields temporary or hidden files of the tier itself.
+* **Keys** follow :func:`validate_key`; an invalid key raises
+  :class:`~tiercheck.errors.InvalidKey` before any I/O.
+
+Note for implementers: only ``put``, ``get``, ``delete``, ``exists`` and ``list`` are abstract.
+``putv`` and ``get_size`` have defaults built on them; override them where the backend can do
+better (``putv`` by default joins its parts, which costs one copy of the blob).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import types
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol, runtime_checkable
+
+from tiercheck.errors import InvalidKey, TierClosed
+
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "Buffer",
+    "FailureScope",
+    "Reservation",
+    "SupportsReserve",
+    "Tier",
+    "validate_key",
+]
+
+#: What tiers accept and return: any contiguous bytes-like object.
+Buffer = bytes | bytearray | memoryview
+
+MAX_KEY_LENGTH = 1024
+
+# Characters a key segment may not contain: path and URL separators and the characters that
+# fsspec, S3 or common filesystems give a meaning of their own (``::`` chains URLs, ``?`` and
+# ``#`` start query strings and fragments, ``*[]`` are globs).
+_FORBIDDEN = re.compile(r"[\\:*?\"<>|#\[\]{}\x00-\x1f\x7f]")
+
+
+class FailureScope(enum.IntEnum):
+    """The widest failure a tier's contents outlive. Ordered: ``PROCESS < NODE < CLUSTER``."""
+
+    #: Survives the crash of the process that wrote it (host shared memory).
+    PROCESS = 1
+    #: Survives the loss of the node that wrote it (a copy on another node).
+    NODE = 2
+    #: Survives the loss of every node (durable storage).
+    CLUSTER = 3
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is a valid tier key, else raise :class:`InvalidKey`.
+
+    A key is one or more ``/``-separated segments. Each segment is non-empty, is not ``.`` or
+    ``..``, does not start or end with whitespace, and holds none of ``\\ : * ? " < > | # [ ] { }``
+    nor control characters. Any other Unicode character is allowed (spaces inside a segment,
+    ``=``, ``+``, ``@``, ``%``, ``~``, accented letters...). Keys are relative: no leading ``/``.
+    At most :data:`MAX_KEY_LENGTH` characters.
+    """
+    if not isinstance(key, str):
+        raise InvalidKey(f"a tier key must be a str, got {type(key).__name__}: {key!r}")
+    if not key:
+        raise InvalidKey("a tier key must not be empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"a tier key may be at most {MAX_KEY_LENGTH} characters, got {len(key)}")
+    if key.startswith("/"):
+        raise InvalidKey(f"a tier key must be relative (no leading '/'): {key!r}")
+    for segment in key.split("/"):
+        if not segment:
+            raise InvalidKey(
+                f"a tier key must not contain empty segments ('//' or a trailing '/'): {key!r}"
+            )
+        if segment in (".", ".."):
+            raise InvalidKey(f"a tier key must not contain '.' or '..' segments: {key!r}")
+        if segment != segment.strip():
+            raise InvalidKey(f"a key segment must not start or end with whitespace: {key!r}")
+        bad = _FORBIDDEN.search(segment)
+        if bad:
+            raise InvalidKey(
+                f"a tier key must not contain {bad.group()!r}: {key!r}; "
+                "use letters, digits and characters such as - _ . = + @ % ~ and spaces"
+            )
+    return key
+
+
+class Tier(ABC):
+    """A place blobs live. See the module docstring for the contract and the call order.
+
+    Subclasses set :attr:`name` and :attr:`survives` and implement the five abstract methods.
+    They should call :meth:`_check_open` at the start of each operation.
+    """
+
+    #: The tier's name, as used in configuration and in ``handle.done(name)``.
+    name: str = "tier"
+    #: The widest failure this tier's contents outlive.
+    survives: FailureScope = FailureScope.PROCESS
+
+    _closed: bool = False
+
+    @abstractmethod
+    async def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` under ``key`` atomically, replacing any previous blob."""
+
+    @abstractmethod
+    async def get(self, key: str) -> Buffer:
+        """Return the whole blob stored under ``key``; raise ``BlobNotFound`` if there is none."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove the blob under ``key`` if present. Idempotent."""
+
+    @abstractmethod
+    async def exists(self, key: str) -> bool:
+        """Whether a whole blob is stored under ``key``."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> AsyncIterator[str]:
+        """Yield every stored key that starts with ``prefix`` (string prefix, any order)."""
+
+    async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` under ``key``, atomically, like :meth:`put`.
+
+        The default joins the parts (one copy); tiers that can write a sequence of buffers
+        directly override it.
+        """
+        if len(parts) == 1:
+            await self.put(key, parts[0])
+        else:
+            await self.put(key, b"".join(parts))
+
+    async def get_size(self, key: str) -> int:
+        """Size in bytes of the blob under ``key``. The default reads the blob; override it."""
+        return len(memoryview(await self.get(key)))
+
+    async def aclose(self) -> None:
+        """Release resources. Idempotent; stored blobs stay stored."""
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has been called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosed(
+                f"the {self.name!r} tier {self!r} is closed; create a new one to use it"
+            )
+
+    async def __aenter__(self) -> Tier:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+@runtime_checkable
+class Reservation(Protocol):
+    """A writable buffer that becomes the blob under :attr:`key` when committed.
+
+    Returned by :meth:`SupportsReserve.reserve`. The caller fills :attr:`buffer` (for example by
+    copying tensors straight into it), then calls :meth:`commit`, which publishes the blob
+    atomically, or :meth:`abort`, which discards it. Until commit, readers of ``key`` see the
+    previous blob or nothing. After commit the buffer must not be written again; it stays
+    readable until :meth:`release`, which the caller calls once it no longer reads it (the tier
+    may then recycle the memory once the key is deleted).
+    """
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+    async def commit(self) -> None: ...
+
+    async def abort(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsReserve(Protocol):
+    """A tier that can hand out its own memory to be written in place (zero-copy staging).
+
+    The local tier does: a snapshot copied straight into the reservation's buffer is, once
+    committed, the stored blob, so saving to the local tier costs one memory copy.
+    """
+
+    async def reserve(self, key: str, nbytes: int) -> Reservation: ...

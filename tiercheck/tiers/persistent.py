@@ -1,0 +1,403 @@
+"""The persistent tier: durable storage at any fsspec URL (a folder, ``s3://``, ``memory://``...).
+
+See :class:`PersistentTier` and :class:`RetryPolicy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import math
+import os
+import random
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import fsspec
+from fsspec.core import split_protocol, url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from tiercheck.errors import BlobNotFound, ConfigError, InvalidKey, StorageError, TiercheckError
+from tiercheck.tiers import _atomic
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, validate_key
+
+__all__ = ["DEFAULT_RETRY", "PersistentTier", "RetryPolicy"]
+
+_T = TypeVar("_T")
+
+# What to install for a protocol whose fsspec backend is missing (fsspec's own hint otherwise).
+_EXTRAS: Final = {"s3": "tiercheck[s3]", "s3a": "tiercheck[s3]"}
+
+# OS errors that no amount of waiting fixes: retrying them only delays the report.
+_PERMANENT_ERRNOS: Final = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.ENAMETOOLONG,
+        errno.EINVAL,
+        errno.EFBIG,
+        errno.ELOOP,
+        errno.EEXIST,
+        errno.EISDIR,
+        errno.ENOTDIR,
+        errno.ENOENT,
+        errno.ENOTEMPTY,
+        errno.EBADF,
+    }
+)
+_MISSING: Final = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often, and how patiently, the persistent tier retries a failed storage call.
+
+    An operation is tried at most ``attempts`` times. Before retry number *n* (1 for the first
+    retry) it waits a random time between half and all of
+    ``min(max_delay, initial_delay * multiplier ** (n - 1))`` seconds: exponential backoff,
+    bounded, with jitter so that many ranks failing together do not retry in lockstep.
+
+    Only transient errors are retried (connection and timeout errors, I/O errors without a
+    permanent cause, HTTP client errors of botocore and aiohttp). A missing blob, a permission
+    error, a full or read-only filesystem are reported at once. ``RetryPolicy(attempts=1)``
+    never retries.
+    """
+
+    #: Total tries, the first included (>= 1).
+    attempts: int = 5
+    #: Upper bound of the first wait, in seconds.
+    initial_delay: float = 0.1
+    #: Upper bound of any wait, in seconds.
+    max_delay: float = 5.0
+    #: Growth of the bound from one retry to the next (>= 1).
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool):
+            raise ConfigError(f"RetryPolicy.attempts must be an int, got {self.attempts!r}")
+        if self.attempts < 1:
+            raise ConfigError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if not (math.isfinite(self.initial_delay) and self.initial_delay >= 0):
+            raise ConfigError(
+                f"RetryPolicy.initial_delay must be a finite number >= 0, got {self.initial_delay}"
+            )
+        if not (math.isfinite(self.max_delay) and self.max_delay >= self.initial_delay):
+            raise ConfigError(
+                f"RetryPolicy.max_delay must be finite and >= initial_delay, got {self.max_delay}"
+            )
+        if not (math.isfinite(self.multiplier) and self.multiplier >= 1):
+            raise ConfigError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
+
+    def bound(self, retry: int) -> float:
+        """The longest wait before retry number ``retry`` (1 for the first retry)."""
+        if retry < 1:
+            raise ValueError(f"retry numbers start at 1, got {retry}")
+        try:
+            grown = self.initial_delay * self.multiplier ** (retry - 1)
+        except OverflowError:
+            grown = math.inf
+        return min(self.max_delay, grown)
+
+    def delay(self, retry: int) -> float:
+        """A random wait before retry number ``retry``, in ``[bound / 2, bound]``."""
+        bound = self.bound(retry)
+        return bound / 2 + random.uniform(0, bound / 2)
+
+
+#: The retry policy a :class:`PersistentTier` uses unless given another.
+DEFAULT_RETRY: Final = RetryPolicy()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a storage error is worth retrying (see :class:`RetryPolicy`)."""
+    if isinstance(exc, (PermissionError, FileExistsError, *_MISSING)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno not in _PERMANENT_ERRNOS
+    return isinstance(exc, _network_errors())
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """HTTP client errors of the libraries an object-store backend may use, if loaded.
+
+    Looked up in ``sys.modules`` so that checking an error never imports anything.
+    """
+    found: list[type[BaseException]] = []
+    botocore_exceptions = sys.modules.get("botocore.exceptions")
+    if botocore_exceptions is not None:
+        for name in ("HTTPClientError", "ConnectionError"):
+            cls = getattr(botocore_exceptions, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    aiohttp = sys.modules.get("aiohttp")
+    cls = getattr(aiohttp, "ClientError", None) if aiohttp is not None else None
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        found.append(cls)
+    return tuple(found)
+
+
+class PersistentTier(Tier):
+    """Blobs at an fsspec URL: a local or mounted folder, ``s3://bucket/prefix``, ``memory://``.
+
+    ``PersistentTier(url, *, storage_options=None, retry=DEFAULT_RETRY, fsync=True,
+    name="persistent")``
+
+    ``storage_options`` go to the fsspec filesystem (for S3: ``key``, ``secret``,
+    ``client_kwargs={"endpoint_url": ...}``...). An unknown protocol, or one whose backend is not
+    installed, raises :class:`~tiercheck.errors.ConfigError` here, saying what to install.
+
+    Atomic puts
+        On a local filesystem (``file://`` or a plain path, NFS and Lustre mounts included) a
+        blob is written to a hidden temporary file next to its final name, ``fsync``\\ ed (unless
+        ``fsync=False``) and renamed over it, like the local tier (:mod:`tiercheck.tiers._atomic`);
+        ``putv`` writes its parts in turn without joining them. Anywhere else the blob goes up in
+        one whole-object put (``pipe_file``), which object stores publish atomically (S3 shows a
+        multipart upload only once it completes). Object stores need ``bytes`` or ``bytearray``:
+        other buffers, and ``putv``'s parts, are copied once into one.
+
+    Failures
+        Every fsspec call runs in a worker thread, never on the event loop. Transient failures
+        are retried per ``retry``; what still fails raises :class:`~tiercheck.errors.StorageError`
+        naming the URL, the key and the cause (chained). A missing blob raises
+        :class:`~tiercheck.errors.BlobNotFound` at once, without retrying.
+
+    Listing
+        Recursive (``fs.find``), so nested keys are found on object stores too; temporary files
+        never show. Listing caches of the filesystem are dropped before each look-up, so that
+        blobs written by other processes are seen.
+
+    The fsspec filesystem instance may be shared with other users of the same URL and options
+    (fsspec caches instances); :meth:`aclose` therefore leaves it open.
+    """
+
+    name = "persistent"
+    survives = FailureScope.CLUSTER
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        fsync: bool = True,
+        name: str = "persistent",
+    ) -> None:
+        if not isinstance(retry, RetryPolicy):
+            raise ConfigError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
+        self._url = os.fspath(url)
+        if not isinstance(self._url, str) or not self._url:
+            raise ConfigError(f"the persistent tier needs a non-empty URL or path, got {url!r}")
+        self._fs, root = _open_filesystem(self._url, dict(storage_options or {}))
+        self._local = isinstance(self._fs, LocalFileSystem)
+        self._base = str(root).rstrip("/")
+        self._prefix = f"{self._base}/" if self._base else str(self._fs.root_marker)
+        self._retry = retry
+        self._fsync = fsync
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"PersistentTier({self._url!r})"
+
+    @property
+    def url(self) -> str:
+        """The URL (or path) this tier was opened on."""
+        return self._url
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem the blobs live in."""
+        return self._fs
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy in force."""
+        return self._retry
+
+    def _path(self, key: str) -> str:
+        return f"{self._prefix}{key}"
+
+    # --- the Tier interface -------------------------------------------------------------------
+
+    async def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` under ``key`` atomically (rename on filesystems, one object put else)."""
+        self._check_open()
+        validate_key(key)
+        # Views are left to the garbage collector, not released: if this coroutine is
+        # cancelled, the worker thread may still be reading them.
+        view = _atomic.as_byte_view(data)
+        write = self._put_local if self._local else self._pipe
+        await self._call("put", key, write, key, (view,))
+
+    async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` (written in turn, unjoined, on filesystems)."""
+        self._check_open()
+        validate_key(key)
+        views = [_atomic.as_byte_view(part) for part in parts]
+        write = self._put_local if self._local else self._pipe
+        await self._call("put", key, write, key, views)
+
+    async def get(self, key: str) -> bytes:
+        """Return the blob under ``key``."""
+        self._check_open()
+        validate_key(key)
+        return await self._call("get", key, self._get_sync, key)
+
+    async def get_size(self, key: str) -> int:
+        """Size of the blob under ``key``, from the store's metadata (no read)."""
+        self._check_open()
+        validate_key(key)
+        size = await self._call("get_size", key, self._size_sync, key)
+        if size is None:
+            raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}")
+        return size
+
+    async def exists(self, key: str) -> bool:
+        """Whether a blob is stored under ``key``."""
+        self._check_open()
+        validate_key(key)
+        return await self._call("exists", key, self._size_sync, key) is not None
+
+    async def delete(self, key: str) -> None:
+        """Remove the blob under ``key``; a missing blob is fine."""
+        self._check_open()
+        validate_key(key)
+        await self._call("delete", key, self._delete_sync, key)
+
+    async def list(self, prefix: str = "") -> AsyncIterator[str]:
+        """Yield every stored key that starts with ``prefix`` (recursive listing)."""
+        self._check_open()
+        if not isinstance(prefix, str):
+            raise InvalidKey(f"a prefix must be a str, got {type(prefix).__name__}")
+        head, _partial = _atomic.split_prefix(prefix)
+        if head:
+            validate_key(head)
+        keys = await self._call("list", prefix, self._list_sync, head, prefix)
+        for key in keys:
+            yield key
+
+    # --- retries ------------------------------------------------------------------------------
+
+    async def _call(self, op: str, key: str, fn: Callable[..., _T], *args: object) -> _T:
+        """Run ``fn(*args)`` in a worker thread, retrying transient failures per the policy."""
+        attempt = 1
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except TiercheckError:
+                raise
+            except Exception as exc:
+                if attempt >= self._retry.attempts or not is_transient(exc):
+                    tries = f"after {attempt} attempts" if attempt > 1 else "(not retried)"
+                    raise StorageError(
+                        f"{op} of key {key!r} in the persistent tier at {self._url} failed "
+                        f"{tries}: {type(exc).__name__}: {exc}"
+                    ) from exc
+            await asyncio.sleep(self._retry.delay(attempt))
+            attempt += 1
+
+    # --- blocking operations (run in worker threads) --------------------------------------------
+
+    def _put_local(self, key: str, views: Sequence[memoryview]) -> None:
+        _atomic.atomic_write(self._path(key), views, fsync=self._fsync)
+
+    def _pipe(self, key: str, views: Sequence[memoryview]) -> None:
+        whole = views[0].obj if len(views) == 1 else None
+        body: bytes | bytearray
+        if isinstance(whole, (bytes, bytearray)) and views[0].nbytes == len(whole):
+            body = whole
+        else:
+            # Object stores take bytes or bytearray only. Joining happens here, in the worker:
+            # bytes.join copies large buffers with the GIL released.
+            body = b"".join(views)
+        self._fs.pipe_file(self._path(key), body)
+
+    def _get_sync(self, key: str) -> bytes:
+        path = self._path(key)
+        self._fs.invalidate_cache(path)
+        try:
+            data = self._fs.cat_file(path)
+        except _MISSING:
+            raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}") from None
+        return bytes(data)
+
+    def _size_sync(self, key: str) -> int | None:
+        """Size of the blob, or ``None`` if there is none (a folder is not a blob)."""
+        path = self._path(key)
+        self._fs.invalidate_cache(path)
+        try:
+            info = self._fs.info(path)
+        except _MISSING:
+            return None
+        if info.get("type") != "file":
+            return None
+        return int(info["size"])
+
+    def _delete_sync(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            self._fs.rm_file(path)
+        except _MISSING:
+            # Already gone, or only a folder of other keys: there is no blob to delete.
+            return
+        finally:
+            self._fs.invalidate_cache(path)
+        if self._local:
+            _atomic.prune_empty_dirs(os.path.dirname(path), self._base or "/")
+
+    def _list_sync(self, head: str, prefix: str) -> Sequence[str]:
+        start = self._path(head) if head else (self._base or str(self._fs.root_marker))
+        self._fs.invalidate_cache()
+        found = self._fs.find(start)
+        cut = len(self._prefix)
+        keys = []
+        for path in found:
+            if not path.startswith(self._prefix):
+                continue
+            key = path[cut:]
+            if key.startswith(prefix) and _valid_key(key):
+                keys.append(key)
+        return keys
+
+
+def _valid_key(key: str) -> bool:
+    # Temporary files hold '#', which no key may; stray files with odd names are skipped too.
+    try:
+        validate_key(key)
+    except InvalidKey:
+        return False
+    return True
+
+
+def _open_filesystem(url: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    protocol = split_protocol(url)[0] or "file"
+    try:
+        fs, root = url_to_fs(url, **options)
+    except ImportError as exc:
+        hint = _EXTRAS.get(protocol)
+        what = f"pip install '{hint}'" if hint else str(exc)
+        raise ConfigError(
+            f"the persistent tier cannot open {url!r}: the {protocol}:// backend is not "
+            f"installed ({what})"
+        ) from exc
+    except ValueError as exc:
+        if protocol in fsspec.available_protocols():
+            raise ConfigError(f"the persistent tier cannot open {url!r}: {exc}") from exc
+        known = ", ".join(f"{p}://" for p in fsspec.available_protocols())
+        raise ConfigError(
+            f"the persistent tier cannot open {url!r}: unknown protocol {protocol!r}. "
+            f"Known protocols: {known} (some need an extra: 'tiercheck[s3]' for s3://), "
+            "or give a plain path."
+        ) from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"the persistent tier cannot open {url!r} with storage options "
+            f"{sorted(options)}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return fs, str(root)
