@@ -1,0 +1,94 @@
+"""Golden blobs: committed files decoded on every run, so format drift fails loudly.
+
+The files are made by ``tests/golden/make_golden.py``; this test only reads them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.golden.make_golden import (
+    BASE_VERSION,
+    DELTA_VERSION,
+    FILES,
+    golden_raw_states,
+    golden_states,
+)
+from tiercheck.codec import decode, encode_full, read_meta, verify
+from tiercheck.codec.frames import LOW, ZSTD
+
+from ._helpers import assert_same, join
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+
+
+def read(name: str) -> bytes:
+    return (GOLDEN / name).read_bytes()
+
+
+def test_every_golden_file_is_present_and_small() -> None:
+    for name in FILES:
+        assert (GOLDEN / name).stat().st_size < 64 << 10, name
+
+
+@pytest.mark.parametrize("name", ["base.full.tcb", "base.packed.tcb"])
+def test_golden_base_decodes_bit_exact(name: str) -> None:
+    base_state, _ = golden_states()
+    base_raw, _ = golden_raw_states()
+    data = read(name)
+    meta = verify(data)
+    assert meta.version == BASE_VERSION
+    assert meta.base is None
+    decoded = decode(data)
+    assert torch.equal(decoded.payload, base_raw.payload)
+    assert decoded.raw_digest == base_raw.raw_digest
+    assert_same(decoded.state(), base_state)
+
+
+@pytest.mark.parametrize("name", ["delta.packed.tcb", "delta.raw.tcb"])
+def test_golden_delta_decodes_bit_exact(name: str) -> None:
+    _, delta_state = golden_states()
+    base_raw, delta_raw = golden_raw_states()
+    data = read(name)
+    meta = verify(data)
+    assert meta.version == DELTA_VERSION
+    assert meta.base is not None
+    assert meta.base.version == BASE_VERSION
+    assert meta.base.raw_digest == base_raw.raw_digest
+    base_from_file = decode(read("base.full.tcb"))
+    decoded = decode(data, base=base_from_file)
+    assert torch.equal(decoded.payload, delta_raw.payload)
+    assert_same(decoded.state(), delta_state)
+
+
+def test_golden_stage_lists() -> None:
+    assert read_meta(read("base.full.tcb")).stages == ("tiercheck.flatten/1",)
+    assert read_meta(read("base.packed.tcb")).stages == (
+        "tiercheck.flatten/1",
+        "tiercheck.planes/1",
+        "tiercheck.zstd/1",
+    )
+    assert read_meta(read("delta.packed.tcb")).stages == (
+        "tiercheck.flatten/1",
+        "tiercheck.xor/1",
+        "tiercheck.planes/1",
+        "tiercheck.zstd/1",
+    )
+    assert read_meta(read("delta.raw.tcb")).stages == ("tiercheck.flatten/1", "tiercheck.xor/1")
+
+
+def test_golden_files_exercise_every_plane_mode() -> None:
+    meta = read_meta(read("delta.packed.tcb"))
+    assert meta._packed is not None
+    modes = set((meta._packed.table & np.uint64(3)).tolist())
+    assert {LOW, ZSTD} <= modes
+
+
+def test_full_blob_encoding_has_not_drifted() -> None:
+    # A full blob has no compressor in it, so today's encoder must write the very same bytes.
+    base_raw, _ = golden_raw_states()
+    assert join(encode_full(base_raw, rank=0)[0]) == read("base.full.tcb")

@@ -1,0 +1,83 @@
+"""The codec: one rank's training state <-> blobs, bit-exact. It knows nothing about tiers.
+
+Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
+
+    state --flatten--> Layout + tensors --write_payload--> raw payload (RawState)
+          --encode_full--> full blob (payload as is)
+          --encode_packed--> packed blob: xor vs base -> byte planes -> zstd where it pays
+    blob  --decode(base=...)--> RawState (verified end to end) --state()/load_into--> state
+
+Modules: :mod:`.flatten` (skeleton, layout, payload), :mod:`.delta` (XOR),
+:mod:`.planes` (byte planes), :mod:`.frames` (the packed body), :mod:`.blob` (format, encoders,
+decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dtypes`.
+"""
+
+from __future__ import annotations
+
+from tiercheck.codec.blob import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    MAGIC,
+    BaseRef,
+    BlobMeta,
+    RawState,
+    decode,
+    encode_full,
+    encode_packed,
+    finalize_full_blob,
+    full_blob_size,
+    read_meta,
+    snapshot,
+    verify,
+    write_full_blob,
+)
+from tiercheck.codec.delta import match_base, xor_bits, xor_bytes
+from tiercheck.codec.digest import raw_digest
+from tiercheck.codec.dtypes import supported_dtypes
+from tiercheck.codec.flatten import (
+    ALIGNMENT,
+    Layout,
+    TensorSpec,
+    flatten,
+    load_into,
+    unflatten,
+    write_payload,
+)
+from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
+
+__all__ = [
+    "ALIGNMENT",
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "MAGIC",
+    "BaseRef",
+    "BlobMeta",
+    "CodecOptions",
+    "FlattenStage",
+    "Layout",
+    "PlanesStage",
+    "RawState",
+    "Stage",
+    "TensorSpec",
+    "XorStage",
+    "ZstdStage",
+    "decode",
+    "encode_full",
+    "encode_packed",
+    "finalize_full_blob",
+    "flatten",
+    "full_blob_size",
+    "load_into",
+    "match_base",
+    "raw_digest",
+    "read_meta",
+    "snapshot",
+    "supported_dtypes",
+    "unflatten",
+    "verify",
+    "write_full_blob",
+    "write_payload",
+    "xor_bits",
+    "xor_bytes",
+]

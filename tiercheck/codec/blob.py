@@ -1,0 +1,895 @@
+"""Blobs: one rank's state of one version as bytes -- the format, the encoders, the decoder.
+
+Byte layout (format 1; every integer little-endian)::
+
+    offset size  field
+    0      8     magic  b"\\x89TCKPT\\r\\n"  (high byte, CR LF: catch 7-bit and text-mode damage)
+    8      2     format major version (1) -- a reader refuses any other major
+    10     2     format minor version (0) -- additions a 1.0 reader may ignore
+    12     1     kind: 1 = full (raw payload as is), 2 = packed (xor/planes/zstd pipeline)
+    13     3     reserved, zero
+    16     8     header_nbytes: length of the msgpack header
+    24     8     body_nbytes
+    32     8     raw_digest: tree digest of the raw payload this blob decodes to
+    40     8     body_digest: digest of the body (see below)
+    48     8     header_digest: xxh3_64(bytes 0..32 ++ header region)
+    56     8     checksum: xxh3_64(bytes 0..56) -- the blob's identity
+    64     ...   header region: msgpack header, zero-padded to a multiple of 64
+    ...    ...   body (starts at a multiple of 64): full -> the raw payload; packed -> the frames
+
+The checksum is the root of a small hash tree over everything: bytes 0..32 directly, the header
+region through ``header_digest``, the body through ``body_digest``. A reader recomputes all of
+them, so any changed bit -- in the body, the header, a length field or the checksum field
+itself -- is a :class:`~tiercheck.errors.ChecksumMismatch` (or a
+:class:`~tiercheck.errors.FormatError` where the magic, version or lengths no longer parse).
+
+``body_digest`` is :func:`~.digest.tree_root` over leaves: for a full blob the 8 MiB chunks of
+the body, which *is* the raw payload -- so ``body_digest == raw_digest``, and sealing a full
+blob costs one parallel hash pass over the payload, or none when its digest is known; for a
+packed blob one xxh3_64 per frame (listed in the header), so every frame is hashed by the thread
+that encodes or decodes it, and checked before it is decompressed.
+
+Header (a msgpack map): ``version``, ``rank``, ``stages`` (``[name, params]`` pairs, see
+:mod:`.stages`), ``layout`` (``[skeleton, [[path, dtype name, shape], ...]]``; offsets are
+recomputed, so a layout read back is always canonical). Packed blobs add ``frame_bytes`` (the
+frame plan, :func:`~.frames.plan_frames`, is recomputed from it and the layout), ``table`` (one
+little-endian u64 per stored plane, frame after frame: ``stored_nbytes << 2 | mode``, mode 0 =
+raw, 1 = zstd, 2 = the raw low half of each element, first in its frame; the planes are stored
+back to back in that order), ``digests`` (one little-endian u64 per frame) and, for deltas,
+``delta`` (one little-endian i64 per tensor: the index of its base tensor, or -1 if stored
+whole).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+import torch
+import xxhash
+
+from tiercheck.codec.delta import match_base
+from tiercheck.codec.digest import DIGEST_CHUNK, tree_digest, tree_root
+from tiercheck.codec.digest import raw_digest as _raw_digest
+from tiercheck.codec.dtypes import dtype_from_name, dtype_name
+from tiercheck.codec.flatten import ALIGNMENT, Layout, flatten, unflatten, write_payload
+from tiercheck.codec.frames import (
+    DecodeSettings,
+    EncodeSettings,
+    Frame,
+    FrameOut,
+    OutputArena,
+    ScratchPool,
+    decode_frame,
+    encode_frame,
+    frame_entry_count,
+    plan_frames,
+    run_bounded,
+)
+from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.stages import (
+    FlattenStage,
+    PlanesStage,
+    Stage,
+    XorStage,
+    ZstdStage,
+    parse_stage,
+)
+from tiercheck.errors import BaseMismatch, ChecksumMismatch, FormatError, UnsupportedFormat
+
+__all__ = [
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "MAGIC",
+    "BaseRef",
+    "BlobMeta",
+    "RawState",
+    "decode",
+    "encode_full",
+    "encode_packed",
+    "finalize_full_blob",
+    "full_blob_size",
+    "host_buffer",
+    "read_meta",
+    "snapshot",
+    "verify",
+    "write_full_blob",
+]
+
+MAGIC = b"\x89TCKPT\r\n"
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+PREAMBLE_NBYTES = 64
+_HEAD = struct.Struct("<8sHHB3xQQ")  # bytes 0..32
+_DIGESTS = struct.Struct("<QQQQ")  # bytes 32..64
+_KIND_FULL = 1
+_KIND_PACKED = 2
+_KINDS: dict[int, Literal["full", "packed"]] = {_KIND_FULL: "full", _KIND_PACKED: "packed"}
+_MODE_BITS = 2
+
+Buffer = bytes | bytearray | memoryview
+#: A piece of an encoded blob; the blob is the concatenation of its parts (the tiers' Buffer).
+Part = bytes | bytearray | memoryview
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 host tensor of ``nbytes``, cheap to fault in.
+
+    Allocated by numpy, which asks the kernel for transparent huge pages on large arrays:
+    first-touch page faults then cost about 9 GB/s instead of about 2 GB/s for torch's own
+    allocator (measured on the dev VM), which matters for every fresh decode.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _byte_view(blob: Buffer) -> memoryview:
+    view = memoryview(blob)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRef:
+    """The base a delta was encoded against: its version and the digest of its raw payload."""
+
+    version: int
+    raw_digest: int
+
+
+@dataclass(frozen=True)
+class _PackedInfo:
+    frame_bytes: int
+    planes: bool
+    table: npt.NDArray[np.uint64]
+    digests: npt.NDArray[np.uint64]
+    delta: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class BlobMeta:
+    """What a blob's preamble and header say; :func:`read_meta` reads it without the body.
+
+    ``kind`` is ``"full"`` (the raw payload stored as is) or ``"packed"`` (delta / planes / zstd
+    pipeline). ``base`` is set for deltas. ``raw_digest`` is the digest of the raw payload the
+    blob decodes to (:func:`~tiercheck.codec.raw_digest`), ``checksum`` the blob's own identity
+    (the root of its hash tree, see :mod:`.blob`), ``nbytes`` the blob's size. Beyond the
+    contract: ``body_offset`` / ``body_digest`` locate and seal the body, ``stage_objects``
+    holds the parsed stages with their parameters.
+    """
+
+    kind: Literal["full", "packed"]
+    version: int
+    rank: int
+    base: BaseRef | None
+    raw_digest: int
+    checksum: int
+    stages: tuple[str, ...]
+    nbytes: int
+    layout: Layout
+    body_offset: int = 0
+    body_digest: int = 0
+    stage_objects: tuple[Stage, ...] = ()
+    _packed: _PackedInfo | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class RawState:
+    """A state as its raw payload: what encoders read and :func:`decode` returns.
+
+    ``payload`` is a contiguous uint8 1-D tensor of exactly ``layout.payload_nbytes`` bytes and
+    ``raw_digest`` its :func:`~tiercheck.codec.raw_digest` -- build one with :func:`snapshot`, or
+    compute the digest yourself: encoders trust it, and decoding checks it end to end.
+
+    The payload normally lives in host memory. :func:`encode_packed` also takes one on a GPU
+    (its XOR and plane split then run there; the digest must come from a host copy, as
+    :func:`~tiercheck.codec.raw_digest` reads host memory); :func:`decode` always returns a
+    host payload.
+    """
+
+    version: int
+    layout: Layout
+    payload: torch.Tensor
+    raw_digest: int
+
+    def __post_init__(self) -> None:
+        p = self.payload
+        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous():
+            raise ValueError(
+                f"payload must be a contiguous 1-D uint8 tensor, got {p.dtype} {tuple(p.shape)}"
+            )
+        if p.numel() != self.layout.payload_nbytes:
+            raise ValueError(
+                f"payload holds {p.numel()} bytes; the layout has {self.layout.payload_nbytes}"
+            )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Typed views of every tensor in the payload (no copy; they share its memory)."""
+        return self.layout.views(self.payload)
+
+    def state(self, *, allow_pickle: bool = False) -> Any:
+        """The nested state, rebuilt around views of the payload (no copy).
+
+        The state's tensors live in ``payload``: copy them (or :func:`~.flatten.load_into` a live
+        state) before the payload's memory is reused.
+        """
+        return unflatten(self.layout, self.tensors(), allow_pickle=allow_pickle)
+
+
+def snapshot(
+    state: Any,
+    *,
+    version: int,
+    out: torch.Tensor | None = None,
+    allow_pickle: bool = False,
+    executor: Executor | None = None,
+) -> RawState:
+    """Flatten ``state``, copy it into a raw payload (``out`` or a new host buffer), digest it.
+
+    A convenience for callers without their own staging buffers (tests, tools, benchmarks).
+    """
+    layout, tensors = flatten(state, allow_pickle=allow_pickle)
+    n = layout.payload_nbytes
+    dest = host_buffer(n) if out is None else out[:n]
+    write_payload(layout, tensors, dest)
+    return RawState(version, layout, dest, _raw_digest(dest, executor=executor))
+
+
+# --- header -----------------------------------------------------------------------------------
+
+
+def _pack(obj: Any) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    assert isinstance(data, bytes)
+    return data
+
+
+def _layout_obj(layout: Layout) -> list[Any]:
+    if not layout.is_canonical():
+        raise ValueError("layout offsets are not the canonical ones (build layouts with flatten)")
+    return [
+        layout.skeleton,
+        [[s.path, dtype_name(s.dtype), list(s.shape)] for s in layout.specs],
+    ]
+
+
+def _layout_from_obj(obj: Any) -> Layout:
+    if not isinstance(obj, list) or len(obj) != 2 or type(obj[0]) is not bytes:
+        raise FormatError("malformed layout in blob header")
+    skeleton, specs = obj
+    if not isinstance(specs, list):
+        raise FormatError("malformed layout in blob header")
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for entry in specs:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 3
+            or type(entry[0]) is not str
+            or type(entry[1]) is not str
+            or not isinstance(entry[2], list)
+            or not all(type(d) is int and d >= 0 for d in entry[2])
+        ):
+            raise FormatError(f"malformed tensor entry {entry!r} in blob header")
+        dtype = dtype_from_name(entry[1])
+        if dtype is None:
+            raise UnsupportedFormat(
+                f"blob holds a tensor of dtype {entry[1]!r}, which this build of torch lacks"
+            )
+        entries.append((entry[0], dtype, tuple(entry[2])))
+    layout = Layout.build(skeleton, entries)
+    if len(layout.index) != len(layout.specs):
+        raise FormatError("blob header lists a tensor path twice")
+    return layout
+
+
+def _seal(head: bytes, header_region: Buffer, raw: int, body: int) -> bytes:
+    """The 64-byte preamble for ``head`` (bytes 0..32), given the header region and digests."""
+    hasher = xxhash.xxh3_64(head)
+    hasher.update(header_region)
+    header_digest = hasher.intdigest()
+    first56 = head + struct.pack("<QQQ", raw, body, header_digest)
+    return first56 + struct.pack("<Q", xxhash.xxh3_64_intdigest(first56))
+
+
+def _header_region(header: bytes) -> bytes:
+    pad = _align(PREAMBLE_NBYTES + len(header)) - PREAMBLE_NBYTES - len(header)
+    return header + bytes(pad)
+
+
+def _full_header(layout: Layout, version: int, rank: int) -> bytes:
+    stage = FlattenStage()
+    return _pack(
+        {
+            "version": version,
+            "rank": rank,
+            "stages": [[stage.name, stage.params()]],
+            "layout": _layout_obj(layout),
+        }
+    )
+
+
+def _check_ints(version: int, rank: int) -> None:
+    if type(version) is not int or not -(1 << 63) <= version < (1 << 63):
+        raise ValueError(f"version must be a 64-bit int, got {version!r}")
+    if type(rank) is not int or not 0 <= rank < (1 << 32):
+        raise ValueError(f"rank must be an int in [0, 2**32), got {rank!r}")
+
+
+# --- full blobs ------------------------------------------------------------------------------
+
+
+def full_blob_size(layout: Layout, *, version: int, rank: int) -> tuple[int, int]:
+    """``(total blob size, payload offset)`` of the full blob of ``layout``."""
+    _check_ints(version, rank)
+    region = _header_region(_full_header(layout, version, rank))
+    offset = PREAMBLE_NBYTES + len(region)
+    return offset + layout.payload_nbytes, offset
+
+
+def write_full_blob(
+    dest: memoryview | bytearray, layout: Layout, *, version: int, rank: int
+) -> int:
+    """Write the preamble and header of a full blob into ``dest``; return the payload offset.
+
+    ``dest`` is writable and exactly :func:`full_blob_size` bytes. The caller then writes the
+    raw payload into ``dest[offset:]`` (:func:`~.flatten.write_payload` over
+    ``torch.frombuffer``) and seals the blob with :func:`finalize_full_blob`. Until then the
+    digest and checksum fields are zero, so an unsealed blob never verifies.
+    """
+    _check_ints(version, rank)
+    view = _byte_view(dest)
+    if view.readonly:
+        raise ValueError("dest must be writable")
+    header = _full_header(layout, version, rank)
+    region = _header_region(header)
+    offset = PREAMBLE_NBYTES + len(region)
+    if len(view) != offset + layout.payload_nbytes:
+        raise ValueError(
+            f"dest holds {len(view)} bytes; this blob is {offset + layout.payload_nbytes}"
+        )
+    head = _HEAD.pack(
+        MAGIC, FORMAT_MAJOR, FORMAT_MINOR, _KIND_FULL, len(header), layout.payload_nbytes
+    )
+    preamble = _seal(head, region, 0, 0)
+    view[:PREAMBLE_NBYTES] = preamble[:48] + bytes(16)  # digests stay zero until finalized
+    view[PREAMBLE_NBYTES:offset] = region
+    return offset
+
+
+def finalize_full_blob(
+    dest: memoryview | bytearray, *, raw_digest: int | None = None, executor: Executor | None = None
+) -> BlobMeta:
+    """Seal a full blob once its payload is written: digest fields, then the checksum.
+
+    Without ``raw_digest`` the payload is hashed once (in parallel threads on ``executor``);
+    with it, nothing is hashed but the header -- the caller vouches that it is the payload's
+    :func:`~tiercheck.codec.raw_digest` (a wrong one makes every later read fail).
+    """
+    view = _byte_view(dest)
+    if view.readonly:
+        raise ValueError("dest must be writable")
+    head, header_nbytes, body_nbytes, kind = _read_head(view)
+    if kind != _KIND_FULL:
+        raise FormatError("finalize_full_blob needs a full blob written by write_full_blob")
+    offset = _align(PREAMBLE_NBYTES + header_nbytes)
+    if len(view) != offset + body_nbytes:
+        raise FormatError(f"blob holds {len(view)} bytes; its header says {offset + body_nbytes}")
+    digest = raw_digest if raw_digest is not None else tree_digest(view[offset:], executor=executor)
+    view[:PREAMBLE_NBYTES] = _seal(head, view[PREAMBLE_NBYTES:offset], digest, digest)
+    return read_meta(view)
+
+
+def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
+    """The full blob of ``state`` as parts: ``[preamble + header, payload view]``.
+
+    No payload byte is copied or hashed (``state.raw_digest`` is trusted): the second part is a
+    view of ``state.payload``, valid while it is unchanged.
+    """
+    _check_ints(state.version, rank)
+    if state.payload.device.type != "cpu":
+        raise ValueError(f"encode_full needs a host payload, got one on {state.payload.device}")
+    layout = state.layout
+    header = _full_header(layout, state.version, rank)
+    region = _header_region(header)
+    head = _HEAD.pack(
+        MAGIC, FORMAT_MAJOR, FORMAT_MINOR, _KIND_FULL, len(header), layout.payload_nbytes
+    )
+    prefix = _seal(head, region, state.raw_digest, state.raw_digest) + region
+    body = state.payload.numpy().data if layout.payload_nbytes else memoryview(b"")
+    parts: list[Part] = [prefix, body]
+    return parts, _parse(_byte_view(prefix), len(prefix) + layout.payload_nbytes)
+
+
+# --- packed blobs ----------------------------------------------------------------------------
+
+
+def _use_torch_path(device: torch.device) -> bool:
+    """Frames of payloads off the host run XOR and the plane split with torch on the device."""
+    return device.type != "cpu"
+
+
+def encode_packed(
+    state: RawState,
+    *,
+    rank: int,
+    base: RawState | None = None,
+    options: CodecOptions = CodecOptions(),  # noqa: B008 -- frozen, so sharing it is safe
+    executor: Executor | None = None,
+) -> tuple[list[Part], BlobMeta]:
+    """Encode ``state`` as a packed blob (a delta against ``base`` when given); returns its parts.
+
+    Pipeline per frame (:mod:`.frames`), frames in parallel on ``executor`` (or a pool of
+    ``options.workers`` threads), at most ``options.workers`` at a time: gather the frame's
+    tensor bytes, XORed with the same tensor of ``base`` where one exists (same path, dtype and
+    shape; others are stored whole), split into byte planes, zstd each plane where a sample
+    says it pays. A payload on a GPU is XORed and split on the GPU; only planes cross to the
+    host.
+
+    Memory: besides the output, at most ``options.workers`` frames are in flight, each with
+    scratch buffers of ``2 * frame_bytes + 3 MiB`` (frame bytes, planes bound for zstd, one
+    XORed block, split temporaries), a compressed plane in transit (up to ``frame_bytes``) and
+    zstd's context (about 1 MiB at level 1); the output is carved from 8 MiB blocks. In all,
+    roughly ``workers * (3 * frame_bytes + 4 MiB) + 8 MiB`` on top of the output -- bounded by
+    the frame size, not the state size (``tests/codec/test_blob.py`` checks it). The output
+    holds the stored planes; a raw, unsplit frame of an unchanged tensor is a view of
+    ``state.payload``, so keep the payload unchanged until the parts are consumed.
+
+    ``executor`` must not be the pool running this call (waiting on one's own pool can
+    deadlock).
+    """
+    _check_ints(state.version, rank)
+    layout = state.layout
+    layout_obj = _layout_obj(layout)
+    device = state.payload.device
+    stages: list[Stage] = [FlattenStage()]
+    matches: list[int] | None = None
+    base_offsets = (-1,) * len(layout.specs)
+    if base is not None:
+        if base.payload.device != device:
+            raise ValueError(f"base payload is on {base.payload.device}, state on {device}")
+        stages.append(XorStage(base.version, base.raw_digest))
+        matches = match_base(layout, base.layout)
+        base_offsets = tuple(base.layout.specs[j].offset if j >= 0 else -1 for j in matches)
+    # Planes only help the entropy stage: without it they would just reorder bytes.
+    planes = options.planes and options.entropy
+    if planes:
+        stages.append(PlanesStage())
+    if options.level:
+        stages.append(ZstdStage(options.level, options.tuned))
+
+    frames = plan_frames(layout, options.frame_bytes, planes)
+    settings = EncodeSettings(
+        layout=layout,
+        payload=state.payload,
+        base_payload=None if base is None else base.payload,
+        base_offsets=base_offsets,
+        level=options.level or None,
+        tuned=options.tuned,
+        sample_bytes=options.sample_bytes,
+        min_gain=options.min_gain,
+        use_torch=_use_torch_path(device),
+    )
+    pool = ScratchPool(options.frame_bytes)
+    arena = OutputArena(layout.payload_nbytes)
+
+    def work(frame: Frame) -> FrameOut:
+        return encode_frame(frame, settings, pool, arena)
+
+    results = run_bounded(work, frames, workers=options.workers, executor=executor)
+    parts: list[Part] = []
+    table: list[int] = []
+    leaves: list[int] = []
+    for entries, leaf in results:
+        leaves.append(leaf)
+        for mode, stored in entries:
+            parts.extend(stored)
+            table.append(sum(len(x) for x in stored) << _MODE_BITS | mode)
+    body_nbytes = sum(len(p) for p in parts)
+    header_obj: dict[str, Any] = {
+        "version": state.version,
+        "rank": rank,
+        "stages": [[s.name, s.params()] for s in stages],
+        "layout": layout_obj,
+        "frame_bytes": options.frame_bytes,
+        "table": np.asarray(table, dtype="<u8").tobytes(),
+        "digests": np.asarray(leaves, dtype="<u8").tobytes(),
+    }
+    if matches is not None:
+        header_obj["delta"] = np.asarray(matches, dtype="<i8").tobytes()
+    header = _pack(header_obj)
+    region = _header_region(header)
+    body_digest = tree_root(leaves, body_nbytes)
+    head = _HEAD.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, _KIND_PACKED, len(header), body_nbytes)
+    prefix = _seal(head, region, state.raw_digest, body_digest) + region
+    return [prefix, *parts], _parse(_byte_view(prefix), len(prefix) + body_nbytes)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def _read_head(view: memoryview) -> tuple[bytes, int, int, int]:
+    """Check magic and major version; return (bytes 0..32, header_nbytes, body_nbytes, kind)."""
+    if len(view) < PREAMBLE_NBYTES:
+        raise FormatError(f"blob of {len(view)} bytes is shorter than the 64-byte preamble")
+    head = bytes(view[:32])
+    magic, major, _minor, kind, header_nbytes, body_nbytes = _HEAD.unpack(head)
+    if magic != MAGIC:
+        raise FormatError(f"not a tiercheck blob (magic {magic!r}, expected {MAGIC!r})")
+    if major != FORMAT_MAJOR:
+        raise UnsupportedFormat(
+            f"blob format {major}.x; this build of tiercheck reads format {FORMAT_MAJOR}.x"
+        )
+    return head, header_nbytes, body_nbytes, kind
+
+
+def _parse(view: memoryview, total: int) -> BlobMeta:
+    """Parse and check preamble and header; ``total`` is the full blob size (body may be absent
+    from ``view``)."""
+    head, header_nbytes, body_nbytes, kind = _read_head(view)
+    raw, body_digest, header_digest, checksum = _DIGESTS.unpack(bytes(view[32:64]))
+    if xxhash.xxh3_64_intdigest(view[:56]) != checksum:
+        raise ChecksumMismatch(
+            "blob preamble does not match its checksum: the blob is corrupt; read another copy"
+        )
+    if kind not in _KINDS or bytes(view[13:16]) != b"\0\0\0":
+        raise FormatError(f"bad blob kind {kind} or reserved bytes")
+    offset = _align(PREAMBLE_NBYTES + header_nbytes)
+    if total != offset + body_nbytes:
+        raise FormatError(
+            f"blob holds {total} bytes; its preamble says {offset + body_nbytes} (truncated?)"
+        )
+    if len(view) < offset:
+        raise FormatError("blob is shorter than its header")
+    hasher = xxhash.xxh3_64(head)
+    hasher.update(view[PREAMBLE_NBYTES:offset])
+    if hasher.intdigest() != header_digest:
+        raise ChecksumMismatch("blob header does not match its digest: the blob is corrupt")
+    try:
+        header = msgpack.unpackb(view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes], raw=False)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise FormatError(f"malformed blob header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise FormatError("malformed blob header")
+    stages_obj = header.get("stages")
+    if not isinstance(stages_obj, list) or not all(
+        isinstance(s, list) and len(s) == 2 for s in stages_obj
+    ):
+        raise FormatError("malformed stage list in blob header")
+    # Unknown stages first: a newer writer's blob says so, rather than "malformed".
+    stages = tuple(parse_stage(name, params) for name, params in stages_obj)
+    version, rank = header.get("version"), header.get("rank")
+    if type(version) is not int or type(rank) is not int:
+        raise FormatError("blob header lacks version or rank")
+    layout = _layout_from_obj(header.get("layout"))
+    kinds = [type(s) for s in stages]
+    base: BaseRef | None = None
+    packed: _PackedInfo | None = None
+    if kind == _KIND_FULL:
+        if kinds != [FlattenStage] or raw != body_digest or body_nbytes != layout.payload_nbytes:
+            raise FormatError("inconsistent full blob header")
+    else:
+        if kinds not in _PACKED_STAGE_ORDERS:
+            raise FormatError(f"unexpected stage sequence {[s.name for s in stages]}")
+        frame_bytes, table, delta, digests = (
+            header.get(k) for k in ("frame_bytes", "table", "delta", "digests")
+        )
+        if type(frame_bytes) is not int or frame_bytes < 4096 or frame_bytes % 64:
+            raise FormatError(f"bad frame size {frame_bytes!r} in blob header")
+        if type(table) is not bytes or len(table) % 8:
+            raise FormatError("bad frame table in blob header")
+        if type(digests) is not bytes or len(digests) % 8:
+            raise FormatError("bad frame digests in blob header")
+        leaves = np.frombuffer(digests, dtype="<u8")
+        if tree_root(leaves.tolist(), body_nbytes) != body_digest:
+            raise FormatError("frame digests in the header do not add up to the body digest")
+        matches: tuple[int, ...] | None = None
+        xor = next((s for s in stages if isinstance(s, XorStage)), None)
+        if xor is not None:
+            if type(delta) is not bytes or len(delta) != 8 * len(layout.specs):
+                raise FormatError("bad delta map in blob header")
+            matches = tuple(np.frombuffer(delta, dtype="<i8").tolist())
+            base = BaseRef(xor.base_version, xor.base_digest)
+        packed = _PackedInfo(
+            frame_bytes=frame_bytes,
+            planes=PlanesStage in kinds,
+            table=np.frombuffer(table, dtype="<u8"),
+            digests=leaves,
+            delta=matches,
+        )
+    return BlobMeta(
+        kind=_KINDS[kind],
+        version=version,
+        rank=rank,
+        base=base,
+        raw_digest=raw,
+        checksum=checksum,
+        stages=tuple(s.name for s in stages),
+        nbytes=total,
+        layout=layout,
+        body_offset=offset,
+        body_digest=body_digest,
+        stage_objects=stages,
+        _packed=packed,
+    )
+
+
+_PACKED_STAGE_ORDERS = [
+    [FlattenStage, *xor, *planes, *zstd]
+    for xor in ([], [XorStage])
+    for planes in ([], [PlanesStage])
+    for zstd in ([], [ZstdStage])
+]
+
+
+def read_meta(blob: Buffer) -> BlobMeta:
+    """Read a blob's preamble and header (cheap: the body is not read).
+
+    Raises :class:`~tiercheck.errors.FormatError` for bytes that are not a blob (bad magic,
+    truncated, inconsistent sizes), :class:`~tiercheck.errors.UnsupportedFormat` for a format or
+    stage version this build cannot read, and :class:`~tiercheck.errors.ChecksumMismatch` when
+    the preamble or header fails its digest.
+    """
+    view = _byte_view(blob)
+    return _parse(view, len(view))
+
+
+def verify(blob: Buffer, *, executor: Executor | None = None) -> BlobMeta:
+    """Check the whole blob against its checksum without decoding; return its meta.
+
+    One parallel hash pass over the body. Raises what :func:`read_meta` raises, and
+    :class:`~tiercheck.errors.ChecksumMismatch` when the body does not match.
+    """
+    view = _byte_view(blob)
+    meta = _parse(view, len(view))
+    body = view[meta.body_offset :]
+    if meta._packed is None:
+        if tree_digest(body, executor=executor) != meta.body_digest:
+            raise _corrupt(meta)
+        return meta
+    jobs = _frame_jobs(meta, meta._packed, body)
+
+    def check(job: _FrameJob) -> bool:
+        return xxhash.xxh3_64_intdigest(job.stored) == job.digest
+
+    if not all(run_bounded(check, jobs, workers=os.cpu_count() or 1, executor=executor)):
+        raise _corrupt(meta)
+    return meta
+
+
+def _corrupt(meta: BlobMeta) -> ChecksumMismatch:
+    return ChecksumMismatch(
+        f"blob of version {meta.version} rank {meta.rank} does not match its checksum "
+        f"{meta.checksum:#018x}: the blob is corrupt; read another copy"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _FrameJob:
+    frame: Frame
+    stored: memoryview  # the frame's bytes in the body
+    entries: list[tuple[int, int]]  # (mode, size) per stored plane
+    digest: int
+
+
+def _frame_jobs(meta: BlobMeta, info: _PackedInfo, body: memoryview) -> list[_FrameJob]:
+    """Where each frame of a packed blob lies in the body, from the frame table."""
+    frames = plan_frames(meta.layout, info.frame_bytes, info.planes)
+    if len(info.digests) != len(frames):
+        raise FormatError(f"blob has {len(info.digests)} frame digests for {len(frames)} frames")
+    sizes = (info.table >> np.uint64(_MODE_BITS)).tolist()
+    modes = (info.table & np.uint64((1 << _MODE_BITS) - 1)).tolist()
+    digests = info.digests.tolist()
+    jobs: list[_FrameJob] = []
+    pos = k = 0
+    for frame, digest in zip(frames, digests, strict=True):
+        if k >= len(modes):
+            raise FormatError("frame table is shorter than the frame plan")
+        count = frame_entry_count(frame.width, modes[k])
+        entries = list(zip(modes[k : k + count], sizes[k : k + count], strict=False))
+        if len(entries) != count:
+            raise FormatError("frame table is shorter than the frame plan")
+        nbytes = sum(size for _, size in entries)
+        jobs.append(_FrameJob(frame, body[pos : pos + nbytes], entries, digest))
+        pos += nbytes
+        k += count
+    if k != len(modes) or pos != len(body):
+        raise FormatError(
+            f"frame table covers {k} planes and {pos} bytes; the blob has {len(modes)} and "
+            f"{len(body)}"
+        )
+    return jobs
+
+
+def _check_base(meta: BlobMeta, base: RawState | None) -> None:
+    if meta.base is None:
+        return
+    want = meta.base
+    if base is None:
+        raise BaseMismatch(
+            f"blob of version {meta.version} is a delta against version {want.version} "
+            f"(raw digest {want.raw_digest:#018x}); decode it with that base"
+        )
+    if base.version != want.version or base.raw_digest != want.raw_digest:
+        raise BaseMismatch(
+            f"blob of version {meta.version} is a delta against version {want.version} "
+            f"(raw digest {want.raw_digest:#018x}), but the base given is version "
+            f"{base.version} (raw digest {base.raw_digest:#018x})"
+        )
+    if base.payload.device.type != "cpu":
+        raise ValueError(f"decode needs the base payload in host memory, got {base.payload.device}")
+
+
+def _out_buffer(out: torch.Tensor | None, n: int, base: RawState | None) -> torch.Tensor:
+    if out is None:
+        return host_buffer(n)
+    if out.device.type != "cpu" or out.dtype != torch.uint8 or out.dim() != 1:
+        raise ValueError("out must be a 1-D uint8 host tensor")
+    if out.numel() < n or not out.is_contiguous() or out.storage_offset() % 16:
+        raise ValueError(f"out must hold {n} contiguous bytes starting at a multiple of 16")
+    dest = out[:n]
+    if (
+        base is not None
+        and n
+        and base.payload.numel()
+        and np.may_share_memory(dest.numpy(), base.payload.numpy())
+    ):
+        raise ValueError("out must not overlap the base payload")
+    return dest
+
+
+def decode(
+    blob: Buffer,
+    *,
+    base: RawState | None = None,
+    executor: Executor | None = None,
+    out: torch.Tensor | None = None,
+    threads: int = 0,
+) -> RawState:
+    """Decode a blob into a :class:`RawState`, verified end to end.
+
+    Checks, in order: the blob's format and header (:func:`read_meta`), the base (a delta needs
+    exactly the base it was encoded against -- same version and raw digest -- else
+    :class:`~tiercheck.errors.BaseMismatch`, also when ``base`` is missing), the body against its
+    checksum (for a packed blob frame by frame, each before it is decompressed), and finally the
+    rebuilt raw payload against ``meta.raw_digest``
+    (:class:`~tiercheck.errors.ChecksumMismatch`). A decoded state is therefore bit-exact or an
+    error, never silently different.
+
+    The payload is written into ``out[:payload_nbytes]`` when given (a uint8 host tensor that
+    must not overlap ``base.payload``). For a full blob without ``out``: a *writable* blob
+    (``bytearray``, writable ``memoryview`` or mmap) is not copied at all -- the payload is a
+    view of the blob's memory, valid while the blob is and changed if the blob is; a read-only
+    blob (``bytes``) is copied once. Packed frames decode in parallel on ``executor`` (or a pool
+    of ``threads`` threads, ``0`` = ``os.cpu_count()``). When decoding fails after the checks
+    on the header, ``out`` may hold partly written bytes.
+    """
+    view = _byte_view(blob)
+    meta = _parse(view, len(view))
+    _check_base(meta, base)
+    layout = meta.layout
+    n = layout.payload_nbytes
+    body = view[meta.body_offset :]
+    if meta.kind == "full":
+        if out is None and not view.readonly and n:
+            payload = torch.frombuffer(body, dtype=torch.uint8)
+        else:
+            payload = _out_buffer(out, n, None)
+            if n:
+                np.copyto(payload.numpy(), np.frombuffer(body, dtype=np.uint8))
+        # One pass: the body digest of a full blob is its raw digest.
+        digest = _raw_digest(payload, executor=executor)
+        if digest != meta.raw_digest:
+            raise _corrupt(meta)
+        return RawState(meta.version, layout, payload, digest)
+
+    info = meta._packed
+    assert info is not None
+    payload = _out_buffer(out, n, base)
+    digest = _decode_packed(
+        body,
+        meta=meta,
+        info=info,
+        base=base,
+        payload=payload,
+        executor=executor,
+        workers=threads or os.cpu_count() or 1,
+    )
+    if digest != meta.raw_digest:
+        raise ChecksumMismatch(
+            f"decoded payload of version {meta.version} rank {meta.rank} does not match the "
+            "digest recorded at encode time (a wrong base, or a bug): refusing it"
+        )
+    return RawState(meta.version, layout, payload, digest)
+
+
+def _decode_packed(
+    body: memoryview,
+    *,
+    meta: BlobMeta,
+    info: _PackedInfo,
+    base: RawState | None,
+    payload: torch.Tensor,
+    executor: Executor | None,
+    workers: int,
+) -> int:
+    """Rebuild the payload frame by frame; return its raw digest.
+
+    The digest is computed on the way: each 8 MiB chunk of the payload is hashed by the worker
+    that finishes the last frame writing into it, while those bytes are still in cache, instead
+    of in a separate pass over the whole payload afterwards.
+    """
+    layout = meta.layout
+    jobs = _frame_jobs(meta, info, body)
+
+    base_offsets = (-1,) * len(layout.specs)
+    base_np = None
+    if info.delta is not None:
+        assert base is not None
+        base_specs = base.layout.specs
+        offsets = []
+        for spec, j in zip(layout.specs, info.delta, strict=True):
+            if j < 0:
+                offsets.append(-1)
+                continue
+            if j >= len(base_specs) or (base_specs[j].dtype, base_specs[j].shape) != (
+                spec.dtype,
+                spec.shape,
+            ):
+                raise FormatError(f"delta map points {spec.path} at a different base tensor")
+            offsets.append(base_specs[j].offset)
+        base_offsets = tuple(offsets)
+        base_np = base.payload.numpy()
+
+    out_np = payload.numpy()
+    for start, end in layout.gaps:
+        out_np[start:end] = 0
+    settings = DecodeSettings(layout, out_np, base_np, base_offsets)
+    pool = ScratchPool(info.frame_bytes)
+
+    n = layout.payload_nbytes
+    chunk = DIGEST_CHUNK
+    leaves = [0] * ((n + chunk - 1) // chunk)
+    waiting = [0] * len(leaves)  # frames still to write into each chunk
+    touched: list[list[int]] = []  # per frame: the chunks it writes into
+    for job in jobs:
+        chunks: set[int] = set()
+        for p in job.frame.pieces:
+            begin = layout.specs[p.spec].offset + p.start
+            chunks.update(range(begin // chunk, (begin + p.nbytes - 1) // chunk + 1))
+        for c in chunks:
+            waiting[c] += 1
+        touched.append(sorted(chunks))
+    lock = threading.Lock()
+
+    def hash_chunk(c: int) -> None:
+        leaves[c] = xxhash.xxh3_64_intdigest(out_np[c * chunk : (c + 1) * chunk].data)
+
+    for c, count in enumerate(waiting):
+        if count == 0:  # padding only: final already
+            hash_chunk(c)
+
+    def work(index: int) -> None:
+        job = jobs[index]
+        decode_frame(job.frame, job.stored, job.entries, job.digest, s=settings, pool=pool)
+        ready = []
+        with lock:
+            for c in touched[index]:
+                waiting[c] -= 1
+                if waiting[c] == 0:
+                    ready.append(c)
+        for c in ready:
+            hash_chunk(c)
+
+    run_bounded(work, range(len(jobs)), workers=workers, executor=executor)
+    return tree_root(leaves, n)

@@ -1,0 +1,592 @@
+"""Stage ``tiercheck.flatten/1``: nested training state <-> msgpack skeleton + tensors.
+
+:func:`flatten` walks a state (the dict a training loop hands to ``save``) and splits it into a
+:class:`Layout` -- a msgpack *skeleton* in which every tensor is replaced by its index, plus one
+:class:`TensorSpec` per tensor -- and the list of the caller's own tensors (nothing is copied).
+:func:`write_payload` copies those tensors into one flat byte buffer, the *raw payload*, at
+offsets fixed by the layout; :func:`unflatten` rebuilds the state around tensors (typically views
+into a payload); :func:`load_into` restores a rebuilt state into live objects in place.
+
+What the skeleton holds (everything else raises :class:`~tiercheck.errors.UnsupportedObject`
+naming the path of the object, unless ``allow_pickle=True``):
+
+* ``dict`` (keys: ``str``, ``int``, ``bool``, ``float``, ``None``, ``bytes`` and tuples of these),
+  ``collections.OrderedDict`` (with the ``_metadata`` attribute ``Module.state_dict()`` sets),
+  ``list``, ``tuple``, ``torch.Size``;
+* ``None``, ``bool``, ``int`` (any size), ``float`` (every bit pattern, NaN payloads and -0.0
+  included), ``complex``, ``str``, ``bytes``, ``bytearray``, ``torch.dtype``, ``torch.device``;
+* tensors of every dtype in :func:`~tiercheck.codec.dtypes.supported_dtypes` (strided, on any
+  device, of any shape and strides: zero-size, 0-dim and non-contiguous views included; an
+  ``nn.Parameter`` is saved as its data and comes back as a plain tensor -- :func:`load_into`
+  restores it into the live parameter);
+* numpy arrays and numpy scalars (they come back as numpy): dtypes torch has travel as typed
+  tensors, any other fixed-size dtype (``>f4``, ``datetime64``, ``U5``...) as its raw bytes.
+
+RNG states need nothing special: ``torch.get_rng_state()`` is a ``uint8`` tensor,
+``random.getstate()`` a tuple of ints, numpy's legacy ``get_state()`` a tuple holding an array,
+and ``Generator.bit_generator.state`` a dict holding 128-bit ints.
+
+Types are kept exactly: a subclass of ``dict``/``list``/``int``... other than those listed (an
+``IntEnum``, a ``namedtuple``, a ``defaultdict``) is unsupported rather than silently turned into
+its base class.
+
+**Views that share storage** are saved *by value*: every path that holds a tensor gets its own
+:class:`TensorSpec` and its own bytes, even when two tensors alias the same memory (tied weights
+in a ``state_dict``). Restoring with :func:`unflatten` gives independent tensors; restoring with
+:func:`load_into` copies into the caller's live tensors, so their aliasing is kept as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from tiercheck.codec.dtypes import is_supported_dtype
+from tiercheck.errors import FormatError, UnsupportedObject
+
+__all__ = [
+    "ALIGNMENT",
+    "Layout",
+    "TensorSpec",
+    "flatten",
+    "load_into",
+    "unflatten",
+    "write_payload",
+]
+
+#: Every tensor starts at a multiple of this many bytes in the raw payload (a cache line, and a
+#: multiple of every element size, so typed views into the payload are always legal).
+ALIGNMENT = 64
+
+# msgpack extension codes of the skeleton. Part of the ``tiercheck.flatten/1`` format: never
+# renumber; add new codes only together with a new stage version.
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+_EXT_ODICT = 3
+_EXT_SIZE = 4
+_EXT_BIGINT = 5
+_EXT_NDARRAY = 6
+_EXT_COMPLEX = 7
+_EXT_DTYPE = 8
+_EXT_DEVICE = 9
+_EXT_BYTEARRAY = 10
+_EXT_PICKLE = 11
+
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1
+
+# numpy dtypes that map one to one onto a torch dtype (native byte order only).
+_NP_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.uint16): torch.uint16,
+    np.dtype(np.uint32): torch.uint32,
+    np.dtype(np.uint64): torch.uint64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.complex64): torch.complex64,
+    np.dtype(np.complex128): torch.complex128,
+}
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor of the state lives in the raw payload.
+
+    ``path`` is the tensor's place in the state written as subscripts (``"['model']['w']"``);
+    it is unique within a layout and is what a delta matches tensors by. ``offset`` is the byte
+    offset in the raw payload (a multiple of :data:`ALIGNMENT`) and ``nbytes`` the size of the
+    tensor's elements (``numel * element_size``).
+    """
+
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of a flattened state: the skeleton and where each tensor sits in the payload.
+
+    The raw payload is a pure function of the layout and the tensors' values: tensors are placed
+    in spec order, each at the next multiple of :data:`ALIGNMENT`, and every padding byte is zero
+    (see :func:`write_payload`). ``payload_nbytes`` is a multiple of :data:`ALIGNMENT` (0 when the
+    state holds no tensor bytes).
+    """
+
+    skeleton: bytes
+    specs: tuple[TensorSpec, ...]
+    payload_nbytes: int
+
+    @classmethod
+    def build(
+        cls,
+        skeleton: bytes,
+        entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+    ) -> Layout:
+        """Lay out tensors given as ``(path, dtype, shape)`` in order (offsets are computed)."""
+        specs: list[TensorSpec] = []
+        end = 0
+        for path, dtype, shape in entries:
+            offset = _align(end)
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * dtype.itemsize
+            specs.append(TensorSpec(path, dtype, tuple(shape), offset, nbytes))
+            end = offset + nbytes
+        return cls(skeleton, tuple(specs), _align(end))
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Spec index by path."""
+        return {spec.path: i for i, spec in enumerate(self.specs)}
+
+    @cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """The ``(start, end)`` byte ranges of the payload that hold padding (always zero)."""
+        gaps: list[tuple[int, int]] = []
+        end = 0
+        for spec in self.specs:
+            if spec.offset > end:
+                gaps.append((end, spec.offset))
+            end = max(end, spec.offset + spec.nbytes)
+        if self.payload_nbytes > end:
+            gaps.append((end, self.payload_nbytes))
+        return tuple(gaps)
+
+    @cached_property
+    def _canonical(self) -> bool:
+        rebuilt = Layout.build(self.skeleton, [(s.path, s.dtype, s.shape) for s in self.specs])
+        return rebuilt == self and len(self.index) == len(self.specs)
+
+    def is_canonical(self) -> bool:
+        """Whether offsets and sizes are exactly what :meth:`build` gives (paths unique too).
+
+        Layouts from :func:`flatten` always are; encoders refuse any other.
+        """
+        return self._canonical
+
+    def views(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Typed, shaped views of every tensor in ``payload`` (a uint8 1-D tensor); no copy.
+
+        The views share memory with ``payload``: they are valid while it is, and see any later
+        write into it.
+        """
+        _check_payload(payload, self.payload_nbytes, "payload")
+        return [
+            payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+            if s.nbytes
+            # An empty slice may carry odd strides that refuse a dtype view; nothing to share.
+            # (Viewed from uint8: allocating some dtypes, complex32, warns.)
+            else torch.empty(0, dtype=torch.uint8, device=payload.device)
+            .view(s.dtype)
+            .view(s.shape)
+            for s in self.specs
+        ]
+
+    def compatible(self, other: Layout) -> bool:
+        """Whether ``other`` places the same tensors (paths, dtypes, shapes) at the same offsets.
+
+        Compatible layouts have interchangeable payloads; their skeletons (the non-tensor
+        values, such as a step counter) may differ.
+        """
+        return self.specs == other.specs and self.payload_nbytes == other.payload_nbytes
+
+
+def _check_payload(payload: torch.Tensor, nbytes: int, what: str) -> None:
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D uint8 tensor, got {payload.dtype} {payload.shape}")
+    if payload.numel() < nbytes:
+        raise ValueError(f"{what} holds {payload.numel()} bytes; the layout needs {nbytes}")
+    # Typed views need the byte offset to be a multiple of the element size (up to 16 bytes).
+    if payload.storage_offset() % 16:
+        raise ValueError(f"{what} must start at a multiple of 16 bytes within its storage")
+
+
+# --- flatten ---------------------------------------------------------------------------------
+
+
+def _pack(obj: Any) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+    assert isinstance(data, bytes)
+    return data
+
+
+class _Flattener:
+    """One walk over a state; collects tensors and builds the skeleton."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: list[torch.Tensor] = []
+        self.entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        self.seen_paths: set[str] = set()
+        # ids of the containers on the current path: a container inside itself is a cycle.
+        self.active: set[int] = set()
+
+    def refuse(self, obj: object, path: str, why: str = "") -> Any:
+        if self.allow_pickle:
+            return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        reason = (
+            why or f"type {type(obj).__module__}.{type(obj).__qualname__} has no no-pickle form"
+        )
+        raise UnsupportedObject(
+            f"cannot flatten state{path}: {reason}. Convert it to supported types, or pass "
+            "allow_pickle=True to store it with pickle (only load such checkpoints from trusted "
+            "sources)."
+        )
+
+    def add_tensor(self, tensor: torch.Tensor, path: str) -> int:
+        unique = path
+        n = 1
+        while unique in self.seen_paths:  # only when two keys have the same repr (two NaN keys)
+            n += 1
+            unique = f"{path}#{n}"
+        self.seen_paths.add(unique)
+        self.tensors.append(tensor)
+        self.entries.append((unique, tensor.dtype, tuple(tensor.shape)))
+        return len(self.tensors) - 1
+
+    def key(self, key: object, path: str) -> Any:
+        t = type(key)
+        if key is None or t is str or t is bool or t is float or t is bytes:
+            return key
+        if t is int:
+            return self.integer(key)  # type: ignore[arg-type]
+        if t is tuple:
+            items = [self.key(k, path) for k in key]  # type: ignore[attr-defined]
+            return msgpack.ExtType(_EXT_TUPLE, _pack(items))
+        return self.refuse(key, path, f"dict key {key!r} of type {t.__qualname__} is not supported")
+
+    @staticmethod
+    def integer(value: int) -> Any:
+        if _INT_MIN <= value <= _INT_MAX:
+            return value
+        return msgpack.ExtType(
+            _EXT_BIGINT, value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        )
+
+    def walk(self, obj: Any, path: str) -> Any:
+        t = type(obj)
+        if obj is None or t is bool or t is str or t is bytes or t is float:
+            return obj
+        if t is int:
+            return self.integer(obj)
+        if t is dict or t is list or t is tuple or t is collections.OrderedDict:
+            if id(obj) in self.active:
+                return self.refuse(obj, path, "the container holds itself (a reference cycle)")
+            self.active.add(id(obj))
+            try:
+                return self.container(obj, path)
+            finally:
+                self.active.discard(id(obj))
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if t is np.ndarray or isinstance(obj, np.generic):
+            return self.ndarray(obj, path)
+        if t is torch.Size:
+            return msgpack.ExtType(_EXT_SIZE, _pack(list(obj)))
+        if t is complex:
+            return msgpack.ExtType(
+                _EXT_COMPLEX,
+                np.array([obj.real, obj.imag], dtype="<f8").tobytes(),
+            )
+        if t is torch.dtype:
+            return msgpack.ExtType(_EXT_DTYPE, str(obj).removeprefix("torch.").encode())
+        if t is torch.device:
+            return msgpack.ExtType(_EXT_DEVICE, str(obj).encode())
+        if t is bytearray:
+            return msgpack.ExtType(_EXT_BYTEARRAY, bytes(obj))
+        return self.refuse(obj, path)
+
+    def container(self, obj: Any, path: str) -> Any:
+        t = type(obj)
+        if t is list:
+            return [self.walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if t is tuple:
+            items = [self.walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            return msgpack.ExtType(_EXT_TUPLE, _pack(items))
+        mapping = {self.key(k, path): self.walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
+        if t is dict:
+            return mapping
+        metadata = getattr(obj, "_metadata", None)
+        meta = None if metadata is None else self.walk(metadata, f"{path}._metadata")
+        return msgpack.ExtType(_EXT_ODICT, _pack([mapping, meta]))
+
+    def tensor(self, obj: torch.Tensor, path: str) -> Any:
+        if type(obj) not in _TENSOR_TYPES:
+            return self.refuse(obj, path, f"tensor subclass {type(obj).__qualname__}")
+        if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
+            return self.refuse(obj, path, f"tensor layout {obj.layout} on {obj.device}")
+        if not is_supported_dtype(obj.dtype):
+            return self.refuse(obj, path, f"tensor dtype {obj.dtype}")
+        return msgpack.ExtType(_EXT_TENSOR, _pack(self.add_tensor(obj, path)))
+
+    def ndarray(self, obj: Any, path: str) -> Any:
+        scalar = isinstance(obj, np.generic)
+        arr = np.asarray(obj)
+        dt = arr.dtype
+        if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
+            return self.refuse(obj, path, f"numpy dtype {dt}")
+        torch_dtype = _NP_TO_TORCH.get(dt) if dt.isnative else None
+        if torch_dtype is not None:
+            # torch.from_numpy shares memory, but refuses negative strides and warns on
+            # read-only arrays: those (rare) get a private copy.
+            if (
+                not arr.flags.writeable
+                or any(s < 0 or s % dt.itemsize for s in arr.strides)
+                or scalar
+            ):
+                arr = np.array(arr, order="C", copy=True)
+            tensor = torch.from_numpy(arr)
+            dtype_str = None
+        else:
+            raw = np.array(arr, order="C", copy=True)
+            tensor = torch.from_numpy(raw.reshape(-1).view(np.uint8))
+            dtype_str = dt.str
+        index = self.add_tensor(tensor, path)
+        return msgpack.ExtType(_EXT_NDARRAY, _pack([index, dtype_str, list(arr.shape), scalar]))
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Layout, list[torch.Tensor]]:
+    """Split ``state`` into a :class:`Layout` and its tensors (the caller's own, in spec order).
+
+    Nothing is copied: the returned tensors are the objects found in the state (numpy arrays
+    become tensors sharing their memory). Raises :class:`~tiercheck.errors.UnsupportedObject`,
+    naming the object's path (``state['optim']['param_groups'][0]['foo']``), for anything the
+    skeleton cannot represent; with ``allow_pickle=True`` such objects are pickled into the
+    skeleton instead.
+    """
+    walker = _Flattener(allow_pickle)
+    skeleton = _pack(walker.walk(state, ""))
+    return Layout.build(skeleton, walker.entries), walker.tensors
+
+
+# --- unflatten -------------------------------------------------------------------------------
+
+
+class _Unflattener:
+    def __init__(self, tensors: Sequence[torch.Tensor], allow_pickle: bool) -> None:
+        self.tensors = tensors
+        self.allow_pickle = allow_pickle
+
+    def unpack(self, data: bytes) -> Any:
+        return msgpack.unpackb(
+            data,
+            ext_hook=self.ext_hook,
+            strict_map_key=False,
+            raw=False,
+            use_list=True,
+            unicode_errors="surrogatepass",
+        )
+
+    def tensor(self, index: object) -> torch.Tensor:
+        if type(index) is not int or not 0 <= index < len(self.tensors):
+            raise FormatError(
+                f"skeleton refers to tensor {index!r}; the layout has {len(self.tensors)}"
+            )
+        return self.tensors[index]
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TENSOR:
+            return self.tensor(self.unpack(data))
+        if code == _EXT_TUPLE:
+            return tuple(self.unpack(data))
+        if code == _EXT_ODICT:
+            mapping, meta = self.unpack(data)
+            od = collections.OrderedDict(mapping)
+            if meta is not None:
+                od._metadata = meta  # type: ignore[attr-defined]
+            return od
+        if code == _EXT_SIZE:
+            return torch.Size(self.unpack(data))
+        if code == _EXT_BIGINT:
+            return int.from_bytes(data, "little", signed=True)
+        if code == _EXT_NDARRAY:
+            return self.ndarray(self.unpack(data))
+        if code == _EXT_COMPLEX:
+            re, im = np.frombuffer(data, dtype="<f8", count=2).tolist()
+            return complex(re, im)
+        if code == _EXT_DTYPE:
+            dtype = getattr(torch, data.decode(), None)
+            if not isinstance(dtype, torch.dtype):
+                raise FormatError(f"skeleton names an unknown torch dtype {data!r}")
+            return dtype
+        if code == _EXT_DEVICE:
+            return torch.device(data.decode())
+        if code == _EXT_BYTEARRAY:
+            return bytearray(data)
+        if code == _EXT_PICKLE:
+            if not self.allow_pickle:
+                raise UnsupportedObject(
+                    "the state holds a pickled object; pass allow_pickle=True to load it "
+                    "(only for checkpoints from trusted sources: unpickling can run code)"
+                )
+            return pickle.loads(data)  # noqa: S301 -- explicit opt-in, documented as unsafe
+        raise FormatError(f"skeleton holds unknown extension code {code}")
+
+    def ndarray(self, fields: Any) -> Any:
+        index, dtype_str, shape, scalar = fields
+        tensor = self.tensor(index)
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if dtype_str is None:
+            arr = tensor.numpy()
+        else:
+            dt = np.dtype(dtype_str)
+            if dt.hasobject:
+                raise FormatError(f"skeleton holds a numpy array of object dtype {dtype_str!r}")
+            arr = tensor.numpy().view(dt).reshape(shape)
+        return arr[()] if scalar else arr
+
+
+def unflatten(
+    layout: Layout, tensors: Sequence[torch.Tensor], *, allow_pickle: bool = False
+) -> Any:
+    """Rebuild the state of ``layout`` around ``tensors`` (one per spec, typically its views).
+
+    Tensors are placed as given (no copy); numpy arrays come back as arrays sharing the tensors'
+    memory. A skeleton holding pickled objects needs ``allow_pickle=True``, else
+    :class:`~tiercheck.errors.UnsupportedObject`; a malformed skeleton raises
+    :class:`~tiercheck.errors.FormatError`.
+    """
+    if len(tensors) != len(layout.specs):
+        raise ValueError(f"got {len(tensors)} tensors for a layout of {len(layout.specs)}")
+    try:
+        return _Unflattener(tensors, allow_pickle).unpack(layout.skeleton)
+    except (msgpack.UnpackException, ValueError, TypeError, KeyError) as exc:
+        if isinstance(exc, (FormatError, UnsupportedObject)):
+            raise
+        raise FormatError(f"malformed state skeleton: {exc}") from exc
+
+
+# --- payload ---------------------------------------------------------------------------------
+
+
+def write_payload(
+    layout: Layout,
+    tensors: Sequence[torch.Tensor],
+    dest: torch.Tensor,
+    *,
+    non_blocking: bool = False,
+) -> None:
+    """Copy ``tensors`` into ``dest`` at their layout offsets and zero every padding byte.
+
+    ``dest`` is a uint8 1-D tensor of at least ``layout.payload_nbytes`` bytes (bytes past that
+    are left alone); it may be a ``torch.frombuffer`` view over a writable mmap or a blob's own
+    memory. Afterwards ``dest[:payload_nbytes]`` is a pure function of the state's values.
+
+    Each tensor is one ``Tensor.copy_`` (strided sources are gathered by torch), so this runs at
+    memory-copy speed. With ``non_blocking=True``, copies from a CUDA device into pinned host
+    memory are asynchronous: the caller must synchronize (``torch.cuda.synchronize()`` or an
+    event) before reading ``dest``.
+    """
+    if len(tensors) != len(layout.specs):
+        raise ValueError(f"got {len(tensors)} tensors for a layout of {len(layout.specs)}")
+    views = layout.views(dest)
+    with torch.no_grad():
+        for spec, src, view in zip(layout.specs, tensors, views, strict=True):
+            if src.dtype != spec.dtype or tuple(src.shape) != spec.shape:
+                raise ValueError(
+                    f"tensor at {spec.path} is {src.dtype}{tuple(src.shape)}; the layout "
+                    f"expects {spec.dtype}{spec.shape}"
+                )
+            if spec.nbytes:
+                view.copy_(src, non_blocking=non_blocking)
+        for start, end in layout.gaps:
+            dest[start:end].zero_()
+
+
+# --- load_into -------------------------------------------------------------------------------
+
+
+def load_into(target: Any, source: Any) -> Any:
+    """Restore ``source`` (an unflattened state) into the live object ``target``, in place.
+
+    ``target`` and ``source`` are walked together:
+
+    * a tensor in both, of the same shape and dtype: ``target.copy_(source)`` under
+      ``torch.no_grad()`` (across devices too), so modules and optimizers keep their references
+      (and tensors that alias each other in ``target`` stay aliased);
+    * a numpy array in both, of the same shape and dtype, writable: copied in place;
+    * ``dict`` / ``OrderedDict`` in both, of the same type: mutated in place -- keys of
+      ``source`` are merged recursively, keys only in ``target`` are deleted, and the key order
+      becomes ``source``'s;
+    * ``list`` in both: mutated in place -- common indices merged recursively, the list then
+      truncated or extended to ``source``'s length;
+    * ``tuple`` in both (same type, same length): rebuilt from the merged items (tuples cannot be
+      mutated), so tensors inside a tuple are still restored in place;
+    * anything else (a leaf, or a type/shape/dtype mismatch): ``source`` replaces it.
+
+    Returns ``target`` itself where it could be updated in place, else the object that replaces
+    it; the caller stores the result where it got ``target`` from (containers do this for their
+    entries).
+    """
+    if isinstance(target, torch.Tensor) and isinstance(source, torch.Tensor):
+        if target.shape == source.shape and target.dtype == source.dtype:
+            with torch.no_grad():
+                target.copy_(source)
+            return target
+        return source
+    if type(target) is np.ndarray and type(source) is np.ndarray:
+        if (
+            target.shape == source.shape
+            and target.dtype == source.dtype
+            and target.flags.writeable
+            and not np.shares_memory(target, source)
+        ):
+            np.copyto(target, source)
+            return target
+        return source
+    if type(target) is not type(source):
+        return source
+    if isinstance(target, dict):
+        for key in [k for k in target if k not in source]:
+            del target[key]
+        for key, value in source.items():
+            if key in target:
+                merged = load_into(target[key], value)
+                if merged is not target[key]:
+                    target[key] = merged
+            else:
+                target[key] = value
+        if list(target) != list(source):
+            items = [(k, target[k]) for k in source]
+            target.clear()
+            target.update(items)
+        return target
+    if isinstance(target, list):
+        for i, value in enumerate(source[: len(target)]):
+            merged = load_into(target[i], value)
+            if merged is not target[i]:
+                target[i] = merged
+        del target[len(source) :]
+        target.extend(source[len(target) :])
+        return target
+    if type(target) is tuple and len(target) == len(source):
+        merged_items = tuple(load_into(t, s) for t, s in zip(target, source, strict=True))
+        if all(m is t for m, t in zip(merged_items, target, strict=True)):
+            return target
+        return merged_items
+    return source
