@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiercheck.errors import ConfigError, StorageError, TierClosed, TierFull
-from tiercheck.tiers import LocalTier, SupportsReserve, _atomic, local
+from tiercheck.tiers import LocalTier, SupportsPrepare, SupportsReserve, _atomic, local
 
 MiB = 1024 * 1024
 
@@ -755,3 +755,61 @@ async def _run_model(ops: list[tuple[str, str, int]]) -> None:
                     assert reservation.buffer == data  # type: ignore[attr-defined]
             for reservation, _ in held:
                 reservation.release()  # type: ignore[attr-defined]
+
+
+# --- prepare: memory made ready ahead of a reserve ------------------------------------------
+
+
+async def test_prepared_memory_serves_the_next_reserve_of_that_size(tmp_path: Path) -> None:
+    """A reserve of the prepared size takes the prepared memory; the blob is still atomic."""
+    tier = LocalTier(tmp_path / "root")
+    assert isinstance(tier, SupportsPrepare)
+    await tier.put("warm", b"x")  # the tier has scanned its root
+    assert await tier.prepare(1 << 20)
+    reservation = await tier.reserve("a/b/blob", 1 << 20)
+    assert not await tier.exists("a/b/blob")  # nothing visible before commit
+    reservation.buffer[:] = bytes(range(256)) * 4096
+    await reservation.commit()
+    assert bytes(await tier.get("a/b/blob")) == bytes(range(256)) * 4096
+    assert [k async for k in tier.list("a/")] == ["a/b/blob"]
+    reservation.release()
+    await tier.aclose()
+
+
+async def test_a_reserve_of_another_size_ignores_prepared_memory(tmp_path: Path) -> None:
+    """Prepared memory of the wrong size is not used, and closing frees it."""
+    tier = LocalTier(tmp_path / "root")
+    await tier.put("warm", b"x")
+    assert await tier.prepare(4096)
+    reservation = await tier.reserve("k", 100)
+    reservation.buffer[:] = b"y" * 100
+    await reservation.commit()
+    reservation.release()
+    assert bytes(await tier.get("k")) == b"y" * 100
+    await tier.aclose()
+    hidden = [p for p in (tmp_path / "root").rglob("*") if p.is_file() and "#" in p.name]
+    assert hidden == []
+
+
+async def test_prepare_respects_capacity(tmp_path: Path) -> None:
+    """Preparing more than the capacity allows prepares nothing and writes nothing."""
+    tier = LocalTier(tmp_path / "root", capacity=1000)
+    await tier.put("k", b"z" * 600)
+    assert not await tier.prepare(800)
+    assert await tier.prepare(300)
+    with pytest.raises(TierFull):
+        await tier.put("other", b"w" * 200)  # the prepared 300 bytes count as in flight
+    await tier.aclose()
+
+
+async def test_aborting_a_prepared_reservation_leaves_nothing(tmp_path: Path) -> None:
+    """An aborted reservation made from prepared memory stores nothing and leaks no file."""
+    tier = LocalTier(tmp_path / "root")
+    await tier.put("warm", b"x")
+    await tier.prepare(8192)
+    reservation = await tier.reserve("gone", 8192)
+    await reservation.abort()
+    assert not await tier.exists("gone")
+    hidden = [p for p in (tmp_path / "root").rglob("*") if p.is_file() and "#" in p.name]
+    assert hidden == []
+    await tier.aclose()

@@ -220,6 +220,9 @@ def create_temp(
             last_error = exc
             make_dirs(directory, dir_mode)
             continue
+        # A kept exception would hold this frame, and through it the caller's, in a reference
+        # cycle: memory the caller maps next would then live until the garbage collector ran.
+        last_error = None
         if file_mode is not None:
             try:
                 os.fchmod(fd, file_mode)
@@ -249,6 +252,7 @@ def adopt_temp(source: str, directory: str, *, dir_mode: int | None = None) -> t
             last_error = exc
             make_dirs(directory, dir_mode)
             continue
+        last_error = None  # see create_temp: no cycle through a kept exception
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except BaseException:

@@ -48,6 +48,7 @@ __all__ = [
     "Buffer",
     "FailureScope",
     "Reservation",
+    "SupportsPrepare",
     "SupportsReserve",
     "Tier",
     "validate_key",
@@ -221,3 +222,16 @@ class SupportsReserve(Protocol):
     """
 
     async def reserve(self, key: str, nbytes: int) -> Reservation: ...
+
+
+@runtime_checkable
+class SupportsPrepare(Protocol):
+    """A reserving tier that can ready memory ahead of the next ``reserve`` of a given size.
+
+    Sizing and mapping memory is most of what a reserve costs; a caller that knows the size of
+    its next snapshot calls ``prepare`` in the background so that the reserve on its critical
+    path costs next to nothing. Returns whether memory was prepared (``False`` when it would
+    not fit the tier's capacity).
+    """
+
+    async def prepare(self, nbytes: int) -> bool: ...

@@ -98,6 +98,17 @@ class _Spare:
     size: int
 
 
+@dataclass(eq=False)
+class _Prepared:
+    """Memory made ready ahead of a reserve: a sized, mapped, populated hidden file."""
+
+    fd: int
+    path: str
+    mapping: mmap.mmap
+    view: memoryview
+    nbytes: int
+
+
 class LocalTier(Tier):
     """Blobs as files in this node's shared memory; they outlive the process that wrote them.
 
@@ -198,6 +209,7 @@ class LocalTier(Tier):
         self._stored = 0
         self._pending = 0
         self._spares: list[_Spare] = []
+        self._prepared: _Prepared | None = None
         self._spare_bytes = 0
         self._reservations: set[LocalReservation] = set()
 
@@ -309,7 +321,25 @@ class LocalTier(Tier):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        # Prepared memory is handed out without any I/O (no thread hop either): this is on
+        # the caller's critical path, the snapshot.
+        ready = self._take_prepared(key, nbytes) if self._scanned else None
+        if ready is not None:
+            return ready
         return await self._run("reserve", key, self._reserve_sync, key, nbytes)
+
+    async def prepare(self, nbytes: int) -> bool:
+        """Make memory ready for a coming :meth:`reserve` of exactly ``nbytes`` bytes.
+
+        Sizing a file and mapping its pages is most of what a reserve costs. Done here, ahead
+        of time and off the caller's critical path, the next ``reserve(key, nbytes)`` only
+        renames a file. At most one region is kept ready; it counts against the capacity like
+        a reservation. Returns ``False`` (and prepares nothing) when it would not fit.
+        """
+        self._check_open()
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        return await self._run("prepare", "", self._prepare_sync, nbytes)
 
     async def refresh_usage(self) -> int:
         """Rescan :attr:`root` and recount :attr:`usage` from what is there now; return it.
@@ -637,8 +667,78 @@ class LocalTier(Tier):
         start = os.path.join(self._root, head) if head else self._root
         return [key for key in _walk_keys(self._root, start) if key.startswith(prefix)]
 
+    def _prepare_sync(self, nbytes: int) -> bool:
+        self._ensure_scanned()
+        with self._lock:
+            current = self._prepared
+            if current is not None and current.nbytes == nbytes:
+                return True
+            self._prepared = None
+        if current is not None:
+            self._drop_prepared(current)
+        if nbytes == 0:
+            return True
+        try:
+            spare = self._claim("", nbytes)
+        except TierFull:
+            return False
+        fd = -1
+        path: str | None = None
+        try:
+            fd, path = self._open_temp(self._spares_dir, spare)
+            os.ftruncate(fd, nbytes)
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if self._populate else 0)
+            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            if path is not None:
+                _atomic.discard(path)
+            self._unclaim(nbytes)
+            raise
+        prepared = _Prepared(fd, path, mapping, memoryview(mapping), nbytes)
+        with self._lock:
+            if self._prepared is None and not self._closed:
+                self._prepared = prepared
+                return True
+        self._drop_prepared(prepared)  # lost a race with another prepare, or closed meanwhile
+        return True
+
+    def _drop_prepared(self, prepared: _Prepared) -> None:
+        prepared.view.release()
+        prepared.mapping.close()
+        os.close(prepared.fd)
+        _atomic.discard(prepared.path)
+        self._unclaim(prepared.nbytes)
+
+    def _take_prepared(self, key: str, nbytes: int) -> LocalReservation | None:
+        """A reservation made of the prepared memory, if it has the right size (no I/O).
+
+        Its file stays in the hidden spares folder until the commit renames it over the key.
+        """
+        with self._lock:
+            prepared = self._prepared
+            if prepared is None or prepared.nbytes != nbytes or nbytes == 0 or self._closed:
+                return None
+            self._prepared = None
+        reservation = LocalReservation(
+            self,
+            key=key,
+            target=self._path(key),
+            temp_path=prepared.path,
+            fd=prepared.fd,
+            mapping=prepared.mapping,
+            view=prepared.view,
+        )
+        with self._lock:
+            self._reservations.add(reservation)
+        return reservation
+
     def _reserve_sync(self, key: str, nbytes: int) -> LocalReservation:
         self._ensure_scanned()
+        ready = self._take_prepared(key, nbytes)
+        if ready is not None:
+            return ready
         target = self._path(key)
         spare = self._claim(key, nbytes)
         fd = -1
@@ -695,6 +795,9 @@ class LocalTier(Tier):
             # Held until release: while it is, deleting the key cannot recycle the file that
             # the caller may still be reading through the buffer.
             fcntl.flock(reservation._fd, fcntl.LOCK_SH)
+            target_dir = os.path.dirname(reservation._target)
+            if os.path.dirname(reservation._temp_path) != target_dir:
+                _atomic.make_dirs(target_dir, _DIR_MODE)  # prepared memory lives elsewhere
             self._publish(
                 reservation.key, reservation._temp_path, reservation._target, reservation.nbytes
             )
@@ -722,6 +825,10 @@ class LocalTier(Tier):
             self._reservations.discard(reservation)
 
     def _close_sync(self) -> None:
+        with self._lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            self._drop_prepared(prepared)
         with self._lock:
             victims = [s.path for s in self._spares]
             self._spares.clear()
