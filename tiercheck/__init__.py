@@ -10,6 +10,39 @@ The public names are few; everything else may move between releases.
 
 from __future__ import annotations
 
+from tiercheck.checkpointer import (
+    Checkpointer,
+    CheckpointerStats,
+    Restored,
+    SaveHandle,
+    SaveStats,
+    TierPolicy,
+)
+from tiercheck.codec import CodecOptions
+from tiercheck.errors import (
+    BaseMismatch,
+    BlobNotFound,
+    ChecksumMismatch,
+    ConfigError,
+    FormatError,
+    InvalidKey,
+    ManifestError,
+    PeerUnavailable,
+    PluginImportError,
+    RestoreError,
+    SaveSkipped,
+    StorageError,
+    TiercheckError,
+    TierClosed,
+    TierFull,
+    TierNotTargeted,
+    TierWriteFailed,
+    UnknownTier,
+    UnsupportedFormat,
+    UnsupportedObject,
+    VersionError,
+)
+from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers import LocalTier, PersistentTier
 from tiercheck.tiers.base import FailureScope, Tier
 
@@ -18,7 +51,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BaseMismatch",
     "BlobNotFound",
+    "Checkpointer",
+    "CheckpointerStats",
     "ChecksumMismatch",
+    "CodecOptions",
     "ConfigError",
     "FailureScope",
     "FormatError",
@@ -29,12 +65,17 @@ __all__ = [
     "PersistentTier",
     "PluginImportError",
     "RestoreError",
+    "Restored",
+    "SaveHandle",
     "SaveSkipped",
+    "SaveStats",
     "StorageError",
+    "SyncCheckpointer",
     "Tier",
     "TierClosed",
     "TierFull",
     "TierNotTargeted",
+    "TierPolicy",
     "TierWriteFailed",
     "TiercheckError",
     "UnknownTier",

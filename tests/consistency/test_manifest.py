@@ -1,0 +1,190 @@
+"""The LMDB manifest: log + index in one transaction, rebuildable, shared, corruption typed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest
+from tiercheck.errors import ManifestError
+
+
+def _durable(v: int, rank: int = 0, tier: str = "local", base: int | None = None) -> Durable:
+    return Durable(v, rank, tier, f"v{v:012d}/r{rank:05d}.full", 100 + v, 7 * v, 11 * v, base)
+
+
+def test_append_updates_log_and_index_together(tmp_path: Path) -> None:
+    with Manifest(tmp_path / "m") as m:
+        m.append(Begin(1, 0, "base"), _durable(1), Commit(1, "local"))
+        m.append(Begin(2, 0, "delta", 1), _durable(2, base=1))
+        assert [r.op for r in m.log()] == ["begin", "durable", "commit", "begin", "durable"]
+        assert [b.version for b in m.blobs("local")] == [1, 2]
+        assert m.blobs("local", 2)[0].base == 1
+        assert m.committed("local") == [1]
+        assert m.is_committed("local", 1)
+        assert not m.is_committed("local", 2)
+        assert m.versions()[2] == {"begun": [0], "aborted": [], "kind": "delta", "base": 1}
+        assert all(r.time > 0 for r in m.log())
+
+
+def test_evict_removes_blob_and_commit_from_the_index_but_not_the_log(tmp_path: Path) -> None:
+    with Manifest(tmp_path / "m") as m:
+        m.append(_durable(1), _durable(1, rank=1), Commit(1, "local"))
+        m.append(Evict(1, 1, "local"))
+        assert [b.rank for b in m.blobs("local", 1)] == [0]
+        assert m.committed("local") == []
+        assert [r.op for r in m.log()][-1] == "evict"
+
+
+def test_rebuilt_index_equals_the_incrementally_built_one(tmp_path: Path) -> None:
+    with Manifest(tmp_path / "m") as m:
+        for v in range(12):
+            m.append(
+                Begin(v, 0, "base" if v % 4 == 0 else "delta", None if v % 4 == 0 else v - v % 4)
+            )
+            for tier in ("local", "persistent"):
+                for rank in (0, 1):
+                    m.append(_durable(v, rank, tier, None if v % 4 == 0 else v - v % 4))
+                m.append(Commit(v, tier))
+            if v >= 3:
+                m.append(Evict(v - 3, 0, "local"), Evict(v - 3, 1, "local"))
+            if v == 7:
+                m.append(Abort(v, 1, "skipped"))
+        before = m.dump_index()
+        m.rebuild_index()
+        assert m.dump_index() == before
+        assert before["commits"]  # the comparison is not between two empty indexes
+        assert before["blobs"]
+
+
+def test_several_processes_share_one_manifest(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from tiercheck.consistency.manifest import Manifest, Durable\n"
+        "rank = int(sys.argv[1])\n"
+        "with Manifest(sys.argv[2]) as m:\n"
+        "    for v in range(50):\n"
+        "        m.append(Durable(v, rank, 'local', f'k{v}-{rank}', 1, 2, 3))\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path / "m")])
+        for rank in range(3)
+    ]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    with Manifest(tmp_path / "m") as m:
+        assert len(m.blobs("local")) == 150
+        assert len(list(m.log())) == 150
+
+
+def test_two_handles_in_one_process_share_the_environment(tmp_path: Path) -> None:
+    a = Manifest(tmp_path / "m")
+    b = Manifest(tmp_path / "m")
+    a.append(_durable(1))
+    assert [r.version for r in b.blobs()] == [1]
+    a.close()
+    b.append(_durable(2))  # still open: a's close did not close b's environment
+    b.close()
+    with pytest.raises(ManifestError):
+        b.append(_durable(3))
+
+
+def test_corrupt_value_is_a_typed_error(tmp_path: Path) -> None:
+    with Manifest(tmp_path / "m") as m:
+        m.append(_durable(1))
+    env = lmdb.open(str(tmp_path / "m"), max_dbs=8)
+    log = env.open_db(b"log")
+    with env.begin(write=True) as txn:
+        key, value = next(iter(txn.cursor(db=log)))
+        flipped = bytearray(value)
+        flipped[-1] ^= 0x01
+        txn.put(key, bytes(flipped), db=log)
+    env.close()
+    with Manifest(tmp_path / "m") as m, pytest.raises(ManifestError):
+        list(m.log())
+
+
+def test_unopenable_manifest_is_a_typed_error(tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "data.mdb").write_bytes(b"this is not an lmdb file" * 100)
+    with pytest.raises(ManifestError):
+        Manifest(target)
+
+
+def test_crash_inside_an_append_leaves_nothing_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Manifest(tmp_path / "m") as m:
+        m.append(_durable(1))
+        calls = 0
+        original = Manifest._apply
+
+        def dying_apply(self: Manifest, txn: lmdb.Transaction, record: object) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("simulated crash between two records of one transaction")
+            original(self, txn, record)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Manifest, "_apply", dying_apply)
+        with pytest.raises(RuntimeError):
+            m.append(_durable(2), Commit(2, "local"))
+        monkeypatch.undo()
+        assert [r.version for r in m.log()] == [1]
+        assert [b.version for b in m.blobs()] == [1]
+        before = m.dump_index()
+        m.rebuild_index()
+        assert m.dump_index() == before
+
+
+def test_compact_drops_only_versions_gone_from_every_index(tmp_path: Path) -> None:
+    with Manifest(tmp_path / "m") as m:
+        for v in range(6):
+            m.append(Begin(v, 0, "base"), _durable(v), Commit(v, "local"))
+        for v in range(4):
+            m.append(Evict(v, 0, "local"))
+        m.append(_durable(1, tier="persistent"))  # version 1 still lives in another tier
+        before = m.dump_index()
+        removed = m.compact(keep_after=4)
+        assert removed > 0
+        versions_in_log = {r.version for r in m.log()}
+        assert versions_in_log == {1, 4, 5}
+        m.rebuild_index()
+        after = m.dump_index()
+        assert after["blobs"] == before["blobs"]
+        assert after["commits"] == before["commits"]
+
+
+def _append_many(path: str, rank: int) -> None:
+    with Manifest(path) as m:
+        for v in range(20):
+            m.append(Begin(v, rank, "base"))
+
+
+def test_manifest_survives_a_killed_writer(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    path = str(tmp_path / "m")
+    proc = ctx.Process(target=_append_many, args=(path, 0))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    # A writer killed outright: LMDB releases its lock slot, the next opener carries on.
+    code = (
+        "import os, signal, sys\n"
+        "from tiercheck.consistency.manifest import Manifest, Begin\n"
+        "m = Manifest(sys.argv[1])\n"
+        "m.append(Begin(100, 1, 'base'))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code, path], check=False)
+    assert killed.returncode == -9
+    with Manifest(path) as m:
+        m.append(Begin(101, 2, "base"))
+        assert {100, 101} <= set(m.versions())
+    assert os.path.exists(os.path.join(path, "data.mdb"))

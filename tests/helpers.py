@@ -1,0 +1,84 @@
+"""Shared test helpers: a tiny deterministic trainer and exact state comparison."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TinyTrainer:
+    """A small MLP with AdamW, stepping deterministically on generated data."""
+
+    def __init__(self, seed: int = 0, width: int = 32) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(width, width),
+            torch.nn.GELU(),
+            torch.nn.LayerNorm(width),
+            torch.nn.Linear(width, 4),
+        )
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.width = width
+        self.steps = 0
+
+    def step(self) -> None:
+        """One optimizer step on a batch that depends only on the step number."""
+        gen = torch.Generator().manual_seed(1000 + self.steps)
+        x = torch.randn(8, self.width, generator=gen)
+        loss = self.model(x).square().mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.steps += 1
+
+    def state(self) -> dict[str, Any]:
+        """What a training loop saves: live tensors, not copies."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.opt.state_dict(),
+            "steps": self.steps,
+        }
+
+
+def clone_state(state: Any) -> Any:
+    """A deep copy of a nested state (tensors cloned)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: clone_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [clone_state(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(clone_state(v) for v in state)
+    return state
+
+
+def assert_state_equal(a: Any, b: Any, path: str = "state") -> None:
+    """Bit-exact equality of two nested states (tensors compared by their bytes)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype, f"{path}: {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: {a.shape} != {b.shape}"
+        assert torch.equal(_bytes(a), _bytes(b)), f"{path}: bytes differ"
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict), path
+        assert set(a) == set(b), f"{path}: keys differ: {set(a) ^ set(b)}"
+        for k in a:
+            assert_state_equal(a[k], b[k], f"{path}[{k!r}]")
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_equal(x, y, f"{path}[{i}]")
+        return
+    assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,262 @@
+"""Crash consistency, proved by a Hypothesis state machine against a plain model.
+
+The machine saves random states, lets the process "die" at any chosen write (a tier put,
+delete or reservation commit, or a manifest append), loses the node's memory, corrupts stored
+blobs, and restarts. After every restart it checks, with expectations computed only from what
+the test itself saved and observed:
+
+1. the restored state equals, bit for bit, what was saved as the version it claims;
+2. that version is at least the newest version whose handle had reported "committed" in a tier
+   that survived the failure (and whose copy there was not deliberately corrupted);
+3. nothing torn is ever restored: a version is restored whole or not at all (a corollary of 1,
+   since the state compared is the whole state of every tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from tiercheck import SyncCheckpointer, TierWriteFailed
+from tiercheck.consistency.manifest import Manifest
+from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash
+from tiercheck.tiers import LocalTier, PersistentTier
+
+from .helpers import assert_state_equal, clone_state
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+
+
+def _state(seed: int, n: int, dtype_index: int, extra: bool) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[dtype_index % len(DTYPES)]
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    state: dict[str, Any] = {
+        "w": torch.randn(n, generator=gen),
+        "b": raw.view(dtype) if dtype != torch.bool else raw.remainder(2).bool(),
+        "step": seed,
+        "meta": {"lr": seed / 7.0, "name": f"s{seed}"},
+    }
+    if extra:  # state that appears later, like optimizer moments after the first step
+        state["moments"] = [torch.randn(n // 2 + 1, generator=gen) for _ in range(2)]
+    return state
+
+
+class CrashMachine(RuleBasedStateMachine):
+    """Save, die, lose, corrupt, restart: and check what comes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="tiercheck-crash-"))
+        self.ckpt: SyncCheckpointer | None = None
+        self.plan = FaultPlan()
+        self.next_version = 0
+        self.saved: dict[int, Any] = {}
+        self.handles: list[Any] = []
+        self.committed: dict[str, set[int]] = {"local": set(), "persistent": set()}
+        self.damaged: dict[str, set[int]] = {"local": set(), "persistent": set()}
+        self.corrupted_this_life = False
+        self.restarts = 0
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _open(self) -> SyncCheckpointer:
+        self.plan = FaultPlan()
+        tiers = [
+            FaultyTier.wrap(LocalTier(self.root / "node" / "blobs"), self.plan),
+            FaultyTier.wrap(PersistentTier((self.root / "durable" / "job").as_uri()), self.plan),
+        ]
+        return SyncCheckpointer(
+            "job",
+            local_root=self.root / "node",
+            tiers=tiers,
+            base_every=self.base_every,
+            persist=self.persist,
+            keep={"local": 2, "persistent": 2},
+            threads=1,
+        )
+
+    def _harvest(self) -> None:
+        """Record what the handles have reported so far (what a user could have observed)."""
+        for h in self.handles:
+            for tier in h.tiers:
+                if h.committed(tier):
+                    self.committed[tier].add(h.version)
+
+    @initialize(
+        base_every=st.integers(1, 4),
+        persist=st.sampled_from(["base", "all"]),
+    )
+    def start(self, base_every: int, persist: str) -> None:
+        self.base_every = base_every
+        self.persist = persist
+        self.ckpt = self._open()
+        self.ckpt.open()
+        manifest_plan = self
+
+        original = Manifest.append
+
+        def append(m: Manifest, *records: Any) -> None:
+            manifest_plan.plan.write("manifest", "manifest", records[0].op)
+            original(m, *records)
+
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(Manifest, "append", append)
+
+    def teardown(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt._abandon()
+        if hasattr(self, "_patch"):
+            self._patch.undo()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- rules ----------------------------------------------------------------------------
+
+    # Preconditions never look at `plan.dead`: it depends on background timing, and Hypothesis
+    # needs rule choice to be a function of the drawn data alone.
+    @precondition(lambda self: self.ckpt is not None)
+    @rule(
+        seed=st.integers(0, 2**16),
+        n=st.sampled_from([0, 1, 7, 64, 1000]),
+        dtype_index=st.integers(0, len(DTYPES) - 1),
+        extra=st.booleans(),
+        wait=st.booleans(),
+    )
+    def save(self, seed: int, n: int, dtype_index: int, extra: bool, wait: bool) -> None:
+        assert self.ckpt is not None
+        version = self.next_version
+        state = _state(seed, n, dtype_index, extra)
+        try:
+            handle = self.ckpt.save(version, state)
+        except SimulatedCrash:
+            note(f"died while saving {version}")
+            return
+        self.next_version += 1
+        self.saved[version] = clone_state(state)
+        self.handles.append(handle)
+        for t in state.values():  # training mutates its tensors right away
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.add_(1.0)
+        if wait:
+            for tier in handle.tiers:
+                with contextlib.suppress(TierWriteFailed, SimulatedCrash):
+                    handle.result(tier, timeout=60)
+
+    @precondition(lambda self: self.ckpt is not None)
+    @rule(after=st.integers(1, 12))
+    def arm_crash(self, after: int) -> None:
+        """The process will die at the ``after``-th write from now (if not dead already)."""
+        self.plan.die_at = self.plan.count + after
+
+    @precondition(lambda self: self.ckpt is not None and not self.corrupted_this_life)
+    @rule(pick=st.integers(0, 10_000), byte=st.integers(0, 2**20), bit=st.integers(0, 7))
+    def corrupt_a_local_blob(self, pick: int, byte: int, bit: int) -> None:
+        """Flip one bit of one self-contained local blob (at most one per life).
+
+        Storage rot, not a race: the pipeline is let settle first, so no file is being
+        written or recycled while it is damaged.
+        """
+        assert self.ckpt is not None
+        self.corrupted_this_life = True  # whatever is found: rule choice must not hang on timing
+        if not self.plan.dead:
+            self.ckpt.wait()
+        self._harvest()
+        blobs = sorted((self.root / "node" / "blobs").rglob("r00000.full"))
+        if not blobs:
+            return
+        path = blobs[pick % len(blobs)]
+        # In place, as bit rot would: rewriting the file would truncate it for a moment
+        # under the pipeline's live mapping of it.
+        with path.open("r+b") as f:
+            size = f.seek(0, 2)
+            f.seek(byte % size)
+            value = f.read(1)[0]
+            f.seek(byte % size)
+            f.write(bytes([value ^ (1 << bit)]))
+        version = int(path.parent.name[1:])
+        self.damaged["local"].add(version)
+        note(f"corrupted local blob of version {version}")
+
+    @precondition(lambda self: self.ckpt is not None)
+    @rule(node_lost=st.booleans(), let_finish=st.booleans())
+    def restart(self, node_lost: bool, let_finish: bool) -> None:
+        """The process dies (or the whole node is lost); a new one restores."""
+        assert self.ckpt is not None
+        if let_finish and not self.plan.dead:
+            self.ckpt.wait()
+        self._harvest()
+        died = self.plan.dead
+        self.plan.kill()
+        self.ckpt._abandon()
+        surviving = ["persistent"]
+        if node_lost:
+            shutil.rmtree(self.root / "node", ignore_errors=True)
+            self.committed["local"].clear()
+            self.damaged["local"].clear()
+        else:
+            surviving.insert(0, "local")
+        self.restarts += 1
+        self.ckpt = self._open()
+        restored = self.ckpt.restore()
+        floor = max(
+            (max(self.committed[t] - self.damaged[t], default=-1) for t in surviving), default=-1
+        )
+        event(
+            f"restart after {'death' if died else 'a stop'}, node {'lost' if node_lost else 'kept'}"
+        )
+        if restored is None:
+            event("restored nothing")
+        else:
+            event(f"restored from {restored.source_tier}")
+            if restored.version < self.next_version - 1:
+                event("restored an older version than the newest saved")
+        note(
+            f"restart {self.restarts}: node_lost={node_lost} floor={floor} "
+            f"restored={None if restored is None else (restored.version, restored.source_tier)}"
+        )
+        if restored is None:
+            assert floor == -1, f"nothing restored although version {floor} was committed"
+            self.next_version = max(self.next_version, 0)
+            self.saved.clear()
+        else:
+            assert restored.version >= floor, (
+                f"restored {restored.version}, older than committed {floor}"
+            )
+            assert_state_equal(restored.state, self.saved[restored.version])
+            # Everything after the restored version is abandoned: the model forgets it.
+            for v in [v for v in self.saved if v > restored.version]:
+                del self.saved[v]
+            self.next_version = restored.version + 1
+        for t in self.committed:
+            self.committed[t] = {v for v in self.committed[t] if restored and v <= restored.version}
+            self.damaged[t].clear()
+        self.handles.clear()
+        self.corrupted_this_life = False
+
+    @invariant()
+    def stalls_are_bounded(self) -> None:
+        if self.ckpt is not None and self.ckpt.checkpointer._engine is not None:
+            assert self.ckpt.stats.saves >= 0
+
+
+# The heart of the product's guarantees: more examples than the profile's default (a ~30 s run
+# under `ci`), never fewer than it.
+CrashMachine.TestCase.settings = settings(
+    stateful_step_count=30, max_examples=max(150, settings.default.max_examples)
+)
+TestCrashConsistency = CrashMachine.TestCase

@@ -1,0 +1,1527 @@
+"""The checkpointer: save often, cheaply, to every tier; restore from the fastest survivor.
+
+Lifecycle of one save (the order things happen in)
+--------------------------------------------------
+1. ``await ckpt.save(version, state)`` -- on the caller's side, the only blocking part:
+   the state is flattened (no pickle) and its tensors are copied into host memory -- straight
+   into the local tier's shared memory where that tier can hand it out, else into a reused
+   staging buffer. If the previous save is still being encoded, the ``on_busy`` policy decides:
+   ``"wait"`` for it, or ``"skip"`` this one (counted). It returns a :class:`SaveHandle`;
+   training may change its tensors at once.
+2. Background, in save order: the raw payload is hashed; the local blob is published; the
+   state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
+3. Background, per tier, in version order: the blob is written; the manifest logs it durable.
+4. Background, per tier: the ranks exchange what became durable (a side channel, never the
+   training's own process group); a version is *committed* in a tier once every rank's blob of
+   it, and of its base, is durable there. For tiers that outlive the cluster a ``COMMIT`` record
+   listing every blob is written last. ``handle.done(tier)`` resolves; retention then trims the
+   tier (never a base a kept delta needs, never a version still in flight).
+
+Restore: every rank inventories what it can reach, the ranks agree on the newest version every
+one of them can rebuild, each reads it from its fastest source, verifying checksums and falling
+back to the next tier on any missing or corrupt blob. Versions newer than the restored one are
+then removed everywhere, so a later save can never be mixed with a blob of an abandoned future.
+
+Errors in the background never reach training: they are logged (logger ``"tiercheck"``),
+counted in :attr:`Checkpointer.stats`, raised from ``handle.done(tier)``, and the version simply
+does not commit in that tier.
+
+The pipeline runs on a private event loop on its own thread, so it advances while the caller
+computes, whether the caller is synchronous (use :class:`SyncCheckpointer`) or async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import msgpack
+import torch
+
+from tiercheck._loop import LoopThread
+from tiercheck.codec import (
+    BlobMeta,
+    CodecOptions,
+    Layout,
+    RawState,
+    decode,
+    encode_full,
+    encode_packed,
+    finalize_full_blob,
+    flatten,
+    full_blob_size,
+    load_into,
+    raw_digest,
+    read_meta,
+    write_full_blob,
+)
+from tiercheck.consistency.commit import CommitEntry, CommitRecord
+from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
+from tiercheck.consistency.keys import (
+    MAX_VERSION,
+    BlobKind,
+    blob_key,
+    commit_key,
+    parse_blob_key,
+    parse_commit_key,
+    version_prefix,
+)
+from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest, Record
+from tiercheck.consistency.recovery import Inventory, agree, candidates
+from tiercheck.consistency.retention import evictable
+from tiercheck.errors import (
+    BlobNotFound,
+    ConfigError,
+    FormatError,
+    RestoreError,
+    SaveSkipped,
+    TiercheckError,
+    TierClosed,
+    TierNotTargeted,
+    TierWriteFailed,
+    VersionError,
+)
+from tiercheck.staging import StagingBuffer, StagingPool, snapshot
+from tiercheck.tiers.base import (
+    Buffer,
+    FailureScope,
+    Reservation,
+    SupportsPrepare,
+    SupportsReserve,
+    Tier,
+)
+from tiercheck.tiers.local import default_root
+from tiercheck.topology import Topology
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointerStats",
+    "Restored",
+    "SaveHandle",
+    "SaveStats",
+    "TierPolicy",
+    "TierSaveStats",
+]
+
+logger = logging.getLogger("tiercheck")
+
+TierEncoding = Literal["full", "packed"]
+BusyPolicy = Literal["wait", "skip"]
+VersionSelector = Literal["all", "base"] | Callable[[int], bool]
+
+DEFAULT_KEEP = {"local": 2, "peer": 2, "persistent": 3}
+DEFAULT_PERSISTENT_DIR = "tiercheck-checkpoints"
+
+
+# --- public value types ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """What one tier receives and keeps.
+
+    Attributes:
+        keep: how many committed versions the tier retains (bases that kept deltas need are
+            kept on top).
+        encoding: ``"full"`` stores the raw payload as is (fastest to write and read, no base
+            needed); ``"packed"`` stores deltas against a base, byte planes and zstd (smallest).
+        versions: ``"all"``, ``"base"`` (only versions scheduled as bases), or a predicate on
+            the version (bases are always included, since a delta needs its base in the tier).
+    """
+
+    keep: int = 2
+    encoding: TierEncoding = "packed"
+    versions: VersionSelector = "all"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ConfigError(f"a tier must keep at least 1 version, got keep={self.keep!r}")
+        if self.encoding not in ("full", "packed"):
+            raise ConfigError(f"encoding must be 'full' or 'packed', got {self.encoding!r}")
+        if not (self.versions in ("all", "base") or callable(self.versions)):
+            raise ConfigError(
+                "versions must be 'all', 'base' or a callable(version) -> bool, "
+                f"got {self.versions!r}"
+            )
+
+    def targets(self, version: int, scheduled_base: bool) -> bool:
+        """Whether ``version`` goes to this tier."""
+        if self.versions == "all":
+            return True
+        if self.versions == "base":
+            return scheduled_base
+        assert callable(self.versions)
+        return scheduled_base or bool(self.versions(version))
+
+
+@dataclass
+class TierSaveStats:
+    """How one version fared in one tier."""
+
+    state: Literal["pending", "committed", "failed", "skipped"] = "pending"
+    #: Bytes written to the tier for this rank.
+    bytes: int = 0
+    #: Seconds from the start of ``save`` until committed (or failed).
+    seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class SaveStats:
+    """Figures of one save."""
+
+    version: int
+    kind: Literal["base", "delta", "skipped"]
+    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy).
+    stall_s: float = 0.0
+    #: Bytes of the raw payload (every tensor, laid out flat).
+    raw_bytes: int = 0
+    tiers: dict[str, TierSaveStats] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointerStats:
+    """Running totals of a checkpointer."""
+
+    saves: int = 0
+    skipped: int = 0
+    committed: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    last_committed: dict[str, int] = field(default_factory=dict)
+    evicted: dict[str, int] = field(default_factory=dict)
+    stall_s_total: float = 0.0
+    manifest_errors: int = 0
+    restore_fallbacks: int = 0
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The result of a restore."""
+
+    version: int
+    #: The restored state: the caller's own object, filled in place, when one was passed.
+    state: Any
+    #: The tier this rank read from.
+    source_tier: str
+    #: The tier every rank read from, by rank.
+    source_tiers: Mapping[int, str]
+    seconds: float
+
+
+class SaveHandle:
+    """What ``save`` returns: a way to wait for the version to be committed in each tier.
+
+    ``await handle.done("local")`` resolves once the version is committed in that tier (for
+    every rank); ``handle.result("local", timeout)`` is the blocking form. Asking about a tier
+    the version does not go to raises :class:`~tiercheck.errors.TierNotTargeted` at once; a
+    version that could not be committed raises :class:`~tiercheck.errors.TierWriteFailed`;
+    a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
+    """
+
+    def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:
+        self.version = version
+        #: The tiers this version goes to.
+        self.tiers = tuple(tiers)
+        self.stats = stats
+        self._futures: dict[str, concurrent.futures.Future[None]] = {
+            t: concurrent.futures.Future() for t in tiers
+        }
+        for t in tiers:
+            stats.tiers[t] = TierSaveStats()
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the save was skipped by back-pressure."""
+        return self.stats.kind == "skipped"
+
+    def _futures_for(self, tier: str | None) -> list[concurrent.futures.Future[None]]:
+        if tier is None:
+            return list(self._futures.values())
+        try:
+            return [self._futures[tier]]
+        except KeyError:
+            raise TierNotTargeted(
+                f"version {self.version} does not go to the {tier!r} tier "
+                f"(it goes to {list(self.tiers)}); check the tier's `versions` policy"
+            ) from None
+
+    async def done(self, tier: str | None = None) -> None:
+        """Wait until the version is committed in ``tier`` (every targeted tier if ``None``)."""
+        for fut in self._futures_for(tier):
+            await asyncio.wrap_future(fut)
+
+    def result(self, tier: str | None = None, timeout: float | None = None) -> None:
+        """Blocking form of :meth:`done`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for fut in self._futures_for(tier):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            fut.result(left)
+
+    def committed(self, tier: str) -> bool:
+        """Whether the version is committed in ``tier`` already (never blocks)."""
+        fut = self._futures_for(tier)[0]
+        return fut.done() and fut.exception() is None
+
+    def _resolve(self, tier: str, error: BaseException | None = None) -> None:
+        fut = self._futures[tier]
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def __repr__(self) -> str:
+        states = {t: s.state for t, s in self.stats.tiers.items()}
+        return f"SaveHandle(version={self.version}, kind={self.stats.kind!r}, tiers={states})"
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Config:
+    job_id: str
+    topology: Topology
+    node_root: Path
+    tiers: tuple[str | Tier, ...]
+    policies: Mapping[str, TierPolicy]
+    persistent_url: str
+    base_every: int
+    on_busy: BusyPolicy
+    max_pending: int
+    tier_queue: int
+    codec: CodecOptions
+    allow_pickle: bool
+    coordinator: Coordinator | None
+    local_capacity: int | None
+    peer_replicas: int
+    peer_timeout: float
+    threads: int
+
+
+def _check_job_id(job_id: object) -> str:
+    if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ConfigError(
+            f"job_id must be a non-empty name without '/', got {job_id!r}; "
+            "it names the job's folders in every tier"
+        )
+    return job_id
+
+
+# --- pipeline internals ----------------------------------------------------------------------
+
+
+class _Holder:
+    """Reference count on a staging buffer or reservation; frees it when the last user is done."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+        self._refs = 1
+
+    def acquire(self) -> None:
+        self._refs += 1
+
+    def drop(self) -> None:
+        self._refs -= 1
+        if self._refs == 0 and self._release is not None:
+            # Forget the callback too: it references the memory, which must not outlive this.
+            release, self._release = self._release, None
+            release()
+
+
+@dataclass(frozen=True, slots=True)
+class _LaneResult:
+    durable: Durable | None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    version: int
+    kind: Literal["base", "delta", "skipped"]
+    base_version: int | None
+    targets: dict[str, TierEncoding]
+    handle: SaveHandle
+    started: float
+    layout: Layout | None = None
+    payload: torch.Tensor | None = None
+    holder: _Holder | None = None
+    reservation: Reservation | None = None
+    previous: _Job | None = None
+    encoded: asyncio.Event = field(default_factory=asyncio.Event)
+    results: dict[str, asyncio.Future[_LaneResult]] = field(default_factory=dict)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    rounds_left: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _OwnBlob:
+    key: str
+    base: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Base:
+    raw: RawState
+    holder: _Holder
+
+
+class _Engine:
+    """All state and logic; lives on the private loop. See the module docstring."""
+
+    def __init__(self, config: _Config) -> None:
+        self.cfg = config
+        self.topo = config.topology
+        self.rank = config.topology.rank
+        self.stats = CheckpointerStats()
+        self.tiers: list[Tier] = []
+        self.manifest: Manifest | None = None
+        self.coordinator: Coordinator = SoloCoordinator()
+        self.pool = StagingPool()
+        self.cpu = ThreadPoolExecutor(config.threads, thread_name_prefix="tiercheck-cpu")
+        self.manifest_exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
+        self.channel_exec: dict[str, ThreadPoolExecutor] = {}
+        self.lanes: dict[str, asyncio.Queue[tuple[_Job, list[Buffer], BlobMeta] | None]] = {}
+        self.round_queues: dict[str, asyncio.Queue[_Job | None]] = {}
+        # Set while a tier's round worker has nothing left to do (retention included).
+        self.idle: dict[str, asyncio.Event] = {}
+        self.workers: list[asyncio.Task[None]] = []
+        self.pipelines: set[asyncio.Task[None]] = set()
+        self.jobs: set[_Job] = set()
+        self.own: dict[str, dict[int, _OwnBlob]] = {}
+        self.committed: dict[str, set[int]] = {}
+        self.settled: dict[str, int] = {}
+        self.pending: list[_Job] = []
+        self.slot_freed = asyncio.Condition()
+        self.save_lock = asyncio.Lock()
+        self.last_job: _Job | None = None
+        self.last_version: int | None = None
+        self.count = 0
+        self.planned_base: int | None = None
+        self.base: _Base | None = None
+        self.session_started = False
+        self.reserve_size = 0  # size of the last local reservation: the next is likely the same
+        self.opened = False
+        self.closed = False
+
+    # --- opening ------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        cfg = self.cfg
+        for spec in cfg.tiers:
+            tier = spec if isinstance(spec, Tier) else self._make_tier(spec)
+            self.tiers.append(tier)
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        self.tiers.sort(key=lambda t: int(t.survives))
+        if cfg.coordinator is not None:
+            self.coordinator = cfg.coordinator
+        elif self.topo.world_size > 1:
+            from tiercheck.consistency.coordinator import TorchCoordinator
+
+            channels = ["control", *names]
+            self.coordinator = await asyncio.to_thread(
+                TorchCoordinator, channels, timeout=cfg.peer_timeout
+            )
+        try:
+            self.manifest = await asyncio.to_thread(Manifest, cfg.node_root / "manifest")
+        except TiercheckError as exc:
+            self.stats.manifest_errors += 1
+            logger.error("tiercheck: running without a manifest: %s", exc)
+        for tier in self.tiers:
+            self.policy(tier.name)  # fail early on a tier without a policy
+            self.own[tier.name] = await self._list_own(tier)
+            known = set(self.manifest.committed(tier.name)) if self.manifest else set()
+            self.committed[tier.name] = {v for v in known if v in self.own[tier.name]}
+            self.settled[tier.name] = -1
+            self.lanes[tier.name] = asyncio.Queue()
+            self.round_queues[tier.name] = asyncio.Queue()
+            self.idle[tier.name] = asyncio.Event()
+            self.idle[tier.name].set()
+            self.channel_exec[tier.name] = ThreadPoolExecutor(
+                1, thread_name_prefix="tiercheck-sync"
+            )
+            self.workers.append(asyncio.create_task(self._lane_worker(tier)))
+            self.workers.append(asyncio.create_task(self._round_worker(tier)))
+        self.channel_exec["control"] = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-sync")
+        self.opened = True
+
+    def _make_tier(self, name: str) -> Tier:
+        cfg = self.cfg
+        if name == "local":
+            from tiercheck.tiers.local import LocalTier
+
+            return LocalTier(cfg.node_root / "blobs", capacity=cfg.local_capacity)
+        if name == "persistent":
+            from tiercheck.tiers.persistent import PersistentTier
+
+            return PersistentTier(cfg.persistent_url.rstrip("/") + "/" + cfg.job_id)
+        from tiercheck.tiers.registry import get_tier_class
+
+        if name == "peer":
+            # Found through the registry like any plugin; it takes the job's placement.
+            peer: Any = get_tier_class("peer")
+            tier: Tier = peer(
+                topology=self.topo,
+                holder_root=cfg.node_root / "replicas",
+                replicas=cfg.peer_replicas,
+                timeout=cfg.peer_timeout,
+            )
+            return tier
+
+        cls = get_tier_class(name)
+        try:
+            return cls()
+        except TypeError as exc:
+            raise ConfigError(
+                f"the {name!r} tier needs arguments; construct it yourself and pass the instance "
+                f"in `tiers=[...]`: {exc}"
+            ) from exc
+
+    def policy(self, tier: str) -> TierPolicy:
+        try:
+            return self.cfg.policies[tier]
+        except KeyError:
+            raise ConfigError(f"no policy for tier {tier!r}") from None
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise ConfigError(f"no tier named {name!r}")
+
+    def writes_commit_records(self, tier: Tier) -> bool:
+        return tier.survives >= FailureScope.CLUSTER
+
+    async def _list_own(self, tier: Tier) -> dict[int, _OwnBlob]:
+        out: dict[int, _OwnBlob] = {}
+        bases: dict[int, int | None] = {}
+        if self.manifest is not None:
+            durable = await self._in_manifest_thread(
+                self.manifest.blobs, tier.name, None, self.rank
+            )
+            bases = {d.version: d.base for d in durable}
+        async for key in tier.list("v"):
+            parsed = parse_blob_key(key)
+            if parsed is not None and parsed.rank == self.rank:
+                out[parsed.version] = _OwnBlob(key, bases.get(parsed.version))
+        return out
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TierClosed("this checkpointer is closed")
+
+    async def save(self, version: int, state: Any) -> SaveHandle:
+        # One save at a time: the schedule (version, base or delta) is decided in call order.
+        async with self.save_lock:
+            return await self._save(version, state)
+
+    async def _save(self, version: int, state: Any) -> SaveHandle:
+        started = time.perf_counter()
+        self._check_open()
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= MAX_VERSION
+        ):
+            raise VersionError(f"a version must be an int in [0, {MAX_VERSION}], got {version!r}")
+        if self.last_version is not None and version <= self.last_version:
+            raise VersionError(
+                f"versions must increase: version {version} after {self.last_version}; "
+                "after restoring v, save versions greater than v"
+            )
+        # Inline: pure Python walking the state, shorter than a hop to a thread and back.
+        layout, tensors = flatten(state, allow_pickle=self.cfg.allow_pickle)
+        if not self.session_started:
+            await self._check_fresh_start(version)
+        scheduled_base = self.count % self.cfg.base_every == 0
+        targets = {
+            t.name: self.policy(t.name).encoding
+            for t in self.tiers
+            if self.policy(t.name).targets(version, scheduled_base)
+        }
+        busy = len(self.pending) >= self.cfg.max_pending
+        if busy and self.cfg.on_busy == "skip":
+            self._consume(version)
+            return self._skip(version, targets, started)
+        if busy:
+            async with self.slot_freed:
+                await self.slot_freed.wait_for(lambda: len(self.pending) < self.cfg.max_pending)
+        kind: Literal["base", "delta"] = (
+            "base" if scheduled_base or self.planned_base is None else "delta"
+        )
+        stats = SaveStats(version, kind, raw_bytes=layout.payload_nbytes)
+        handle = SaveHandle(version, list(targets), stats)
+        job = _Job(
+            version=version,
+            kind=kind,
+            base_version=None if kind == "base" else self.planned_base,
+            targets=targets,
+            handle=handle,
+            started=started,
+            layout=layout,
+        )
+        await self._stage(job, tensors)  # a failure here leaves the version unused
+        self._consume(version)
+        if kind == "base":
+            self.planned_base = version
+        stats.stall_s = time.perf_counter() - started
+        self.stats.stall_s_total += stats.stall_s
+        self._launch(job)
+        return handle
+
+    def _consume(self, version: int) -> None:
+        """The save of ``version`` happened (possibly as a skip): advance the schedule."""
+        self.session_started = True
+        self.last_version = version
+        self.count += 1
+        self.stats.saves += 1
+
+    def _skip(self, version: int, targets: dict[str, TierEncoding], started: float) -> SaveHandle:
+        stats = SaveStats(version, "skipped", stall_s=time.perf_counter() - started)
+        handle = SaveHandle(version, list(targets), stats)
+        self.stats.skipped += 1
+        job = _Job(version, "skipped", None, targets, handle, started)
+        job.encoded.set()
+        for name in targets:
+            fut: asyncio.Future[_LaneResult] = asyncio.get_running_loop().create_future()
+            fut.set_result(_LaneResult(None, SaveSkipped(f"version {version} was skipped")))
+            job.results[name] = fut
+            stats.tiers[name].state = "skipped"
+        self._log(Abort(version, self.rank, "skipped: previous save still in flight"))
+        self._launch(job, pipeline=False)
+        return handle
+
+    async def _stage(self, job: _Job, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the state into host memory: the local tier's own memory where possible."""
+        layout = job.layout
+        assert layout is not None
+        local = next((t for t in self.tiers if t.name == "local"), None)
+        if (
+            local is not None
+            and job.targets.get("local") == "full"
+            and isinstance(local, SupportsReserve)
+        ):
+            size, offset = full_blob_size(layout, version=job.version, rank=self.rank)
+            self.reserve_size = size
+            reservation = await local.reserve(blob_key(job.version, self.rank, "full"), size)
+            try:
+                write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
+                whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
+                payload = whole[offset : offset + layout.payload_nbytes]
+                await asyncio.to_thread(snapshot, layout, tensors, payload)
+            except BaseException:
+                await reservation.abort()
+                raise
+            job.reservation = reservation
+            job.payload = payload
+            job.holder = _Holder(reservation.release)
+        else:
+            lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
+            try:
+                await asyncio.to_thread(snapshot, layout, tensors, lent.data)
+            except BaseException:
+                self.pool.release(lent)
+                raise
+            job.payload = lent.data
+            job.holder = _Holder(lambda: self.pool.release(lent))
+
+    def _launch(self, job: _Job, *, pipeline: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        if pipeline:
+            job.previous = self.last_job
+            self.last_job = job
+        for name in job.targets:
+            if name not in job.results:
+                job.results[name] = loop.create_future()
+            self.round_queues[name].put_nowait(job)
+            self.idle[name].clear()
+        job.rounds_left = len(job.targets)
+        self.jobs.add(job)
+        if not job.targets:
+            job.finished.set()
+        if pipeline:
+            self.pending.append(job)
+            task = asyncio.create_task(self._pipeline(job))
+            self.pipelines.add(task)
+            task.add_done_callback(self.pipelines.discard)
+
+    async def _pipeline(self, job: _Job) -> None:
+        """Hash, publish locally, encode for the other tiers, hand blobs to the tier lanes."""
+        assert job.layout is not None
+        assert job.payload is not None
+        assert job.holder is not None
+        try:
+            if job.previous is not None:
+                await job.previous.encoded.wait()
+                job.previous = None  # a chain of finished jobs would keep their memory alive
+            self._log(
+                Begin(
+                    job.version,
+                    self.rank,
+                    "delta" if job.kind == "delta" else "base",
+                    job.base_version,
+                )
+            )
+            digest = await asyncio.to_thread(raw_digest, job.payload, executor=self.cpu)
+            raw = RawState(job.version, job.layout, job.payload, digest)
+            base: RawState | None = None
+            if job.kind == "delta":
+                if self.base is not None and self.base.raw.version == job.base_version:
+                    base = self.base.raw
+                else:
+                    logger.warning(
+                        "tiercheck: base %s of version %s is unavailable; encoding it as a base",
+                        job.base_version,
+                        job.version,
+                    )
+                    job.kind = "base"
+                    job.handle.stats.kind = "base"
+            if job.reservation is not None:
+                await self._publish_reserved(job, digest)
+            encoded: dict[TierEncoding, tuple[list[Buffer], BlobMeta]] = {}
+            for name, encoding in job.targets.items():
+                if name == "local" and job.reservation is not None:
+                    continue
+                if encoding not in encoded:
+                    encoded[encoding] = await self._encode(raw, encoding, base)
+                parts, meta = encoded[encoding]
+                if self.lanes[name].qsize() >= self.cfg.tier_queue:
+                    self._lane_done(
+                        job,
+                        name,
+                        None,
+                        TierWriteFailed(
+                            f"the {name!r} tier is {self.cfg.tier_queue} versions behind; "
+                            f"version {job.version} was dropped for it"
+                        ),
+                    )
+                    continue
+                if encoding == "full":
+                    job.holder.acquire()  # the parts reference the staged payload
+                self.lanes[name].put_nowait((job, parts, meta))
+            if job.kind == "base":
+                self.planned_base = job.version
+                job.holder.acquire()
+                old, self.base = self.base, _Base(raw, job.holder)
+                if old is not None:
+                    old.holder.drop()
+        except Exception as exc:
+            logger.exception("tiercheck: encoding version %s failed", job.version)
+            self._log(Abort(job.version, self.rank, f"encoding failed: {exc!r}"))
+            if (
+                job.reservation is not None
+                and "local" in job.results
+                and not job.results["local"].done()
+            ):
+                with contextlib.suppress(Exception):
+                    await job.reservation.abort()
+            for name in job.targets:
+                self._lane_done(
+                    job,
+                    name,
+                    None,
+                    TierWriteFailed(f"version {job.version} could not be encoded: {exc!r}"),
+                    cause=exc,
+                )
+            if job.kind == "base" and self.planned_base == job.version:
+                self.planned_base = None
+        finally:
+            job.holder.drop()
+            # The holder (and, for a base, self.base) keeps the payload for as long as it is
+            # needed; the job itself must not, or finished saves would pin their memory.
+            job.payload = None
+            job.reservation = None
+            job.encoded.set()
+            if job in self.pending:
+                self.pending.remove(job)
+            async with self.slot_freed:
+                self.slot_freed.notify_all()
+
+    async def _publish_reserved(self, job: _Job, digest: int) -> None:
+        reservation = job.reservation
+        assert reservation is not None
+        try:
+            meta = await asyncio.to_thread(
+                finalize_full_blob, reservation.buffer, raw_digest=digest, executor=self.cpu
+            )
+            await reservation.commit()
+        except Exception as exc:
+            logger.exception(
+                "tiercheck: publishing version %s in the local tier failed", job.version
+            )
+            with contextlib.suppress(Exception):
+                await reservation.abort()
+            self._lane_done(
+                job,
+                "local",
+                None,
+                TierWriteFailed(
+                    f"version {job.version} could not be written to the local tier: {exc!r}"
+                ),
+                cause=exc,
+            )
+            return
+        durable = self._durable(job, "local", reservation.key, meta)
+        self._lane_done(job, "local", durable)
+
+    async def _encode(
+        self, raw: RawState, encoding: TierEncoding, base: RawState | None
+    ) -> tuple[list[Buffer], BlobMeta]:
+        if encoding == "full":
+            return encode_full(raw, rank=self.rank)
+        return await asyncio.to_thread(
+            encode_packed, raw, rank=self.rank, base=base, options=self.cfg.codec, executor=self.cpu
+        )
+
+    def _durable(self, job: _Job, tier: str, key: str, meta: BlobMeta) -> Durable:
+        base = meta.base.version if meta.base is not None else None
+        record = Durable(
+            job.version, self.rank, tier, key, meta.nbytes, meta.checksum, meta.raw_digest, base
+        )
+        self.own[tier][job.version] = _OwnBlob(key, base)
+        self._log(record)
+        stats = job.handle.stats.tiers[tier]
+        stats.bytes = meta.nbytes
+        return record
+
+    def _lane_done(
+        self,
+        job: _Job,
+        tier: str,
+        durable: Durable | None,
+        error: BaseException | None = None,
+        *,
+        cause: BaseException | None = None,
+    ) -> None:
+        fut = job.results[tier]
+        if fut.done():
+            return
+        if error is not None and cause is not None:
+            error.__cause__ = cause
+        fut.set_result(_LaneResult(durable, error))
+
+    async def _lane_worker(self, tier: Tier) -> None:
+        """Write blobs to one tier, one at a time, in version order."""
+        queue = self.lanes[tier.name]
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            job, parts, meta = item
+            kind: BlobKind = "full" if meta.kind == "full" else "packed"
+            key = blob_key(job.version, self.rank, kind)
+            try:
+                await tier.putv(key, parts)
+            except Exception as exc:
+                logger.warning(
+                    "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
+                )
+                self._lane_done(
+                    job,
+                    tier.name,
+                    None,
+                    TierWriteFailed(
+                        f"version {job.version} could not be written to the "
+                        f"{tier.name!r} tier: {exc!r}"
+                    ),
+                    cause=exc,
+                )
+            else:
+                self._lane_done(job, tier.name, self._durable(job, tier.name, key, meta))
+            finally:
+                if kind == "full" and job.holder is not None:
+                    job.holder.drop()
+                # Do not keep the last blob alive while waiting for the next one.
+                del item, parts
+
+    # --- committing ---------------------------------------------------------------------------
+
+    async def _round_worker(self, tier: Tier) -> None:
+        """Decide, version by version, whether each is committed in ``tier`` for every rank."""
+        queue = self.round_queues[tier.name]
+        while True:
+            job = await queue.get()
+            if job is None:
+                return
+            try:
+                await self._round(tier, job)
+            except Exception as exc:
+                logger.exception(
+                    "tiercheck: committing version %s in %r failed", job.version, tier.name
+                )
+                self._fail(
+                    job,
+                    tier.name,
+                    TierWriteFailed(
+                        f"version {job.version} could not be committed in the "
+                        f"{tier.name!r} tier: {exc!r}"
+                    ),
+                )
+            finally:
+                self.settled[tier.name] = max(self.settled[tier.name], job.version)
+                job.rounds_left -= 1
+                if job.rounds_left == 0:
+                    job.finished.set()
+                    self.jobs.discard(job)
+            try:
+                await self._retain(tier)
+            except Exception:
+                logger.exception("tiercheck: retention in the %r tier failed", tier.name)
+            if isinstance(tier, SupportsPrepare) and self.reserve_size and queue.empty():
+                # Retention just freed memory to recycle: ready the next snapshot's, so the
+                # next save's reserve costs a rename instead of sizing and mapping pages.
+                try:
+                    await tier.prepare(self.reserve_size)
+                except Exception:
+                    logger.exception("tiercheck: preparing memory in %r failed", tier.name)
+            if queue.empty():
+                self.idle[tier.name].set()
+
+    async def _exchange(self, channel: str, payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+        if self.coordinator.world_size == 1:
+            return [dict(payload)]
+        packed = msgpack.packb(payload, use_bin_type=True)
+        loop = asyncio.get_running_loop()
+        gathered = await loop.run_in_executor(
+            self.channel_exec[channel], self.coordinator.all_gather, channel, packed
+        )
+        return [msgpack.unpackb(g, raw=False) for g in gathered]
+
+    async def _round(self, tier: Tier, job: _Job) -> None:
+        name = tier.name
+        result = await job.results[name]
+        durable = result.durable
+        ok = durable is not None and (durable.base is None or durable.base in self.committed[name])
+        mine: dict[str, Any] = {"ok": ok}
+        if durable is not None:
+            mine.update(
+                key=durable.key,
+                size=durable.size,
+                checksum=durable.checksum,
+                raw_digest=durable.raw_digest,
+                base=durable.base,
+            )
+        everyone = await self._exchange(name, mine)
+        failed = [r for r, e in enumerate(everyone) if not e["ok"]]
+        if not failed and self.writes_commit_records(tier):
+            failed = await self._write_commit_record(tier, job.version, everyone)
+        if failed:
+            if result.error is not None:
+                error: BaseException = result.error
+            elif (
+                durable is not None
+                and durable.base is not None
+                and durable.base not in self.committed[name]
+            ):
+                error = TierWriteFailed(
+                    f"version {job.version} is a delta on base {durable.base}, which is not "
+                    f"committed in the {name!r} tier"
+                )
+            else:
+                error = TierWriteFailed(
+                    f"version {job.version} is not whole in the {name!r} tier: "
+                    f"ranks {failed} could not make it durable"
+                )
+            self._fail(job, name, error)
+            return
+        self.committed[name].add(job.version)
+        self._log(Commit(job.version, name))
+        stats = job.handle.stats.tiers[name]
+        stats.state = "committed"
+        stats.seconds = time.perf_counter() - job.started
+        self.stats.committed[name] = self.stats.committed.get(name, 0) + 1
+        self.stats.last_committed[name] = job.version
+        job.handle._resolve(name)
+
+    async def _write_commit_record(
+        self, tier: Tier, version: int, everyone: list[dict[str, Any]]
+    ) -> list[int]:
+        """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed."""
+        ok = True
+        if self.rank == 0:
+            record = CommitRecord(
+                job_id=self.cfg.job_id,
+                version=version,
+                world_size=len(everyone),
+                time=time.time(),
+                entries=tuple(
+                    CommitEntry(
+                        rank=r,
+                        key=e["key"],
+                        size=e["size"],
+                        checksum=e["checksum"],
+                        raw_digest=e["raw_digest"],
+                        base=e["base"],
+                    )
+                    for r, e in enumerate(everyone)
+                ),
+            )
+            try:
+                await tier.put(commit_key(version), record.to_bytes())
+            except Exception:
+                logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
+                ok = False
+        confirmed = await self._exchange(tier.name, {"ok": ok})
+        return [] if confirmed[0]["ok"] else [0]
+
+    def _fail(self, job: _Job, tier: str, error: BaseException) -> None:
+        stats = job.handle.stats.tiers[tier]
+        if stats.state == "pending":
+            stats.state = "failed"
+            stats.error = str(error)
+            stats.seconds = time.perf_counter() - job.started
+        if job.kind != "skipped":
+            self.stats.failed[tier] = self.stats.failed.get(tier, 0) + 1
+        job.handle._resolve(tier, error)
+
+    async def _retain(self, tier: Tier) -> None:
+        name = tier.name
+        doomed = evictable(
+            committed=self.committed[name],
+            own={v: b.base for v, b in self.own[name].items()},
+            keep=self.policy(name).keep,
+            # Rounds run in version order, so everything newer than `settled` is in flight
+            # in this tier and stays; in flight elsewhere does not matter here.
+            settled_upto=self.settled[name],
+        )
+        for version in doomed:
+            await self._evict(tier, version, "retention")
+
+    async def _evict(self, tier: Tier, version: int, reason: str) -> None:
+        name = tier.name
+        if self.rank == 0 and self.writes_commit_records(tier):
+            await tier.delete(commit_key(version))
+        blob = self.own[name].pop(version, None)
+        if blob is not None:
+            await tier.delete(blob.key)
+        self.committed[name].discard(version)
+        self.stats.evicted[name] = self.stats.evicted.get(name, 0) + 1
+        self._log(Evict(version, self.rank, name, reason))
+
+    async def _check_fresh_start(self, version: int) -> None:
+        """Refuse a first save that would mix with versions already stored for this job.
+
+        Without a restore, saving version ``v`` while versions ``>= v`` are stored would let a
+        later restore combine blobs of two different runs; deleting them instead would destroy
+        checkpoints on a mistake. So this is an error with a way out.
+        """
+        stored = [(name, v) for name, blobs in self.own.items() for v in blobs if v >= version]
+        if stored:
+            newest = max(v for _, v in stored)
+            raise VersionError(
+                f"job {self.cfg.job_id!r} already stores version {newest} (>= {version}) in "
+                f"{sorted({n for n, _ in stored})}; call restore() first to continue that run, "
+                "use a new job_id to start another, or remove the old versions with `tiercheck gc`"
+            )
+
+    async def _truncate_from(self, first: int, reason: str) -> None:
+        """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
+        for tier in self.tiers:
+            doomed = {v for v in self.own[tier.name] if v >= first}
+            if self.rank == 0 and self.writes_commit_records(tier):
+                async for key in tier.list("v"):
+                    v = parse_commit_key(key)
+                    if v is not None and v >= first:
+                        doomed.add(v)
+            for version in sorted(doomed, reverse=True):
+                try:
+                    await self._evict(tier, version, reason)
+                except Exception:
+                    logger.exception(
+                        "tiercheck: removing version %s from %r failed", version, tier.name
+                    )
+
+    # --- manifest -----------------------------------------------------------------------------
+
+    def _log(self, *records: Record) -> None:
+        """Append to the manifest in its own thread; failures are logged and counted."""
+        if self.manifest is None:
+            return
+        manifest = self.manifest
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.manifest_exec, manifest.append, *records)
+        fut.add_done_callback(self._manifest_done)
+
+    def _manifest_done(self, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.stats.manifest_errors += 1
+            logger.error("tiercheck: manifest write failed: %r", exc)
+
+    async def _in_manifest_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.manifest_exec, fn, *args)
+
+    # --- waiting and restoring ----------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Wait until every save so far is committed or failed in every tier, and the
+        background work that follows (retention, preparing memory) is done too."""
+        while self.jobs:
+            job = next(iter(self.jobs))
+            await job.finished.wait()
+            self.jobs.discard(job)
+        for event in self.idle.values():
+            await event.wait()
+        if self.manifest is not None:
+            await self._in_manifest_thread(lambda: None)
+
+    async def _inventory(self) -> Inventory:
+        by_tier: dict[str, frozenset[int]] = {}
+        for tier in self.tiers:
+            try:
+                if self.writes_commit_records(tier):
+                    versions = set()
+                    async for key in tier.list("v"):
+                        v = parse_commit_key(key)
+                        if v is not None:
+                            versions.add(v)
+                else:
+                    self.own[tier.name] = await self._list_own(tier)
+                    versions = set(self.own[tier.name])
+            except Exception as exc:
+                logger.warning("tiercheck: cannot list the %r tier for restore: %r", tier.name, exc)
+                versions = set()
+            by_tier[tier.name] = frozenset(versions)
+        return Inventory(self.rank, by_tier)
+
+    async def _own_key(self, tier: Tier, version: int) -> str:
+        if self.writes_commit_records(tier):
+            record = CommitRecord.from_bytes(bytes(await tier.get(commit_key(version))))
+            if record.world_size != self.topo.world_size:
+                raise RestoreError(
+                    f"version {version} was saved by {record.world_size} ranks; this job has "
+                    f"{self.topo.world_size} (resharding on restore is not supported)"
+                )
+            return record.entry(self.rank).key
+        keys = [k async for k in tier.list(version_prefix(version))]
+        mine = sorted(
+            (p.kind, k)
+            for k in keys
+            if (p := parse_blob_key(k)) is not None and p.rank == self.rank
+        )
+        if not mine:
+            raise BlobNotFound(
+                f"rank {self.rank} has no blob of version {version} in {tier.name!r}"
+            )
+        return mine[0][1]  # "full" sorts before "packed": the cheaper read
+
+    async def _read(self, tier: Tier, version: int, *, as_base: bool = False) -> RawState:
+        key = await self._own_key(tier, version)
+        blob = await tier.get(key)
+        meta = await asyncio.to_thread(read_meta, blob)
+        if meta.version != version or meta.rank != self.rank:
+            raise FormatError(
+                f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
+            )
+        base: RawState | None = None
+        if meta.base is not None:
+            if as_base:
+                raise FormatError(f"{key} is a delta, but deltas are read only against a base")
+            base = await self._read(tier, meta.base.version, as_base=True)
+        return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu)
+
+    async def restore(self, state: Any, version: int | None) -> Restored | None:
+        started = time.perf_counter()
+        self._check_open()
+        await self.wait()
+        mine = await self._inventory()
+        everyone = [
+            Inventory.from_wire(r, e["inv"])
+            for r, e in enumerate(await self._exchange("control", {"inv": mine.to_wire()}))
+        ]
+        if version is not None and version not in candidates(everyone):
+            raise RestoreError(
+                f"version {version} cannot be rebuilt by every rank; rank {self.rank} can "
+                f"rebuild {sorted(mine.versions())}"
+            )
+        excluded: set[int] = set()
+        while True:
+            chosen = (
+                version if version is not None else agree(everyone, excluded=frozenset(excluded))
+            )
+            if chosen is None:
+                # Nothing here is restorable (torn or corrupt): clear it so that new saves
+                # never mix with it.
+                await self._truncate_from(0, reason="restore: nothing restorable")
+                self.session_started = True
+                return None
+            raw, source = await self._fetch(chosen, mine)
+            verdicts = await self._exchange("control", {"ok": raw is not None, "source": source})
+            if all(v["ok"] for v in verdicts):
+                break
+            bad = [r for r, v in enumerate(verdicts) if not v["ok"]]
+            if version is not None:
+                raise RestoreError(f"version {version} failed verification on ranks {bad}")
+            logger.warning(
+                "tiercheck: version %s failed verification on ranks %s; trying older", chosen, bad
+            )
+            excluded.add(chosen)
+        assert raw is not None
+        assert source is not None
+        await self._truncate_from(chosen + 1, reason="restore: abandoned future")
+        self.session_started = True
+        self.last_version = chosen
+        self.count = 0
+        self.planned_base = None
+        if self.base is not None:
+            self.base.holder.drop()
+            self.base = None
+        restored_state = raw.state(allow_pickle=self.cfg.allow_pickle)
+        if state is not None:
+            restored_state = load_into(state, restored_state)
+        return Restored(
+            version=chosen,
+            state=restored_state,
+            source_tier=source,
+            source_tiers={r: v["source"] for r, v in enumerate(verdicts)},
+            seconds=time.perf_counter() - started,
+        )
+
+    async def _fetch(self, version: int, mine: Inventory) -> tuple[RawState | None, str | None]:
+        for name in mine.sources(version):
+            try:
+                return await self._read(self.tier(name), version), name
+            except Exception as exc:
+                self.stats.restore_fallbacks += 1
+                logger.warning(
+                    "tiercheck: version %s from the %r tier is unusable (%r); trying the next tier",
+                    version,
+                    name,
+                    exc,
+                )
+        return None, None
+
+    async def versions(self) -> dict[str, list[int]]:
+        """Committed versions per tier, as this rank knows them."""
+        return {name: sorted(vs) for name, vs in self.committed.items()}
+
+    # --- closing ------------------------------------------------------------------------------
+
+    async def aclose(self, flush: bool) -> None:
+        if self.closed:
+            return
+        if flush:
+            await self.wait()
+        self.closed = True
+        for name in self.lanes:
+            self.lanes[name].put_nowait(None)
+            self.round_queues[name].put_nowait(None)
+        if flush:
+            await asyncio.gather(*self.workers, return_exceptions=True)
+        else:
+            for task in [*self.workers, *self.pipelines]:
+                task.cancel()
+        if self.base is not None:
+            self.base.holder.drop()
+            self.base = None
+        for tier in self.tiers:
+            try:
+                await tier.aclose()
+            except Exception:
+                logger.exception("tiercheck: closing the %r tier failed", tier.name)
+        self.manifest_exec.shutdown(wait=True)
+        if self.manifest is not None:
+            self.manifest.close()
+        for ex in self.channel_exec.values():
+            ex.shutdown(wait=flush)
+        self.coordinator.close()
+        self.cpu.shutdown(wait=flush)
+        self.pool.clear()
+
+
+# --- the public face -------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Tiered, asynchronous checkpointing of one rank's training state.
+
+    ``save`` blocks only while the state is copied to host memory; the rest happens in the
+    background (see the module docstring for the order of events). ``restore`` returns the
+    newest version every rank can rebuild, from the fastest tier that has it.
+
+    Args:
+        job_id: names the job; everything it stores sits under this name.
+        persistent: an fsspec URL for durable storage (``file://``, ``s3://``, ``memory://``,
+            ...), or ``None`` for ``./tiercheck-checkpoints``.
+        local_root: this node's shared-memory folder (default ``/dev/shm/tiercheck/<job>/<node>``).
+        tiers: tier names or :class:`~tiercheck.tiers.Tier` instances, any order (they are
+            used fastest first). Default: ``local`` + ``persistent``, plus ``peer`` when the job
+            spans more than one node.
+        base_every: every ``base_every``-th save is a base, the others deltas against it.
+        keep: versions each tier retains: one number for all tiers or a mapping by tier name
+            (defaults: local 2, peer 2, persistent 3).
+        persist: which versions go to tiers that outlive the cluster: ``"base"`` (default),
+            ``"all"``, or a predicate on the version (bases always go).
+        encodings: ``"full"`` or ``"packed"`` per tier name (default: ``full`` for the local
+            tier, ``packed`` elsewhere).
+        policies: full :class:`TierPolicy` objects by tier name (override the three above).
+        on_busy: ``"wait"`` (default) or ``"skip"`` when the previous save is still encoding.
+        max_pending: how many saves may be encoding at once before ``on_busy`` applies.
+        tier_queue: how many encoded versions may wait for one tier before newer ones are
+            dropped for that tier (a slow remote store never blocks training).
+        codec: compression options for packed blobs.
+        allow_pickle: admit arbitrary Python objects in the state through pickle (off: a
+            checkpoint from a stranger must not be able to run code).
+        rank, world_size, ranks_per_node: placement; detected from torch.distributed and the
+            launcher's environment when not given.
+        node: the node's name (default ``node<index>``).
+        coordinator: how ranks agree (default: none for one rank, dedicated gloo groups for more).
+        local_capacity: bytes the local tier may use.
+        peer_replicas, peer_timeout: peer tier replica count and the seconds any exchange with
+            another rank may take before failing.
+        threads: worker threads for hashing and compression (default: every core).
+
+    Memory: staging costs one copy of the state (in the local tier's memory when it is used),
+    a second copy is held as the delta base when a packed tier receives deltas, and each
+    tier's queue holds at most ``tier_queue`` encoded versions.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        persistent: str | None = None,
+        local_root: str | os.PathLike[str] | None = None,
+        tiers: Sequence[str | Tier] | None = None,
+        base_every: int = 10,
+        keep: int | Mapping[str, int] | None = None,
+        persist: VersionSelector = "base",
+        encodings: Mapping[str, TierEncoding] | None = None,
+        policies: Mapping[str, TierPolicy] | None = None,
+        on_busy: BusyPolicy = "wait",
+        max_pending: int = 1,
+        tier_queue: int = 4,
+        codec: CodecOptions | None = None,
+        allow_pickle: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
+        node: str | None = None,
+        coordinator: Coordinator | None = None,
+        local_capacity: int | None = None,
+        peer_replicas: int = 1,
+        peer_timeout: float = 300.0,
+        threads: int = 0,
+    ) -> None:
+        job_id = _check_job_id(job_id)
+        if not isinstance(base_every, int) or base_every < 1:
+            raise ConfigError(f"base_every must be a positive int, got {base_every!r}")
+        if on_busy not in ("wait", "skip"):
+            raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if max_pending < 1 or tier_queue < 1:
+            raise ConfigError("max_pending and tier_queue must be at least 1")
+        topology = Topology.detect(rank, world_size, ranks_per_node)
+        if coordinator is not None and (
+            coordinator.rank != topology.rank or coordinator.world_size != topology.world_size
+        ):
+            raise ConfigError(
+                f"the coordinator is rank {coordinator.rank} of {coordinator.world_size}, "
+                f"the checkpointer rank {topology.rank} of {topology.world_size}"
+            )
+        if tiers is None:
+            tiers = (
+                ("local", "peer", "persistent")
+                if topology.num_nodes > 1
+                else ("local", "persistent")
+            )
+        if not tiers:
+            raise ConfigError("a checkpointer needs at least one tier")
+        tier_names = [t.name if isinstance(t, Tier) else t for t in tiers]
+        for t in tiers:
+            if not isinstance(t, (str, Tier)):
+                raise ConfigError(f"a tier is a name or a Tier instance, got {t!r}")
+        keep_map: dict[str, int] = {}
+        for name in tier_names:
+            if isinstance(keep, int):
+                keep_map[name] = keep
+            elif keep is not None and name in keep:
+                keep_map[name] = keep[name]
+            else:
+                keep_map[name] = DEFAULT_KEEP.get(name, 2)
+        if isinstance(keep, Mapping):
+            unknown = set(keep) - set(tier_names)
+            if unknown:
+                raise ConfigError(f"keep names tiers that are not in use: {sorted(unknown)}")
+        resolved: dict[str, TierPolicy] = {}
+        for spec, name in zip(tiers, tier_names, strict=True):
+            durable = (
+                spec.survives >= FailureScope.CLUSTER
+                if isinstance(spec, Tier)
+                else name == "persistent"
+            )
+            encoding: TierEncoding = (encodings or {}).get(
+                name, "full" if name == "local" else "packed"
+            )
+            resolved[name] = TierPolicy(
+                keep=keep_map[name], encoding=encoding, versions=persist if durable else "all"
+            )
+        resolved.update(policies or {})
+        if persistent is None:
+            persistent = Path(DEFAULT_PERSISTENT_DIR).resolve().as_uri()
+        root = (
+            Path(local_root)
+            if local_root is not None
+            else default_root(job_id, node or topology.node_name)
+        )
+        self._config = _Config(
+            job_id=job_id,
+            topology=topology,
+            node_root=root,
+            tiers=tuple(tiers),
+            policies=resolved,
+            persistent_url=persistent,
+            base_every=base_every,
+            on_busy=on_busy,
+            max_pending=max_pending,
+            tier_queue=tier_queue,
+            codec=codec or CodecOptions(),
+            allow_pickle=allow_pickle,
+            coordinator=coordinator,
+            local_capacity=local_capacity,
+            peer_replicas=peer_replicas,
+            peer_timeout=peer_timeout,
+            threads=threads or os.cpu_count() or 1,
+        )
+        self._loop: LoopThread | None = None
+        self._engine: _Engine | None = None
+        self._closed = False
+
+    # --- properties ---------------------------------------------------------------------------
+
+    @property
+    def job_id(self) -> str:
+        """The job's name."""
+        return self._config.job_id
+
+    @property
+    def topology(self) -> Topology:
+        """Where this rank sits."""
+        return self._config.topology
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers in use, fastest first (after opening; configuration order before)."""
+        if self._engine is not None and self._engine.tiers:
+            return [t.name for t in self._engine.tiers]
+        return [t.name if isinstance(t, Tier) else t for t in self._config.tiers]
+
+    @property
+    def policies(self) -> Mapping[str, TierPolicy]:
+        """The policy of each tier."""
+        return dict(self._config.policies)
+
+    @property
+    def node_root(self) -> Path:
+        """This node's shared-memory folder."""
+        return self._config.node_root
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Running totals (a snapshot copy)."""
+        if self._engine is None:
+            return CheckpointerStats()
+        return replace(self._engine.stats)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def _start(self) -> tuple[LoopThread, _Engine]:
+        if self._closed:
+            raise TierClosed(f"the checkpointer of job {self.job_id!r} is closed")
+        if self._engine is None or self._loop is None:
+            self._loop = LoopThread(
+                f"tiercheck-{self._config.job_id}-r{self._config.topology.rank}"
+            )
+            self._engine = _Engine(self._config)
+        return self._loop, self._engine
+
+    async def open(self) -> Checkpointer:
+        """Open tiers, manifest and coordination (done on first use if not called)."""
+        if self._engine is not None and self._engine.opened:
+            return self
+        loop, engine = self._start()
+        try:
+            await loop.run(engine.open())
+        except BaseException:
+            await self._shutdown(flush=False)
+            raise
+        return self
+
+    async def _ensure_open(self) -> tuple[LoopThread, _Engine]:
+        if self._closed:
+            raise TierClosed(f"the checkpointer of job {self.job_id!r} is closed")
+        if self._engine is None or not self._engine.opened:
+            await self.open()
+        assert self._loop is not None
+        assert self._engine is not None
+        return self._loop, self._engine
+
+    async def __aenter__(self) -> Checkpointer:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def save(self, version: int, state: Any) -> SaveHandle:
+        """Snapshot ``state`` as ``version`` and return once training may modify it again."""
+        loop, engine = await self._ensure_open()
+        return await loop.run(engine.save(version, state))
+
+    async def restore(self, state: Any = None, *, version: int | None = None) -> Restored | None:
+        """Restore the newest version every rank can rebuild (or exactly ``version``).
+
+        With ``state`` given, tensors are copied into the caller's own tensors (optimizers keep
+        their references) and the filled object is returned as ``Restored.state``. Returns
+        ``None`` when no version is restorable. Every rank must call it (it is collective).
+        """
+        loop, engine = await self._ensure_open()
+        return await loop.run(engine.restore(state, version))
+
+    async def wait(self) -> None:
+        """Wait until every save so far is committed or failed in each of its tiers."""
+        loop, engine = await self._ensure_open()
+        await loop.run(engine.wait())
+
+    async def versions(self) -> dict[str, list[int]]:
+        """Versions committed in each tier, as known to this rank."""
+        loop, engine = await self._ensure_open()
+        return await loop.run(engine.versions())
+
+    async def aclose(self, *, flush: bool = True) -> None:
+        """Finish the saves in flight (unless ``flush=False``), then release everything."""
+        await self._shutdown(flush=flush)
+
+    async def _shutdown(self, *, flush: bool) -> None:
+        self._closed = True
+        if self._loop is None or self._engine is None:
+            return
+        loop, engine = self._loop, self._engine
+        try:
+            await loop.run(engine.aclose(flush))
+        finally:
+            loop.stop()
+            self._loop = None
+
+    def _abandon(self) -> None:
+        """Stop dead, as a crashed process would (for tests): nothing is flushed or closed."""
+        self._closed = True
+        if self._loop is not None:
+            if self._engine is not None:
+                self._engine.closed = True
+            self._loop.stop()
+            self._loop = None

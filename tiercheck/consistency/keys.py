@@ -1,0 +1,71 @@
+"""How versions, ranks and commit records are named inside a tier.
+
+Keys sort by version as plain strings (fixed-width decimal), so a listing reads in order::
+
+    v000000000042/r00003.full     rank 3's blob of version 42, stored whole (raw payload)
+    v000000000042/r00003.packed   the same, through the delta/planes/zstd pipeline
+    v000000000042/COMMIT          the persistent tier's proof that version 42 is whole
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "BlobKey",
+    "blob_key",
+    "commit_key",
+    "parse_blob_key",
+    "parse_commit_key",
+    "version_prefix",
+]
+
+BlobKind = Literal["full", "packed"]
+_BLOB = re.compile(r"^v(\d{12})/r(\d{5})\.(full|packed)$")
+_COMMIT = re.compile(r"^v(\d{12})/COMMIT$")
+MAX_VERSION = 10**12 - 1
+MAX_RANK = 10**5 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BlobKey:
+    """The parts of a blob key."""
+
+    version: int
+    rank: int
+    kind: BlobKind
+
+    def __str__(self) -> str:
+        return blob_key(self.version, self.rank, self.kind)
+
+
+def version_prefix(version: int) -> str:
+    """The key prefix shared by everything stored for ``version``."""
+    return f"v{version:012d}/"
+
+
+def blob_key(version: int, rank: int, kind: BlobKind) -> str:
+    """The key of ``rank``'s blob of ``version``."""
+    return f"{version_prefix(version)}r{rank:05d}.{kind}"
+
+
+def commit_key(version: int) -> str:
+    """The key of the persistent ``COMMIT`` record of ``version``."""
+    return f"{version_prefix(version)}COMMIT"
+
+
+def parse_blob_key(key: str) -> BlobKey | None:
+    """The parts of a blob key, or ``None`` when ``key`` is not one."""
+    m = _BLOB.match(key)
+    if m is None:
+        return None
+    kind: BlobKind = "full" if m.group(3) == "full" else "packed"
+    return BlobKey(int(m.group(1)), int(m.group(2)), kind)
+
+
+def parse_commit_key(key: str) -> int | None:
+    """The version a ``COMMIT`` key belongs to, or ``None`` when ``key`` is not one."""
+    m = _COMMIT.match(key)
+    return None if m is None else int(m.group(1))
