@@ -82,6 +82,7 @@ from tiercheck.errors import (
     BlobNotFound,
     ConfigError,
     FormatError,
+    PeerUnavailable,
     RestoreError,
     SaveSkipped,
     TiercheckError,
@@ -412,28 +413,40 @@ class _Engine:
         self.session_started = False
         self.reserve_size = 0  # size of the last local reservation: the next is likely the same
         self.opened = False
+        self.session = ""
         self.closed = False
 
     # --- opening ------------------------------------------------------------------------------
 
     async def open(self) -> None:
         cfg = self.cfg
-        for spec in cfg.tiers:
-            tier = spec if isinstance(spec, Tier) else self._make_tier(spec)
-            self.tiers.append(tier)
-        names = [t.name for t in self.tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tier names must be unique, got {names}")
-        self.tiers.sort(key=lambda t: int(t.survives))
+        # Coordination first: creating process groups is a collective, and every rank must
+        # create them in the same order (the coordinator's, then the peer tier's).
         if cfg.coordinator is not None:
             self.coordinator = cfg.coordinator
         elif self.topo.world_size > 1:
             from tiercheck.consistency.coordinator import TorchCoordinator
 
-            channels = ["control", *names]
+            names = [t.name if isinstance(t, Tier) else t for t in cfg.tiers]
             self.coordinator = await asyncio.to_thread(
-                TorchCoordinator, channels, timeout=cfg.peer_timeout
+                TorchCoordinator, ["control", *names], timeout=cfg.peer_timeout
             )
+        # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
+        # from reading the key-value store entries of the one that died.
+        token = os.urandom(8).hex().encode()
+        self.session = (await asyncio.to_thread(self.coordinator.all_gather, "control", token))[
+            0
+        ].decode()
+        for spec in cfg.tiers:
+            # In a thread: the peer tier's constructor creates a process group (a collective).
+            tier = (
+                spec if isinstance(spec, Tier) else await asyncio.to_thread(self._make_tier, spec)
+            )
+            self.tiers.append(tier)
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        self.tiers.sort(key=lambda t: int(t.survives))
         try:
             self.manifest = await asyncio.to_thread(Manifest, cfg.node_root / "manifest")
         except TiercheckError as exc:
@@ -477,6 +490,8 @@ class _Engine:
                 holder_root=cfg.node_root / "replicas",
                 replicas=cfg.peer_replicas,
                 timeout=cfg.peer_timeout,
+                namespace=cfg.job_id,
+                session=f"{cfg.job_id}.{self.session}",
             )
             return tier
 
@@ -859,6 +874,17 @@ class _Engine:
                 return
             try:
                 await self._round(tier, job)
+            except PeerUnavailable as exc:  # expected when a rank dies: one line, no traceback
+                logger.warning(
+                    "tiercheck: version %s not committed in %r: %s", job.version, tier.name, exc
+                )
+                self._fail(
+                    job,
+                    tier.name,
+                    TierWriteFailed(
+                        f"version {job.version} could not be committed in the {tier.name!r} tier: {exc}"
+                    ),
+                )
             except Exception as exc:
                 logger.exception(
                     "tiercheck: committing version %s in %r failed", job.version, tier.name

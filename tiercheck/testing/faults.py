@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 from tiercheck.tiers.base import Buffer, Reservation, SupportsReserve, Tier
 
@@ -40,6 +40,11 @@ class FaultPlan:
         fail_at: numbers of operations that fail once with :class:`InjectedFault`.
         reads_die: whether reads also fail after death (they do by default: a dead process
             reads nothing either).
+        die_on: a predicate on ``(op, tier, key)``: the process dies at the first mutating
+            operation it accepts (for example the commit of one version's blob).
+        on_death: called once, at the moment of death, before the operation raises. A
+            multi-process test passes ``lambda: os.kill(os.getpid(), signal.SIGKILL)`` to turn
+            the simulated death into a real one at that exact point.
     """
 
     def __init__(
@@ -48,10 +53,14 @@ class FaultPlan:
         fail_at: Collection[int] = (),
         *,
         reads_die: bool = True,
+        die_on: Callable[[str, str, str], bool] | None = None,
+        on_death: Callable[[], None] | None = None,
     ) -> None:
         self.die_at = die_at
         self.fail_at = frozenset(fail_at)
         self.reads_die = reads_die
+        self.die_on = die_on
+        self.on_death = on_death
         self.count = 0
         self.dead = False
         self.log: list[tuple[int, str, str, str]] = []
@@ -70,8 +79,13 @@ class FaultPlan:
             self.count += 1
             n = self.count
             self.log.append((n, op, tier, key))
-            if self.die_at is not None and n >= self.die_at:
+            dies = (self.die_at is not None and n >= self.die_at) or (
+                self.die_on is not None and self.die_on(op, tier, key)
+            )
+            if dies:
                 self.dead = True
+                if self.on_death is not None:
+                    self.on_death()
                 raise SimulatedCrash(f"process died at operation {n} ({op} {tier}:{key})")
             if n in self.fail_at:
                 raise InjectedFault(f"injected failure of operation {n} ({op} {tier}:{key})")

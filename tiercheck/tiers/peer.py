@@ -1,0 +1,579 @@
+"""The peer tier: each rank's blobs, replicated into the memory of a rank on another node.
+
+Placement is a ring over nodes (see :meth:`tiercheck.topology.Topology.replica_targets`): the
+ranks of node *i* keep their replicas on node *i+1* (more replicas: *i+2*, ...), never on their
+own node, so a lost node's checkpoints survive on its neighbour.
+
+Transport, on the engine the training job already runs: ``torch.distributed``.
+
+* **Data** moves by gloo point-to-point on a process group of its own (never the training's),
+  in chunks, received straight into the holder's shared memory (no intermediate buffer).
+* **Control** -- "rank 3 wants to put 40 MB under key k", "ready", "done" -- goes through the
+  job's key-value store (the one ``init_process_group`` set up). A store wait can time out and
+  be retried safely, whereas a gloo receive that times out breaks its pair of ranks for good,
+  so every rank runs one *server* thread that waits on the store for requests addressed to
+  it and does point-to-point only when both sides have agreed on it.
+
+Every request is two-phase where data moves: the requester asks, the holder prepares (or
+refuses: full, missing key) and answers, and only then do the bytes flow, so a refused put
+never leaves a send hanging. A holder that does not answer within ``timeout`` makes the
+operation fail with :class:`~tiercheck.errors.PeerUnavailable`, and the peer tier is marked
+down towards it for a while, so a dead peer costs one timeout, not one per save.
+
+A holder stores the replicas it keeps for others in its own node's shared memory (a
+:class:`~tiercheck.tiers.local.LocalTier` under ``holder_root``), so they survive the holder
+process crashing too -- only the loss of the holder's node takes them.
+
+Lifecycle: every rank constructs its ``PeerTier`` at the same point of the program (creating the
+process group is a collective); ``aclose`` stops the server thread. The peer tier is usable
+while the holders' processes are alive and serving: during training and during restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from tiercheck.errors import (
+    BlobNotFound,
+    ConfigError,
+    PeerUnavailable,
+    StorageError,
+    TiercheckError,
+    TierFull,
+)
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, validate_key
+from tiercheck.tiers.local import LocalTier
+from tiercheck.topology import Topology
+
+__all__ = ["PeerTier"]
+
+logger = logging.getLogger("tiercheck")
+
+# An idle server blocks in one long store wait (each timed-out wait makes c10d log a warning,
+# so it must not poll); closing wakes it with a "stop" request of its own.
+_IDLE_WAIT = datetime.timedelta(seconds=60)
+_MAX_CHUNKS = 1 << 10
+_SEQ_SPACE = 1 << 19
+
+
+def _tag(seq: int, op: str, chunk: int) -> int:
+    """The gloo tag of one chunk of a request's data.
+
+    Every outstanding message between two ranks gets a tag of its own: gloo does not pair
+    several pending receives of one tag reliably. The lowest bit tells puts from gets: two
+    ranks may hold each other's replicas (a ring of two nodes), one rank's server then receives
+    put data from the other while its requester receives get data from it, and their sequence
+    numbers come from different counters.
+    """
+    return (((seq % _SEQ_SPACE) * _MAX_CHUNKS + chunk) << 1) | (1 if op == "get" else 0)
+
+
+DEFAULT_CHUNK = 64 << 20
+
+
+def _default_store() -> Any:
+    """The key-value store ``torch.distributed`` was initialized with."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "the peer tier needs torch.distributed initialized (init_process_group) "
+            "or an explicit store= and group="
+        )
+    world = dist.group.WORLD
+    getter = getattr(world, "get_group_store", None)
+    if getter is not None:
+        return getter()
+    return dist.distributed_c10d._get_default_store()
+
+
+def validate_key_quietly(value: str) -> str | None:
+    """``value`` if it is a valid key segment, else ``None``."""
+    try:
+        return validate_key(value)
+    except TiercheckError:
+        return None
+
+
+def _chunks(total: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(total, a + chunk)) for a in range(0, total, chunk)]
+
+
+def _pieces(views: Sequence[memoryview], chunk: int) -> list[memoryview]:
+    """How a message is cut into point-to-point transfers (both sides cut alike)."""
+    return [view[a:b] for view in views for a, b in _chunks(view.nbytes, chunk)]
+
+
+def _chunk_size(total: int, preferred: int) -> int:
+    """``preferred``, grown if needed so that ``total`` bytes take at most ``_MAX_CHUNKS``."""
+    return max(preferred, -(-total // _MAX_CHUNKS))
+
+
+def _as_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``view`` (which must be writable: torch refuses read-only memory)."""
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class _Down(Exception):
+    """A holder is known to be unreachable (fail fast instead of timing out again)."""
+
+
+class PeerTier(Tier):
+    """Replicas of this rank's blobs in the memory of ranks on other nodes.
+
+    Args:
+        topology: where ranks sit; the replica holders follow from it.
+        holder_root: this node's shared-memory folder for the replicas it keeps for others.
+        replicas: how many other nodes keep a copy (at most ``num_nodes - 1``). A put succeeds
+            only when every holder has the blob durable in its memory.
+        placement: which ranks hold this rank's replicas, instead of the ring: a function of
+            the topology returning ranks (for example spreading replicas across racks).
+            Ranks on this rank's own node are refused: they die with it.
+        timeout: seconds any exchange with a holder may take before failing.
+        namespace: where on the holders this tier's replicas live (one per job); stable
+            across restarts, so a restarted job finds what its holders kept.
+        session: names this incarnation's control messages in the store (a restarted job
+            uses a new one, so it never reads the requests of the one that died).
+        store, group: the key-value store and gloo process group to use; by default the
+            store of the initialized default group and a new gloo group.
+        serve: whether this process answers other ranks' requests. Exactly one peer tier per
+            rank and session serves (tests that open several on one rank pass ``False``).
+        chunk_bytes: size of each point-to-point message; bounds no buffer (data is received in
+            place) but lets a huge blob move as several transfers.
+        name: the tier's name.
+    """
+
+    survives = FailureScope.NODE
+
+    def __init__(
+        self,
+        *,
+        topology: Topology,
+        holder_root: str | os.PathLike[str],
+        replicas: int = 1,
+        placement: Callable[[Topology], Sequence[int]] | None = None,
+        timeout: float = 300.0,
+        namespace: str = "default",
+        session: str = "default",
+        store: Any = None,
+        group: Any = None,
+        serve: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK,
+        name: str = "peer",
+    ) -> None:
+        import torch.distributed as dist
+
+        self.name = name
+        self.topology = topology
+        self.timeout = float(timeout)
+        if topology.num_nodes < 2:
+            raise ConfigError(
+                "the peer tier needs at least two nodes (it keeps replicas on another node); "
+                f"this job has {topology.world_size} ranks on one node. Set ranks_per_node, "
+                "or leave 'peer' out of the tiers"
+            )
+        if replicas < 1:
+            raise ConfigError(f"replicas must be at least 1, got {replicas}")
+        for what, value in (("namespace", namespace), ("session", session)):
+            if not value or "/" in value or validate_key_quietly(value) is None:
+                raise ConfigError(f"{what} must be a valid name without '/', got {value!r}")
+        self.targets = (
+            topology.replica_targets(replicas)
+            if placement is None
+            else [int(r) for r in placement(topology)]
+        )
+        bad = [r for r in self.targets if not 0 <= r < topology.world_size]
+        same = [r for r in self.targets if topology.node_of(r) == topology.node_index]
+        if bad or same or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(
+                f"replica holders of rank {topology.rank} must be distinct ranks on other "
+                f"nodes; got {self.targets} (on this node: {same}, out of range: {bad})"
+            )
+        self.namespace = namespace
+        self.chunk_bytes = chunk_bytes
+        # Typed loosely: torch's stubs omit PrefixStore's export and its clone().
+        prefix_store: Any = dist.PrefixStore  # type: ignore[attr-defined]
+        self._store: Any = prefix_store(
+            f"tiercheck/peer/{session}", store if store is not None else _default_store()
+        )
+        self._group = (
+            group
+            if group is not None
+            else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        )
+        self._holder = LocalTier(Path(holder_root), name=f"{name}-holder")
+        self._local = threading.local()
+        self._down_until: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._server: threading.Thread | None = None
+        self._server_loop = asyncio.new_event_loop()
+        if serve:
+            self._server = threading.Thread(
+                target=self._serve, name=f"tiercheck-peer-server-r{topology.rank}", daemon=True
+            )
+            self._server.start()
+
+    # --- the Tier interface (requester side) --------------------------------------------------
+
+    async def put(self, key: str, data: Buffer) -> None:
+        """Store ``data`` under ``key`` on every holder (atomic on each)."""
+        await self.putv(key, [data])
+
+    async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` on every holder, without joining them."""
+        self._check_open()
+        validate_key(key)
+        views = []
+        for part in parts:
+            view = memoryview(part).cast("B")
+            if view.readonly:  # torch sends only from writable memory; such parts are small
+                view = memoryview(bytearray(view))
+            views.append(view)
+        for dst in self.targets:
+            await asyncio.to_thread(self._put_sync, dst, key, views)
+
+    async def get(self, key: str) -> Buffer:
+        """The blob under ``key`` from the first holder that has it."""
+        self._check_open()
+        validate_key(key)
+        missing: BlobNotFound | None = None
+        errors: list[BaseException] = []
+        for dst in self.targets:
+            try:
+                return await asyncio.to_thread(self._get_sync, dst, key)
+            except BlobNotFound as exc:
+                missing = exc
+            except (PeerUnavailable, StorageError) as exc:
+                errors.append(exc)
+        if missing is not None or not errors:
+            raise BlobNotFound(f"no holder of rank {self.topology.rank} has {key!r}") from missing
+        raise errors[0]
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` on every holder (idempotent)."""
+        self._check_open()
+        validate_key(key)
+        for dst in self.targets:
+            await asyncio.to_thread(self._call, dst, {"op": "delete", "key": key})
+
+    async def exists(self, key: str) -> bool:
+        """Whether any holder has ``key``."""
+        self._check_open()
+        validate_key(key)
+        for dst in self.targets:
+            reply = await asyncio.to_thread(self._call, dst, {"op": "exists", "key": key})
+            if reply["exists"]:
+                return True
+        return False
+
+    async def get_size(self, key: str) -> int:
+        """Size of ``key`` on the first holder that has it."""
+        self._check_open()
+        validate_key(key)
+        for dst in self.targets:
+            reply = await asyncio.to_thread(self._call, dst, {"op": "size", "key": key})
+            if reply["size"] >= 0:
+                return int(reply["size"])
+        raise BlobNotFound(f"no holder of rank {self.topology.rank} has {key!r}")
+
+    async def list(self, prefix: str = "") -> AsyncIterator[str]:
+        """Keys held for this rank, by prefix (the union over holders)."""
+        self._check_open()
+        seen: set[str] = set()
+        for dst in self.targets:
+            try:
+                reply = await asyncio.to_thread(self._call, dst, {"op": "list", "key": prefix})
+            except PeerUnavailable:
+                continue
+            for key in reply["keys"]:
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    async def aclose(self) -> None:
+        """Stop serving (replicas stay in shared memory for a restarted process)."""
+        if self._closed:
+            return
+        await super().aclose()
+        self._stop.set()
+        if self._server is not None:
+            await asyncio.to_thread(self._wake_server)
+            await asyncio.to_thread(self._server.join, self.timeout)
+        else:
+            self._server_loop.close()
+        await self._holder.aclose()
+
+    def _wake_server(self) -> None:
+        """Queue a "stop" request to this rank's own server, behind every earlier request."""
+        import torch.distributed as dist
+
+        me = self.topology.rank
+        try:
+            store = self._store_here()
+            seq = int(store.add(f"seq/{me}", 1))
+            message = {"op": "stop", "src": me, "seq": seq}
+            store.set(f"req/{me}/{seq}", msgpack.packb(message, use_bin_type=True))
+        except dist.DistError:
+            # The store is gone (its host rank died): the server's wait fails and it exits.
+            logger.warning("tiercheck: could not reach the store to stop the peer server")
+
+    def __repr__(self) -> str:
+        return f"PeerTier(rank={self.topology.rank}, targets={self.targets})"
+
+    # --- requester side, blocking (worker threads) --------------------------------------------
+
+    def _store_here(self) -> Any:
+        """A store connection for this thread: one connection serializes its calls."""
+        store = getattr(self._local, "store", None)
+        if store is None:
+            store = self._store.clone()
+            self._local.store = store
+        return store
+
+    def _check_up(self, dst: int) -> None:
+        until = self._down_until.get(dst, 0.0)
+        if time.monotonic() < until:
+            raise PeerUnavailable(
+                f"rank {dst} (holder of rank {self.topology.rank}'s replicas) did not answer "
+                f"recently; not trying again for {until - time.monotonic():.0f}s"
+            )
+
+    def _send_request(self, dst: int, message: dict[str, Any]) -> int:
+        self._check_up(dst)
+        store = self._store_here()
+        seq = int(store.add(f"seq/{dst}", 1))
+        message = {**message, "src": self.topology.rank, "seq": seq, "ns": self.namespace}
+        store.set(f"req/{dst}/{seq}", msgpack.packb(message, use_bin_type=True))
+        return seq
+
+    def _reply(self, dst: int, seq: int, step: str) -> dict[str, Any]:
+        """Wait for the holder's answer to request ``seq`` (phase ``step``)."""
+        import torch.distributed as dist
+
+        store = self._store_here()
+        key = f"resp/{self.topology.rank}/{dst}/{seq}/{step}"
+        try:
+            store.wait([key], datetime.timedelta(seconds=self.timeout))
+        except dist.DistError as exc:
+            self._down_until[dst] = time.monotonic() + self.timeout
+            raise PeerUnavailable(
+                f"rank {dst} did not answer rank {self.topology.rank}'s request within "
+                f"{self.timeout:.0f}s; its node may be gone ({exc})"
+            ) from exc
+        reply: dict[str, Any] = msgpack.unpackb(store.get(key), raw=False)
+        store.delete_key(key)
+        if not reply.get("ok", False):
+            kind = reply.get("error_type", "")
+            text = f"rank {dst}: {reply.get('error', 'unknown error')}"
+            if kind == "missing":
+                raise BlobNotFound(text)
+            if kind == "full":
+                raise TierFull(text)
+            raise StorageError(text)
+        return reply
+
+    def _call(self, dst: int, message: dict[str, Any]) -> dict[str, Any]:
+        seq = self._send_request(dst, message)
+        return self._reply(dst, seq, "done")
+
+    def _put_sync(self, dst: int, key: str, views: Sequence[memoryview]) -> None:
+        import torch.distributed as dist
+
+        sizes = [v.nbytes for v in views]
+        chunk = _chunk_size(sum(sizes), self.chunk_bytes)
+        message = {"op": "put", "key": key, "sizes": sizes, "chunk": chunk}
+        seq = self._send_request(dst, message)
+        self._reply(dst, seq, "ready")
+        works = []
+        for i, piece in enumerate(_pieces(views, chunk)):
+            tag = _tag(seq, "put", i)
+            works.append(dist.isend(_as_tensor(piece), dst, group=self._group, tag=tag))
+        self._wait_all(works, dst)
+        self._reply(dst, seq, "done")
+
+    def _get_sync(self, dst: int, key: str) -> memoryview:
+        import torch.distributed as dist
+
+        seq = self._send_request(dst, {"op": "get", "key": key, "chunk": self.chunk_bytes})
+        reply = self._reply(dst, seq, "ready")
+        size = int(reply["size"])
+        out = memoryview(bytearray(size))
+        works = [
+            dist.irecv(_as_tensor(piece), dst, group=self._group, tag=_tag(seq, "get", i))
+            for i, piece in enumerate(_pieces([out], _chunk_size(size, self.chunk_bytes)))
+        ]
+        self._wait_all(works, dst)
+        return out
+
+    def _wait_all(self, works: Sequence[Any], peer: int) -> None:
+        try:
+            for work in works:
+                work.wait()  # exactly once per work: a second wait on gloo breaks the pair
+        except RuntimeError as exc:
+            self._down_until[peer] = time.monotonic() + self.timeout
+            raise PeerUnavailable(
+                f"moving data between ranks {self.topology.rank} and {peer} failed: {exc}"
+            ) from exc
+
+    # --- holder side: the server thread -------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Answer requests addressed to this rank, one at a time, until asked to stop."""
+        import torch.distributed as dist
+
+        asyncio.set_event_loop(self._server_loop)
+        me = self.topology.rank
+        try:
+            store = self._store.clone()
+            for seq in itertools.count(1):
+                key = f"req/{me}/{seq}"
+                while True:
+                    try:
+                        store.wait([key], _IDLE_WAIT)
+                        break
+                    except dist.DistStoreError:  # nothing yet: waiting again is safe
+                        if self._stop.is_set():
+                            return
+                message = msgpack.unpackb(store.get(key), raw=False)
+                store.delete_key(key)
+                if message["op"] == "stop":
+                    return
+                try:
+                    self._handle(store, message)
+                except Exception:
+                    logger.exception("tiercheck: the peer server of rank %s failed a request", me)
+        except dist.DistError:
+            if not self._stop.is_set():
+                logger.exception("tiercheck: the peer server of rank %s lost the store", me)
+        finally:
+            self._server_loop.run_until_complete(self._server_loop.shutdown_default_executor())
+            self._server_loop.close()
+
+    def _answer(self, store: Any, message: dict[str, Any], step: str, **fields: Any) -> None:
+        src, seq = message["src"], message["seq"]
+        body = {"ok": True, **fields}
+        key = f"resp/{src}/{self.topology.rank}/{seq}/{step}"
+        store.set(key, msgpack.packb(body, use_bin_type=True))
+
+    def _refuse(self, store: Any, message: dict[str, Any], step: str, exc: BaseException) -> None:
+        kind = (
+            "missing"
+            if isinstance(exc, FileNotFoundError)
+            else "full"
+            if isinstance(exc, TierFull)
+            else "error"
+        )
+        src, seq = message["src"], message["seq"]
+        body = {"ok": False, "error_type": kind, "error": f"{type(exc).__name__}: {exc}"}
+        key = f"resp/{src}/{self.topology.rank}/{seq}/{step}"
+        store.set(key, msgpack.packb(body, use_bin_type=True))
+
+    def _held_prefix(self, message: dict[str, Any]) -> str:
+        """Where the holder keeps what ``message``'s sender stores (namespace, then rank)."""
+        return f"{message['ns']}/r{int(message['src']):05d}/"
+
+    def _held_key(self, message: dict[str, Any]) -> str:
+        return self._held_prefix(message) + str(message["key"])
+
+    def _handle(self, store: Any, message: dict[str, Any]) -> None:
+        op = message["op"]
+        run = self._server_loop.run_until_complete
+        try:
+            if op == "put":
+                self._serve_put(store, message)
+                return
+            if op == "get":
+                self._serve_get(store, message)
+                return
+            key = self._held_key(message)
+            if op == "delete":
+                run(self._holder.delete(key))
+                self._answer(store, message, "done")
+            elif op == "exists":
+                self._answer(store, message, "done", exists=run(self._holder.exists(key)))
+            elif op == "size":
+                try:
+                    size = run(self._holder.get_size(key))
+                except BlobNotFound:
+                    size = -1
+                self._answer(store, message, "done", size=size)
+            elif op == "list":
+                prefix = self._held_prefix(message)
+
+                async def listing() -> list[str]:
+                    return [k[len(prefix) :] async for k in self._holder.list(key)]
+
+                self._answer(store, message, "done", keys=run(listing()))
+            else:
+                raise ConfigError(f"unknown peer request {op!r}")
+        except (TiercheckError, OSError) as exc:
+            self._refuse(store, message, "done", exc)
+
+    def _serve_put(self, store: Any, message: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        run = self._server_loop.run_until_complete
+        sizes: list[int] = message["sizes"]
+        try:
+            reservation = run(self._holder.reserve(self._held_key(message), sum(sizes)))
+        except (TiercheckError, OSError) as exc:
+            self._refuse(store, message, "ready", exc)
+            return
+        src, seq = int(message["src"]), int(message["seq"])
+        try:
+            self._answer(store, message, "ready")
+            buffer, offset, parts = reservation.buffer, 0, []
+            for size in sizes:  # the sender's parts, laid end to end in the reservation
+                parts.append(buffer[offset : offset + size])
+                offset += size
+            # Cut exactly as the sender did: its chunk size travels with the request.
+            works = [
+                dist.irecv(_as_tensor(piece), src, group=self._group, tag=_tag(seq, "put", i))
+                for i, piece in enumerate(_pieces(parts, int(message["chunk"])))
+            ]
+            self._wait_all(works, src)
+            run(reservation.commit())
+        except BaseException as exc:
+            run(reservation.abort())
+            if isinstance(exc, Exception):
+                logger.warning(
+                    "tiercheck: receiving %r from rank %s failed: %r", message["key"], src, exc
+                )
+                self._refuse(store, message, "done", exc)
+                return
+            raise
+        finally:
+            reservation.release()
+        self._answer(store, message, "done")
+
+    def _serve_get(self, store: Any, message: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        run = self._server_loop.run_until_complete
+        try:
+            data = memoryview(run(self._holder.get(self._held_key(message)))).cast("B")
+        except (TiercheckError, OSError) as exc:
+            self._refuse(store, message, "ready", exc)
+            return
+        if data.readonly:
+            data = memoryview(bytearray(data))
+        self._answer(store, message, "ready", size=data.nbytes)
+        src, seq = int(message["src"]), int(message["seq"])
+        chunk = _chunk_size(data.nbytes, int(message["chunk"]))
+        works = [
+            dist.isend(_as_tensor(piece), src, group=self._group, tag=_tag(seq, "get", i))
+            for i, piece in enumerate(_pieces([data], chunk))
+        ]
+        self._wait_all(works, src)
