@@ -882,7 +882,8 @@ class _Engine:
                     job,
                     tier.name,
                     TierWriteFailed(
-                        f"version {job.version} could not be committed in the {tier.name!r} tier: {exc}"
+                        f"version {job.version} could not be committed in the "
+                        f"{tier.name!r} tier: {exc}"
                     ),
                 )
             except Exception as exc:
