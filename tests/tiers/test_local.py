@@ -334,11 +334,14 @@ async def test_file_work_runs_in_worker_threads(
     for name in ("write_all", "create_temp", "publish", "prune_empty_dirs"):
         monkeypatch.setattr(_atomic, name, spy(name, getattr(_atomic, name)))
     monkeypatch.setattr(local, "_read_exactly", spy("read", local._read_exactly))
+    monkeypatch.setattr(local, "_map_private", spy("map_private", local._map_private))
     monkeypatch.setattr(local, "_walk_keys", spy("walk", local._walk_keys))
     monkeypatch.setattr(local.mmap, "mmap", spy("mmap", local.mmap.mmap))
     async with LocalTier(root) as tier:
         await tier.put("a/b", blob(MiB, 1))
-        await tier.get("a/b")
+        await tier.get("a/b")  # large: mapped
+        await tier.put("a/s", b"small")
+        await tier.get("a/s")  # small: read
         reservation = await tier.reserve("a/c", 100)
         reservation.buffer[:] = b"z" * 100
         await reservation.commit()
@@ -346,7 +349,11 @@ async def test_file_work_runs_in_worker_threads(
         assert [k async for k in tier.list("a/")]
         await tier.delete("a/b")
         await tier.delete("a/c")
-    expected = {"write_all", "create_temp", "publish", "prune_empty_dirs", "read", "walk", "mmap"}
+        await tier.delete("a/s")
+    expected = {
+        "write_all", "create_temp", "publish", "prune_empty_dirs", "read", "map_private",
+        "walk", "mmap",
+    }  # fmt: skip
     assert set(threads) == expected
     for name, idents in threads.items():
         assert loop_thread not in idents, name
@@ -812,4 +819,22 @@ async def test_aborting_a_prepared_reservation_leaves_nothing(tmp_path: Path) ->
     assert not await tier.exists("gone")
     hidden = [p for p in (tmp_path / "root").rglob("*") if p.is_file() and "#" in p.name]
     assert hidden == []
+    await tier.aclose()
+
+
+async def test_large_reads_are_private_mappings_that_pin_their_file(tmp_path: Path) -> None:
+    """A large get is zero-copy yet private: writing to it changes nothing stored, and while
+    it is alive its file is never recycled under it (deleting the key only unlinks it)."""
+    tier = LocalTier(tmp_path / "root")
+    original = blob(4 * MiB, 7)
+    await tier.put("big", original)
+    view = await tier.get("big")
+    assert not memoryview(view).readonly
+    memoryview(view)[:4] = b"XXXX"  # private: the stored blob is untouched
+    assert bytes(await tier.get("big")) == original
+    await tier.delete("big")  # the file cannot become a spare while mapped here
+    assert tier.spare_count == 0
+    await tier.put("next", blob(4 * MiB, 8))  # a fresh file, not ours
+    assert bytes(memoryview(view)[4:]) == original[4:]
+    del view
     await tier.aclose()

@@ -51,6 +51,8 @@ _READ_ATTEMPTS: Final = 64
 
 # Pre-faults the pages of a mapping (Linux); elsewhere pages are faulted in on first touch.
 _MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
+# Blobs from this size on are read by mapping them (no copy); smaller ones are copied.
+_MAP_READS_FROM: Final = 1 << 20
 
 # Reads at least this large go to anonymous memory rather than a bytearray (see _read_exactly).
 _ANONYMOUS_FROM: Final = 1 << 20
@@ -88,6 +90,28 @@ def _valid_key(key: str) -> bool:
     except InvalidKey:
         return False
     return True
+
+
+def _map_private(fd: int, size: int) -> memoryview:
+    """The file behind ``fd`` as private, copy-on-write memory: a zero-copy read.
+
+    The caller holds a shared ``flock`` on ``fd``. A duplicate of the descriptor keeps that
+    lock for as long as the mapping lives, so the file can be deleted but never recycled (nor
+    written) under it; writes to the mapping stay private to this process. The stored blob
+    is therefore as safe from the caller, and the caller from later writers, as with a copy.
+    """
+    keeper = os.dup(fd)  # shares the open file description, hence the lock
+    try:
+        # No MAP_POPULATE: on a private writable mapping it faults every page for writing,
+        # copying the whole blob; lazily, reads map the shared pages and only writes copy.
+        mapping = mmap.mmap(
+            keeper, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    except BaseException:
+        os.close(keeper)
+        raise
+    weakref.finalize(mapping, os.close, keeper)
+    return memoryview(mapping)
 
 
 @dataclass(slots=True)
@@ -603,6 +627,8 @@ class LocalTier(Tier):
                     ) from None
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                     continue
+                if st.st_size >= _MAP_READS_FROM:
+                    return _map_private(fd, st.st_size)
                 return _read_exactly(fd, st.st_size)
             finally:
                 os.close(fd)

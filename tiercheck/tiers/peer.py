@@ -557,6 +557,12 @@ class PeerTier(Tier):
         finally:
             reservation.release()
         self._answer(store, message, "done")
+        # The next blob from this rank is likely the same size (the next version of the same
+        # state): ready its memory now, off the transfer's critical path.
+        try:
+            run(self._holder.prepare(sum(sizes)))
+        except (TiercheckError, OSError) as exc:
+            logger.warning("tiercheck: preparing replica memory failed: %r", exc)
 
     def _serve_get(self, store: Any, message: dict[str, Any]) -> None:
         import torch.distributed as dist
