@@ -1,0 +1,762 @@
+"""The ``tiercheck`` command line against real checkpoints: ls, inspect, verify, export, gc.
+
+The checkpoints are written by :class:`tiercheck.SyncCheckpointer` (a node root and a
+``file://`` persistent folder, deltas persisted too) once per module and copied for each test
+that changes them. The CLI runs in-process through ``main(argv)`` -- its exit code returned,
+its output captured -- and once as a real subprocess. Multi-rank layouts are written with the
+codec directly, the way several ranks would leave them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tiercheck import SyncCheckpointer
+from tiercheck import cli as cli_module
+from tiercheck.catalog import (
+    LOCAL_TIER,
+    Location,
+    Store,
+    apply_gc,
+    plan_gc,
+    safetensors_payload,
+)
+from tiercheck.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, ExternalCommand, main
+from tiercheck.codec import encode_packed, snapshot
+from tiercheck.consistency.commit import CommitEntry, CommitRecord
+from tiercheck.consistency.keys import blob_key, commit_key
+from tiercheck.consistency.manifest import Manifest
+from tiercheck.tiers import LocalTier, PersistentTier
+
+from .helpers import TinyTrainer, assert_state_equal, clone_state
+from .tiers import conftest as tier_fixtures
+from .tiers.conftest import S3Server
+
+# The moto S3 server fixture of the tier tests, made visible here.
+s3_server = tier_fixtures.s3_server
+
+JOB = "job"
+VERSIONS = 8
+BASE_EVERY = 3  # bases 0, 3, 6; every other version a delta against the one before it
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Checkpoints on disk, and the states they hold."""
+
+    root: Path  # holds both tiers
+    node: Path  # the node root (blobs/ + manifest/)
+    durable: Path  # the persistent URL's folder; the job folder is durable / JOB
+    states: dict[int, Any]
+
+    @property
+    def job(self) -> Path:
+        return self.durable / JOB
+
+    def blob(self, version: int, tier: str = "persistent") -> Path:
+        if tier == "persistent":
+            return self.job / blob_key(version, 0, "packed")
+        return self.node / "blobs" / blob_key(version, 0, "full")
+
+
+def _write(root: Path) -> dict[int, Any]:
+    trainer = TinyTrainer()
+    states = {}
+    with SyncCheckpointer(
+        JOB,
+        local_root=root / "shm" / JOB / "node0",
+        persistent=(root / "durable").as_uri(),
+        base_every=BASE_EVERY,
+        persist="all",
+        keep={"local": 3, "persistent": 100},
+    ) as ckpt:
+        for step in range(VERSIONS):
+            trainer.step()
+            ckpt.save(step, trainer.state())
+            states[step] = clone_state(trainer.state())
+        ckpt.wait()
+    return states
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Stored:
+    root = tmp_path_factory.mktemp("pristine")
+    states = _write(root)
+    return Stored(root, root / "shm" / JOB / "node0", root / "durable", states)
+
+
+@pytest.fixture
+def stored(pristine: Stored, tmp_path: Path) -> Stored:
+    """A private copy of the module's checkpoints, free to damage."""
+    root = tmp_path / "store"
+    shutil.copytree(pristine.root, root)
+    return Stored(root, root / "shm" / JOB / "node0", root / "durable", pristine.states)
+
+
+@dataclass(frozen=True)
+class Ran:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str]) -> Any:
+    def call(*argv: object) -> Ran:
+        code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return Ran(code, captured.out, captured.err)
+
+    return call
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+def _assert_one_line_error(ran: Ran) -> None:
+    assert ran.code == EXIT_USAGE
+    assert ran.err.count("\n") == 1
+    assert "Traceback" not in ran.err
+
+
+# --- ls --------------------------------------------------------------------------------------
+
+
+def test_ls_lists_versions_kinds_and_commits(stored: Stored, run: Any) -> None:
+    ran = run("ls", stored.job, "--json")
+    assert ran.code == EXIT_OK
+    (loc,) = ran.json()["locations"]
+    assert loc["tier"] == "persistent"
+    assert loc["job"] == JOB
+    assert loc["ranks"] == [0]
+    versions = {v["version"]: v for v in loc["versions"]}
+    assert sorted(versions) == list(range(VERSIONS))
+    for v, entry in versions.items():
+        base = v - v % BASE_EVERY
+        assert entry["kind"] == ("base" if v == base else "delta")
+        assert entry["base"] == (None if v == base else base)
+        assert entry["committed"] is True
+        assert entry["complete"] is True
+        assert entry["size"] == stored.blob(v).stat().st_size
+
+
+def test_ls_of_a_parent_folder_finds_the_node_root_and_the_job(stored: Stored, run: Any) -> None:
+    ran = run("ls", stored.root, "--json")
+    assert ran.code == EXIT_OK
+    found = {(loc["tier"], loc["job"]) for loc in ran.json()["locations"]}
+    assert found == {("local", JOB), ("persistent", JOB)}
+    node = next(loc for loc in ran.json()["locations"] if loc["tier"] == "local")
+    assert [v["version"] for v in node["versions"]] == [5, 6, 7]
+    assert {v["kind"] for v in node["versions"]} == {"full"}
+    assert all(v["committed"] for v in node["versions"])
+
+
+def test_ls_human_output_and_url_forms(stored: Stored, run: Any) -> None:
+    for target in (stored.job, stored.job.as_uri(), stored.durable, stored.node):
+        ran = run("ls", target)
+        assert ran.code == EXIT_OK
+        assert "VERSION" in ran.out
+    with_job = run("ls", stored.durable.as_uri(), "--job", JOB, "--json")
+    assert with_job.code == EXIT_OK
+    assert [loc["job"] for loc in with_job.json()["locations"]] == [JOB]
+
+
+def test_ls_of_a_memory_url(run: Any, tmp_path: Path) -> None:
+    import fsspec
+
+    url = "memory://tiercheck-cli-test"
+    try:
+        with SyncCheckpointer(
+            JOB, local_root=tmp_path / "shm", persistent=url, persist="all", base_every=2
+        ) as ckpt:
+            for step in range(3):
+                ckpt.save(step, {"w": torch.full((4,), float(step))})
+            ckpt.wait()
+        ran = run("ls", url, "--json")
+        assert ran.code == EXIT_OK
+        (loc,) = ran.json()["locations"]
+        assert (loc["job"], [v["kind"] for v in loc["versions"]]) == (
+            JOB,
+            ["base", "delta", "base"],
+        )
+        assert run("verify", f"{url}/{JOB}").code == EXIT_OK
+    finally:
+        fsspec.filesystem("memory").rm("/tiercheck-cli-test", recursive=True)
+
+
+def test_options_go_before_or_after_the_command(stored: Stored, run: Any) -> None:
+    before = run("--json", "ls", stored.job)
+    after = run("ls", stored.job, "--json")
+    assert before.code == after.code == EXIT_OK
+    assert before.json() == after.json()
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+
+def test_inspect_shows_ratios_checksums_and_tensors(stored: Stored, run: Any) -> None:
+    ran = run("inspect", stored.job, "--version", 4, "--tensors", "--json")
+    assert ran.code == EXIT_OK
+    doc = ran.json()
+    (version,) = doc["versions"]
+    (blob,) = version["blobs"]
+    assert blob["kind"] == "delta"
+    assert blob["base"] == 3
+    assert blob["encoding"] == "packed"
+    assert blob["size"] == stored.blob(4).stat().st_size
+    assert blob["ratio"] == pytest.approx(blob["raw_size"] / blob["size"])
+    assert any("xor" in stage for stage in blob["stages"])
+    assert int(blob["checksum"], 16) > 0
+    state = stored.states[4]
+    expected = {
+        "model": [(n, list(t.shape)) for n, t in state["model"].items()],
+    }
+    shapes = {t["path"]: t["shape"] for t in blob["tensors"]}
+    for name, shape in expected["model"]:
+        assert shapes[f"['model'][{name!r}]"] == shape
+    assert blob["tensor_count"] == len(blob["tensors"])
+
+
+def test_inspect_human_output_of_a_node_root(stored: Stored, run: Any) -> None:
+    ran = run("inspect", stored.node)
+    assert ran.code == EXIT_OK
+    assert "RATIO" in ran.out
+    ran_json = run("inspect", stored.node, "--json")
+    blobs = [b for v in ran_json.json()["versions"] for b in v["blobs"]]
+    assert {b["encoding"] for b in blobs} == {"full"}
+    assert ran_json.json()["manifest"]["committed"][LOCAL_TIER] == [5, 6, 7]
+
+
+def test_tier_and_job_pick_one_location_of_several(stored: Stored, run: Any) -> None:
+    _assert_one_line_error(run("inspect", stored.root))  # a node root and a job folder
+    for tier in ("local", "persistent"):
+        ran = run("inspect", stored.root, "--job", JOB, "--tier", tier, "--version", 6, "--json")
+        assert ran.code == EXIT_OK
+        assert ran.json()["tier"] == tier
+
+
+def test_inspect_of_a_missing_version_is_a_usage_error(stored: Stored, run: Any) -> None:
+    _assert_one_line_error(run("inspect", stored.job, "--version", 99))
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def test_verify_a_clean_store(stored: Stored, run: Any) -> None:
+    for target in (stored.job, stored.node):
+        ran = run("verify", target, "--json")
+        assert ran.code == EXIT_OK, ran.out
+        (report,) = ran.json()["reports"]
+        assert report["problems"] == report["warnings"] == 0
+        assert ran.json()["ok"] is True
+    assert run("verify", stored.job, "--deep").code == EXIT_OK
+    # A parent folder verifies every location it holds.
+    assert len(run("verify", stored.root, "--json").json()["reports"]) == 2
+
+
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_verify_names_a_blob_with_one_flipped_bit(stored: Stored, run: Any, tier: str) -> None:
+    target = stored.job if tier == "persistent" else stored.node
+    _flip_bit(stored.blob(6, tier))
+    ran = run("verify", target, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    problems = [f for f in ran.json()["reports"][0]["findings"] if f["severity"] == "problem"]
+    assert [(f["code"], f["key"]) for f in problems] == [
+        ("corrupt", blob_key(6, 0, "packed" if tier == "persistent" else "full"))
+    ]
+    human = run("verify", target)
+    assert human.code == EXIT_PROBLEMS
+    assert blob_key(6, 0, "packed" if tier == "persistent" else "full") in human.out
+
+
+def test_verify_a_committed_version_that_lost_a_blob(stored: Stored, run: Any) -> None:
+    stored.blob(5).unlink()
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    codes = {(f["code"], f["version"]) for f in ran.json()["reports"][0]["findings"]}
+    assert ("torn-committed", 5) in codes
+
+
+def test_verify_a_delta_without_its_base(stored: Stored, run: Any) -> None:
+    stored.blob(3).unlink()
+    (stored.job / commit_key(3)).unlink()
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    missing = {
+        f["version"] for f in ran.json()["reports"][0]["findings"] if f["code"] == "missing-base"
+    }
+    assert missing == {4, 5}
+
+
+def test_verify_a_commit_record_that_disagrees(stored: Stored, run: Any) -> None:
+    path = stored.job / commit_key(2)
+    record = json.loads(path.read_text())
+    record["entries"][0]["checksum"] ^= 1
+    path.write_text(json.dumps(record))
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    codes = {(f["code"], f["version"]) for f in ran.json()["reports"][0]["findings"]}
+    assert codes == {("commit-mismatch", 2)}
+
+
+def test_verify_an_unreadable_commit_record(stored: Stored, run: Any) -> None:
+    (stored.job / commit_key(1)).write_text("{not json")
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    codes = {f["code"] for f in ran.json()["reports"][0]["findings"]}
+    assert codes == {"commit-unreadable"}
+
+
+def test_verify_a_version_without_commit_is_only_a_warning(stored: Stored, run: Any) -> None:
+    (stored.job / commit_key(7)).unlink()
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_OK
+    (finding,) = ran.json()["reports"][0]["findings"]
+    assert (finding["severity"], finding["code"], finding["version"]) == (
+        "warning",
+        "uncommitted",
+        7,
+    )
+
+
+# --- several ranks, written the way their ranks would leave them ---------------------------
+
+
+def _two_rank_job(folder: Path, *, committed: set[int], torn: dict[int, int]) -> None:
+    """Versions 0 (base) and 1, 2 (deltas on 0) of ranks 0 and 1, as packed blobs.
+
+    ``torn`` maps a version to the one rank whose blob it has; ``committed`` versions get a
+    ``COMMIT`` record listing what is present.
+    """
+    gen = torch.Generator().manual_seed(7)
+    for rank in (0, 1):
+        base = None
+        for version in range(3):
+            state = {"w": torch.randn(64, generator=gen), "rank": rank, "step": version}
+            raw = snapshot(state, version=version)
+            parts, meta = encode_packed(raw, rank=rank, base=base)
+            if version == 0:
+                base = raw
+            if version in torn and torn[version] != rank:
+                continue
+            path = folder / blob_key(version, rank, "packed")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"".join(bytes(p) for p in parts))
+            entries_path = folder / f".entries-{version}"
+            entries = json.loads(entries_path.read_text()) if entries_path.exists() else []
+            entries.append(
+                {
+                    "rank": rank,
+                    "key": blob_key(version, rank, "packed"),
+                    "size": meta.nbytes,
+                    "checksum": meta.checksum,
+                    "raw_digest": meta.raw_digest,
+                    "base": None if meta.base is None else meta.base.version,
+                }
+            )
+            entries_path.write_text(json.dumps(entries))
+    for version in range(3):
+        entries_path = folder / f".entries-{version}"
+        entries = json.loads(entries_path.read_text())
+        entries_path.unlink()
+        if version in committed:
+            record = CommitRecord(
+                job_id=folder.name,
+                version=version,
+                world_size=2,
+                entries=tuple(CommitEntry(**e) for e in entries),
+            )
+            (folder / commit_key(version)).write_bytes(record.to_bytes())
+
+
+def test_a_torn_uncommitted_version_is_a_warning(tmp_path: Path, run: Any) -> None:
+    job = tmp_path / "ranks"
+    _two_rank_job(job, committed={0, 1}, torn={2: 0})
+    ls = run("ls", job, "--json").json()["locations"][0]
+    newest = ls["versions"][-1]
+    assert (newest["version"], newest["missing_ranks"], newest["committed"]) == (2, [1], False)
+    ran = run("verify", job, "--json")
+    assert ran.code == EXIT_OK
+    (finding,) = ran.json()["reports"][0]["findings"]
+    assert (finding["severity"], finding["code"], finding["version"]) == ("warning", "torn", 2)
+
+
+def test_a_torn_committed_version_is_a_problem(tmp_path: Path, run: Any) -> None:
+    job = tmp_path / "ranks"
+    _two_rank_job(job, committed={0, 1, 2}, torn={})
+    (job / blob_key(1, 1, "packed")).unlink()
+    ran = run("verify", job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    findings = ran.json()["reports"][0]["findings"]
+    assert [(f["code"], f["version"], f["rank"]) for f in findings] == [("torn-committed", 1, 1)]
+
+
+def test_export_needs_a_rank_when_there_are_several(tmp_path: Path, run: Any) -> None:
+    job = tmp_path / "ranks"
+    _two_rank_job(job, committed={0, 1, 2}, torn={})
+    _assert_one_line_error(run("export", job, tmp_path / "out"))
+    ran = run("export", job, tmp_path / "out", "--rank", 1, "--format", "pt", "--json")
+    assert ran.code == EXIT_OK
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert (state["rank"], state["step"]) == (1, 2)
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [3, 4])  # a base and a delta against it
+def test_export_round_trips_bit_for_bit(
+    stored: Stored, run: Any, tmp_path: Path, version: int
+) -> None:
+    from safetensors import safe_open
+
+    out = tmp_path / "out" / "model"
+    ran = run("export", stored.job, out, "--version", version, "--json")
+    assert ran.code == EXIT_OK
+    assert {f["format"] for f in ran.json()["files"]} == {"pt", "safetensors"}
+    saved = stored.states[version]
+
+    loaded = torch.load(out.with_suffix(".pt"), weights_only=True)
+    assert_state_equal(loaded, saved)
+
+    with safe_open(str(out.with_suffix(".safetensors")), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 -- not a dict
+        metadata = f.metadata()
+    for name, tensor in saved["model"].items():
+        assert_state_equal(tensors[f"model.{name}"], tensor)
+    for index, slot in saved["optim"]["state"].items():
+        for name, tensor in slot.items():
+            assert_state_equal(tensors[f"optim.state.{index}.{name}"], tensor)
+    assert json.loads(metadata["steps"]) == saved["steps"]
+    groups = json.loads(metadata["optim.param_groups"])
+    assert groups[0]["lr"] == saved["optim"]["param_groups"][0]["lr"]
+    assert json.loads(metadata["tiercheck"])["version"] == version
+
+
+def test_export_defaults_to_the_newest_committed_version(
+    stored: Stored, run: Any, tmp_path: Path
+) -> None:
+    ran = run("export", stored.node, tmp_path / "x.pt", "--format", "pt", "--json")
+    assert ran.code == EXIT_OK
+    assert ran.json()["version"] == VERSIONS - 1
+    assert [f["path"] for f in ran.json()["files"]] == [str(tmp_path / "x.pt")]
+    assert_state_equal(
+        torch.load(tmp_path / "x.pt", weights_only=True), stored.states[VERSIONS - 1]
+    )
+
+
+def test_export_with_local_root(stored: Stored, run: Any, tmp_path: Path) -> None:
+    ran = run(
+        "export",
+        "--local-root",
+        stored.node,
+        tmp_path / "y",
+        "--version",
+        6,
+        "--format",
+        "safetensors",
+    )
+    assert ran.code == EXIT_OK
+    assert (tmp_path / "y.safetensors").is_file()
+    assert not (tmp_path / "y.pt").exists()
+
+
+def test_export_refuses_to_overwrite_and_unknown_versions(
+    stored: Stored, run: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "z"
+    assert run("export", stored.job, out, "--format", "pt").code == EXIT_OK
+    _assert_one_line_error(run("export", stored.job, out, "--format", "pt"))
+    assert run("export", stored.job, out, "--format", "pt", "--force").code == EXIT_OK
+    _assert_one_line_error(run("export", stored.job, tmp_path / "w", "--version", 99))
+    _assert_one_line_error(run("export", stored.job, tmp_path / "w", "--rank", 3))
+
+
+def test_export_of_a_corrupt_blob_fails(stored: Stored, run: Any, tmp_path: Path) -> None:
+    _flip_bit(stored.blob(3))  # the base of version 4
+    ran = run("export", stored.job, tmp_path / "bad", "--version", 4)
+    assert ran.code == EXIT_PROBLEMS
+    assert "Traceback" not in ran.err
+    assert not list(tmp_path.glob("bad*"))
+
+
+def test_safetensors_layout_of_unusual_leaves() -> None:
+    state = {
+        "a.b": torch.ones(2),
+        "a": {"b": torch.zeros(2)},  # the same dotted name: subscript keys for all
+        "c128": torch.arange(3, dtype=torch.float64).to(torch.complex128),
+        "np": np.arange(4, dtype=np.int32),
+        "raw": b"bytes",
+        "empty": {},
+        "n": np.float64(1.5),
+    }
+    tensors, metadata, warnings = safetensors_payload(state, meta={"version": 1})
+    info = json.loads(metadata["tiercheck"])
+    assert info["keys"] == "subscript"
+    assert set(tensors) == {"['a.b']", "['a']['b']", "['c128']", "['np']"}
+    assert info["raw_dtypes"] == {"['c128']": ["complex128", [3]]}
+    restored = tensors["['c128']"].view(torch.complex128).reshape(3)
+    assert torch.equal(restored, state["c128"])
+    assert torch.equal(tensors["['np']"], torch.arange(4, dtype=torch.int32))
+    assert json.loads(metadata["empty"]) == {}
+    assert json.loads(metadata["n"]) == 1.5
+    assert "raw" not in metadata
+    assert len(warnings) == 2  # the raw-bytes tensor and the bytes leaf
+
+
+# --- gc --------------------------------------------------------------------------------------
+
+
+def _versions_in(folder: Path) -> list[int]:
+    return sorted(int(p.name[1:]) for p in folder.glob("v*") if any(p.iterdir()))
+
+
+def test_gc_keeps_the_newest_and_the_bases_they_need(
+    stored: Stored, run: Any, tmp_path: Path
+) -> None:
+    dry = run("gc", stored.job, "--keep", 3, "--dry-run", "--json")
+    assert dry.code == EXIT_OK
+    plan = dry.json()
+    # 5, 6, 7 kept; 5 is a delta against 3, so 3 stays as well.
+    assert (plan["kept"], plan["kept_as_base"]) == ([5, 6, 7], [3])
+    assert plan["removed_versions"] == [0, 1, 2, 4]
+    assert _versions_in(stored.job) == list(range(VERSIONS))  # a dry run removes nothing
+
+    ran = run("gc", stored.job, "--keep", 3)
+    assert ran.code == EXIT_OK
+    assert _versions_in(stored.job) == [3, 5, 6, 7]
+    assert sorted(p.parent.name for p in stored.job.glob("v*/COMMIT")) == [
+        f"v{v:012d}" for v in (3, 5, 6, 7)
+    ]
+    assert run("verify", stored.job).code == EXIT_OK
+
+    # A fresh node (no local blobs) restores the newest version from what gc left.
+    with SyncCheckpointer(
+        JOB, local_root=tmp_path / "fresh", persistent=stored.durable.as_uri()
+    ) as ckpt:
+        restored = ckpt.restore()
+    assert restored is not None
+    assert restored.version == VERSIONS - 1
+    assert_state_equal(restored.state, stored.states[VERSIONS - 1])
+
+
+def test_gc_of_a_node_root_logs_its_evictions(stored: Stored, run: Any, tmp_path: Path) -> None:
+    ran = run("gc", stored.node, "--keep", 1, "--json")
+    assert ran.code == EXIT_OK
+    assert ran.json()["removed_versions"] == [5, 6]
+    assert _versions_in(stored.node / "blobs") == [7]
+    with Manifest(stored.node / "manifest") as manifest:
+        assert [d.version for d in manifest.blobs(LOCAL_TIER)] == [7]
+        assert manifest.committed(LOCAL_TIER) == [7]
+    with SyncCheckpointer(
+        JOB, local_root=stored.node, persistent=(tmp_path / "elsewhere").as_uri()
+    ) as ckpt:
+        restored = ckpt.restore()
+    assert restored is not None
+    assert (restored.version, restored.source_tier) == (7, "local")
+    assert_state_equal(restored.state, stored.states[7])
+
+
+def test_gc_leaves_versions_newer_than_the_newest_committed(stored: Stored, run: Any) -> None:
+    (stored.job / commit_key(7)).unlink()  # version 7 may still be in flight
+    ran = run("gc", stored.job, "--keep", 1, "--json")
+    assert ran.code == EXIT_OK
+    assert (ran.json()["kept"], ran.json()["in_flight"]) == ([6], [7])
+    assert _versions_in(stored.job) == [6, 7]
+
+
+def test_gc_removes_commit_records_before_blobs(stored: Stored) -> None:
+    order: list[str] = []
+
+    async def go() -> None:
+        location = Location("persistent", str(stored.job), JOB)
+        async with Store(location) as store:
+            catalog = await store.scan()
+            plan = await plan_gc(store, catalog, 2)
+            delete = store.tier.delete
+
+            async def recording(key: str) -> None:
+                order.append(key)
+                await delete(key)
+
+            store.tier.delete = recording  # type: ignore[method-assign]
+            await apply_gc(store, plan)
+
+    asyncio.run(go())
+    commits = [i for i, k in enumerate(order) if k.endswith("COMMIT")]
+    blobs = [i for i, k in enumerate(order) if not k.endswith("COMMIT")]
+    assert commits
+    assert blobs
+    assert max(commits) < min(blobs)
+
+
+def test_gc_removes_torn_versions_but_keeps_bases(tmp_path: Path, run: Any) -> None:
+    job = tmp_path / "ranks"
+    _two_rank_job(job, committed={0, 2}, torn={1: 0})  # 1 torn by a crash; 2 is a delta on 0
+    ran = run("gc", job, "--keep", 1, "--json")
+    assert ran.code == EXIT_OK
+    assert (ran.json()["kept"], ran.json()["kept_as_base"]) == ([2], [0])
+    assert ran.json()["blob_keys"] == [blob_key(1, 0, "packed")]
+    assert _versions_in(job) == [0, 2]
+    assert run("verify", job).code == EXIT_OK
+
+
+def test_gc_needs_a_positive_keep(stored: Stored, run: Any) -> None:
+    assert run("gc", stored.job, "--keep", 0).code == EXIT_USAGE
+    assert run("gc", stored.job).code == EXIT_USAGE
+
+
+# --- errors, json, hooks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", "{tmp}/missing"],
+        ["ls", "nope-protocol://bucket/x"],
+        ["ls", "{tmp}/empty"],
+        ["ls", "{tmp}/a-file"],
+        ["verify", "{store}/durable", "--job", "no-such-job"],
+        ["inspect", "{store}"],  # two locations: pick one
+        ["inspect", "--local-root", "{tmp}/empty"],
+        ["verify", "{store}/durable", "--storage-options", "not json"],
+        ["export", "{store}/durable/job"],
+        ["verify"],
+    ],
+)
+def test_wrong_locations_are_one_line_usage_errors(
+    stored: Stored, run: Any, tmp_path: Path, argv: list[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    args = [a.format(tmp=tmp_path, store=stored.root) for a in argv]
+    _assert_one_line_error(run(*args))
+    as_json = run(*args, "--json")
+    assert as_json.code == EXIT_USAGE
+    assert as_json.json()["error"]["exit_code"] == EXIT_USAGE
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", "{job}"],
+        ["inspect", "{job}", "--version", "1"],
+        ["verify", "{job}"],
+        ["export", "{job}", "{tmp}/out", "--format", "pt"],
+        ["gc", "{job}", "--keep", "2", "--dry-run"],
+    ],
+)
+def test_every_command_speaks_json(
+    stored: Stored, run: Any, tmp_path: Path, argv: list[str]
+) -> None:
+    args = [a.format(job=stored.job, tmp=tmp_path) for a in argv]
+    ran = run(*args, "--json")
+    assert ran.code == EXIT_OK
+    assert ran.json()["command"] == argv[0]
+
+
+def test_the_console_script_runs_as_a_process(stored: Stored, tmp_path: Path) -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "tiercheck.cli", "verify", str(stored.job), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ok.returncode == EXIT_OK, ok.stderr
+    assert json.loads(ok.stdout)["ok"] is True
+    missing = subprocess.run(
+        [sys.executable, "-m", "tiercheck.cli", "ls", str(tmp_path / "nothing-here")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert missing.returncode == EXIT_USAGE
+    assert "Traceback" not in missing.stderr
+    assert missing.stdout == ""
+
+
+def _fake_demo(argv: list[str]) -> int:
+    print("demo", *argv)
+    return 3
+
+
+def test_an_external_command_gets_its_arguments(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
+    demo = ExternalCommand("demo", "the showcase", f"{__name__}:_fake_demo")
+    monkeypatch.setattr(cli_module, "COMMANDS", [*cli_module.COMMANDS, demo])
+    ran = run("demo", "--steps", "5")
+    assert ran.code == 3
+    assert ran.out.split() == ["demo", "--steps", "5"]
+    assert "demo" in run("--help").out
+
+
+def test_progress_bars_draw_on_their_stream() -> None:
+    pytest.importorskip("tqdm")
+    stream = io.StringIO()
+    bar = cli_module._Bar(True, stream)
+    bar.start(3, "testing")
+    bar.advance(3)
+    bar.finish()
+    assert "testing" in stream.getvalue()
+
+
+# --- object storage --------------------------------------------------------------------------
+
+
+def test_ls_and_verify_on_s3(s3_server: S3Server, run: Any, tmp_path: Path) -> None:
+    url = s3_server.url()
+    options = s3_server.storage_options
+    trainer = TinyTrainer()
+    with SyncCheckpointer(
+        JOB,
+        tiers=[
+            LocalTier(tmp_path / "shm" / "blobs"),
+            PersistentTier(f"{url}/{JOB}", storage_options=options),
+        ],
+        local_root=tmp_path / "shm",
+        base_every=2,
+        persist="all",
+    ) as ckpt:
+        for step in range(3):
+            trainer.step()
+            ckpt.save(step, trainer.state())
+        ckpt.wait()
+    opts = json.dumps(options)
+    ls = run("ls", url, "--storage-options", opts, "--json")
+    assert ls.code == EXIT_OK
+    (loc,) = ls.json()["locations"]
+    assert (loc["job"], [v["kind"] for v in loc["versions"]]) == (JOB, ["base", "delta", "base"])
+    assert run("verify", url, "--storage-options", opts).code == EXIT_OK
+
+    key = blob_key(1, 0, "packed")
+
+    async def damage() -> None:
+        async with PersistentTier(f"{url}/{JOB}", storage_options=options) as tier:
+            data = bytearray(await tier.get(key))
+            data[len(data) // 2] ^= 0x01
+            await tier.put(key, bytes(data))
+
+    asyncio.run(damage())
+    bad = run("verify", url, "--storage-options", opts, "--json")
+    assert bad.code == EXIT_PROBLEMS
+    keys = [f["key"] for f in bad.json()["reports"][0]["findings"]]
+    assert keys == [key]
