@@ -1,9 +1,10 @@
 """Four failures of a real torchrun job, each restored from the tier that survived it.
 
-4 ranks on loopback, as 2 simulated nodes of 2 ranks (each node its own memory root), train a
-small model with gloo all-reduce, checkpointing every step through local + peer + persistent
-tiers. On the first attempt the job fails on purpose (see train.py); torchrun restarts the
-group, every rank restores through tiercheck and trains to the end. For each failure:
+4 ranks on loopback, as 2 simulated nodes of 2 ranks (each node its own memory root), train the
+demo's tiny transformer with gloo all-reduce, checkpointing every step through local + peer +
+persistent tiers. On the first attempt the job fails on purpose (tiercheck.demo.worker);
+torchrun restarts the group, every rank restores through tiercheck and trains to the end. For
+each failure:
 
 * the final model and optimizer are equal, bit for bit, to those of an uninterrupted run;
 * every rank restored the same version, the one expected for that failure;
@@ -25,7 +26,6 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-SCRIPT = Path(__file__).with_name("train.py")
 STEPS, FAIL_AT, BASE_EVERY = 20, 12, 5
 RANKS, PER_NODE = 4, 2
 
@@ -47,14 +47,14 @@ def torchrun(tmp: Path, name: str, fail: str) -> Path:
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc-per-node={RANKS}", "--max-restarts=1",
         "--monitor-interval=0.1",
-        str(SCRIPT),
+        "-m", "tiercheck.demo.worker",
         "--root", str(root),
         "--persistent", (tmp / f"durable-{name}").as_uri(),
         "--out", str(out),
-        "--fail", fail,
+        "--plan", "" if fail == "none" else f"{fail}@{FAIL_AT}",
         "--steps", str(STEPS),
-        "--fail-at", str(FAIL_AT),
         "--base-every", str(BASE_EVERY),
+        "--dim", "32", "--batch", "4",
     ]  # fmt: skip
     try:
         run = subprocess.run(
@@ -66,24 +66,30 @@ def torchrun(tmp: Path, name: str, fail: str) -> Path:
     return out
 
 
-def results(out: Path) -> tuple[set[str], dict[int, dict[str, Any]]]:
-    digests = {json.loads(p.read_text())["digest"] for p in out.glob("final-r*.json")}
-    restored = {}
-    for p in out.glob("restored-r*-a1.json"):
-        record = json.loads(p.read_text())
-        restored[record["rank"]] = record
+def results(out: Path) -> tuple[dict[int, str], dict[int, dict[str, Any]]]:
+    """By rank: the final digest (model, optimizer, RNG) and what it restored after restarting."""
+    digests: dict[int, str] = {}
+    restored: dict[int, dict[str, Any]] = {}
+    for path in out.glob("events-r*.jsonl"):
+        for line in path.read_text().splitlines():
+            if not line.endswith("}"):
+                continue  # a rank killed mid-write leaves a partial last line
+            event = json.loads(line)
+            if event["e"] == "final":
+                digests[event["rank"]] = event["digest"]
+            elif event["e"] == "restored" and event["attempt"] == 1:
+                restored[event["rank"]] = event
     return digests, restored
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The digest of the uninterrupted run (identical on every rank)."""
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """The final digests of the uninterrupted run, by rank (each rank has its own RNG)."""
     out = torchrun(tmp_path_factory.mktemp("reference"), "reference", "none")
     digests, restored = results(out)
-    assert len(list(out.glob("final-r*.json"))) == RANKS
-    assert len(digests) == 1
+    assert sorted(digests) == list(range(RANKS))
     assert restored == {}
-    return digests.pop()
+    return digests
 
 
 EXPECTED = {
@@ -100,7 +106,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("failure", list(EXPECTED))
 def test_failure_is_restored_from_the_right_tier_bit_exact(
-    failure: str, reference: str, tmp_path: Path
+    failure: str, reference: dict[int, str], tmp_path: Path
 ) -> None:
     out = torchrun(tmp_path, failure, failure)
     digests, restored = results(out)
@@ -110,4 +116,4 @@ def test_failure_is_restored_from_the_right_tier_bit_exact(
     assert {rank: r["source"] for rank, r in restored.items()} == tiers
     for r in restored.values():  # each rank was told where every rank read from
         assert {int(k): v for k, v in r["sources"].items()} == tiers
-    assert digests == {reference}, "the resumed run ends bit-exact with the uninterrupted one"
+    assert digests == reference, "the resumed run ends bit-exact with the uninterrupted one"

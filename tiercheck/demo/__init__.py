@@ -1,0 +1,289 @@
+"""``tiercheck demo``: train, fail three ways, restore from the right tier, prove it bit-exact.
+
+Several processes on this machine play a small cluster: ``--ranks`` ranks over ``--nodes``
+simulated nodes (each node its own shared-memory root), talking over torch.distributed (gloo on
+loopback), launched by torchrun. They train a tiny transformer on real text and checkpoint every
+step through tiercheck's local, peer and persistent tiers.
+
+The demo runs the job twice: once uninterrupted, recording a digest of the state at every
+step, and once with failures injected in turn -- by default a process crash, then the loss of
+a node, then the loss of the whole cluster's memory. After each, torchrun restarts the job, which
+restores and carries on. The closing table shows, for each failure, which tier each node
+restored from, how long it took, how many steps had to be redone, and whether the restored
+state is bit for bit the state the uninterrupted run had at that step.
+
+Nothing to set up: persistent storage is a local folder and the memory tiers live in
+``/dev/shm`` (or a temporary folder); all of it is removed at the end unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercheck.demo.worker import parse_plan
+from tiercheck.tiers.local import SHM_DIR
+
+__all__ = ["main"]
+
+DEFAULT_PLAN = "process@15,node@30,cluster@45"
+DESCRIPTIONS = {
+    "process": "process crash",
+    "node": "node lost",
+    "cluster": "cluster lost",
+    "midsave": "crash mid-save",
+}
+
+
+@dataclass
+class Run:
+    """One torchrun job of the demo and what its ranks reported."""
+
+    name: str
+    out: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def load(self) -> None:
+        self.events = []
+        for path in sorted(self.out.glob("events-r*.jsonl")):
+            for line in path.read_text().splitlines():
+                if line.endswith("}"):  # a rank killed mid-write leaves a partial last line
+                    self.events.append(json.loads(line))
+        self.events.sort(key=lambda e: e["t"])
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["e"] == kind]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tiercheck demo",
+        description="Train a tiny transformer on a simulated cluster, fail it three ways, and "
+        "restore each time from the tier that survived.",
+    )
+    p.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument(
+        "--plan",
+        default=DEFAULT_PLAN,
+        help=f"failures in turn, KIND@STEP (kinds: {', '.join(DESCRIPTIONS)}); "
+        f"default {DEFAULT_PLAN}",
+    )
+    p.add_argument("--base-every", type=int, default=10, help="a base every N saves")
+    p.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--workdir", type=Path, default=None, help="where logs and storage go")
+    p.add_argument("--keep", action="store_true", help="keep checkpoints and logs afterwards")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; 0 when every restore was bit-exact, 1 otherwise, 2 on bad options."""
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        plan = parse_plan(args.plan)
+    except ValueError as exc:
+        print(f"tiercheck demo: {exc}", file=sys.stderr)
+        return 2
+    if args.nodes < 2 or args.ranks % args.nodes:
+        print("tiercheck demo: --nodes must be at least 2 and divide --ranks", file=sys.stderr)
+        return 2
+    if any(step >= args.steps for _, step in plan) or any(
+        a[1] >= b[1] for a, b in itertools.pairwise(plan)
+    ):
+        print("tiercheck demo: failure steps must increase and stay below --steps", file=sys.stderr)
+        return 2
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="tiercheck-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shm = Path(SHM_DIR) if Path(SHM_DIR).is_dir() else work
+    memory = Path(tempfile.mkdtemp(prefix="tiercheck-demo-memory-", dir=shm))
+    print(
+        f"tiercheck demo: {args.ranks} ranks on {args.nodes} simulated nodes, {args.steps} steps, "
+        f"checkpointing every step to local + peer + persistent.\n"
+        f"  memory tiers under {memory}, persistent storage in {work / 'durable'}\n"
+    )
+    try:
+        reference = _launch(args, work, memory / "reference", "reference", plan="", restarts=0)
+        if reference is None:
+            return 1
+        failing = _launch(
+            args, work, memory / "failures", "failures", plan=args.plan, restarts=len(plan)
+        )
+        if failing is None:
+            return 1
+        return _report(args, plan, reference, failing)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        elif args.keep:
+            print(f"\nkept: {work}")
+
+
+def _launch(
+    args: argparse.Namespace, work: Path, root: Path, name: str, *, plan: str, restarts: int
+) -> Run | None:
+    """Run one torchrun job, showing its progress; ``None`` if it failed."""
+    run = Run(name, work / name)
+    if run.out.exists():
+        shutil.rmtree(run.out)
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={args.ranks}", f"--max-restarts={restarts}",
+        "--monitor-interval=0.1",
+        "-m", "tiercheck.demo.worker",
+        "--root", str(root), "--persistent", (work / f"durable-{name}").as_uri(),
+        "--out", str(run.out), "--steps", str(args.steps), "--plan", plan,
+        "--base-every", str(args.base_every), "--dim", str(args.dim),
+        "--layers", str(args.layers), "--batch", str(args.batch),
+        "--digests",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "TIERCHECK_RANKS_PER_NODE": str(args.ranks // args.nodes),
+        # torchrun shares its rendezvous store with the workers by default; a restarted group
+        # can then pick up the dead group's addresses (pytorch/pytorch#135712).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    title = "uninterrupted run (the reference)" if not plan else "run with failures"
+    print(f"{title}:")
+    log = work / f"{name}.log"
+    started = time.monotonic()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch, args=(run, args.steps, stop), daemon=True)
+        watcher.start()
+        code = proc.wait()
+        stop.set()
+        watcher.join()
+    run.seconds = time.monotonic() - started
+    run.load()
+    if code != 0 or len(run.of("final")) != args.ranks:
+        print(f"\n  the job failed (exit code {code}); its log: {log}")
+        print("".join(log.read_text().splitlines(keepends=True)[-30:]))
+        return None
+    print(f"  done in {run.seconds:.1f} s\n")
+    return run
+
+
+def _watch(run: Run, steps: int, stop: threading.Event) -> None:
+    """Print progress from rank 0's events (and every rank's failures and restores)."""
+    seen = 0
+    last_step = -1
+    while True:
+        finished = stop.is_set()
+        # The files are being written as we read: a half-written state is read again next time.
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            run.load()
+        for event in run.events[seen:]:
+            kind = event["e"]
+            if kind == "failure":
+                what = DESCRIPTIONS[event["kind"]]
+                print(f"  ✗ {what} (attempt {event['attempt'] + 1})", flush=True)
+            elif kind == "restored" and event["rank"] == 0:
+                others = sorted(set(event["sources"].values()))
+                print(
+                    f"  ↺ restored version {event['version']} "
+                    f"(tiers: {', '.join(others)}) in {event['seconds']:.3f} s",
+                    flush=True,
+                )
+            elif kind == "step" and event["rank"] == 0:
+                step = event["step"]
+                if step // 10 != last_step // 10 or step == steps - 1:
+                    stall = event.get("stall", 0.0) * 1e3
+                    print(
+                        f"    step {step + 1:>4}/{steps}  loss {event['loss']:.3f}  "
+                        f"save blocked {stall:.1f} ms",
+                        flush=True,
+                    )
+                last_step = step
+        seen = len(run.events)
+        if finished:
+            return
+        time.sleep(0.2)
+
+
+def _report(
+    args: argparse.Namespace, plan: list[tuple[str, int]], reference: Run, failing: Run
+) -> int:
+    """Print the closing table; 0 when every restore and the end state are bit-exact."""
+    expected = {(e["rank"], e["step"]): e["digest"] for e in reference.of("step")}
+    per_node = args.ranks // args.nodes
+    rows = []
+    all_exact = True
+    for attempt, (kind, step) in enumerate(plan, start=1):
+        restores = [e for e in failing.of("restored") if e["attempt"] == attempt]
+        if len(restores) != args.ranks:
+            rows.append((DESCRIPTIONS[kind], str(step), "-", "not restored", "-", "-", "no"))
+            all_exact = False
+            continue
+        version = restores[0]["version"]
+        exact = all(expected.get((e["rank"], e["version"])) == e["digest"] for e in restores)
+        exact = exact and len({e["version"] for e in restores}) == 1
+        all_exact &= exact
+        by_node: dict[str, list[int]] = {}
+        for e in restores:
+            by_node.setdefault(e["source"], []).append(e["rank"] // per_node)
+        sources = ", ".join(
+            f"{tier} (node{'s' if len(set(n)) > 1 else ''} {','.join(map(str, sorted(set(n))))})"
+            for tier, n in sorted(by_node.items())
+        )
+        seconds = max(e["seconds"] for e in restores)
+        rows.append(
+            (
+                DESCRIPTIONS[kind],
+                str(step),
+                str(version),
+                sources,
+                f"{seconds:.3f}",
+                str(step - version),
+                "yes" if exact else "NO",
+            )
+        )
+    final = {e["digest"] for e in failing.of("final")} == {
+        e["digest"] for e in reference.of("final")
+    }
+    all_exact &= final
+    header = (
+        "failure",
+        "at step",
+        "restored",
+        "from (tier)",
+        "restore s",
+        "steps lost",
+        "bit-exact",
+    )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print("result:")
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+    print(
+        f"\n  final model after {args.steps} steps, vs the uninterrupted run: "
+        f"{'bit-exact' if final else 'DIFFERENT'}"
+    )
+    stalls = [e["stall"] for e in failing.of("step") if "stall" in e]
+    if stalls:
+        stalls.sort()
+        print(
+            f"  save blocked training for {stalls[len(stalls) // 2] * 1e3:.1f} ms per step (median)"
+        )
+    return 0 if all_exact else 1
