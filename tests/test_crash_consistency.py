@@ -250,7 +250,7 @@ class CrashMachine(RuleBasedStateMachine):
 
     @invariant()
     def stalls_are_bounded(self) -> None:
-        if self.ckpt is not None and self.ckpt.checkpointer._engine is not None:
+        if self.ckpt is not None and self.ckpt._engine is not None:
             assert self.ckpt.stats.saves >= 0
 
 

@@ -1275,49 +1275,9 @@ class _Engine:
 # --- the public face -------------------------------------------------------------------------
 
 
-class Checkpointer:
-    """Tiered, asynchronous checkpointing of one rank's training state.
-
-    ``save`` blocks only while the state is copied to host memory; the rest happens in the
-    background (see the module docstring for the order of events). ``restore`` returns the
-    newest version every rank can rebuild, from the fastest tier that has it.
-
-    Args:
-        job_id: names the job; everything it stores sits under this name.
-        persistent: an fsspec URL for durable storage (``file://``, ``s3://``, ``memory://``,
-            ...), or ``None`` for ``./tiercheck-checkpoints``.
-        local_root: this node's shared-memory folder (default ``/dev/shm/tiercheck/<job>/<node>``).
-        tiers: tier names or :class:`~tiercheck.tiers.Tier` instances, any order (they are
-            used fastest first). Default: ``local`` + ``persistent``, plus ``peer`` when the job
-            spans more than one node.
-        base_every: every ``base_every``-th save is a base, the others deltas against it.
-        keep: versions each tier retains: one number for all tiers or a mapping by tier name
-            (defaults: local 2, peer 2, persistent 3).
-        persist: which versions go to tiers that outlive the cluster: ``"base"`` (default),
-            ``"all"``, or a predicate on the version (bases always go).
-        encodings: ``"full"`` or ``"packed"`` per tier name (default: ``full`` for the local
-            tier, ``packed`` elsewhere).
-        policies: full :class:`TierPolicy` objects by tier name (override the three above).
-        on_busy: ``"wait"`` (default) or ``"skip"`` when the previous save is still encoding.
-        max_pending: how many saves may be encoding at once before ``on_busy`` applies.
-        tier_queue: how many encoded versions may wait for one tier before newer ones are
-            dropped for that tier (a slow remote store never blocks training).
-        codec: compression options for packed blobs.
-        allow_pickle: admit arbitrary Python objects in the state through pickle (off: a
-            checkpoint from a stranger must not be able to run code).
-        rank, world_size, ranks_per_node: placement; detected from torch.distributed and the
-            launcher's environment when not given.
-        node: the node's name (default ``node<index>``).
-        coordinator: how ranks agree (default: none for one rank, dedicated gloo groups for more).
-        local_capacity: bytes the local tier may use.
-        peer_replicas, peer_timeout: peer tier replica count and the seconds any exchange with
-            another rank may take before failing.
-        threads: worker threads for hashing and compression (default: every core).
-
-    Memory: staging costs one copy of the state (in the local tier's memory when it is used),
-    a second copy is held as the delta base when a packed tier receives deltas, and each
-    tier's queue holds at most ``tier_queue`` encoded versions.
-    """
+class _CheckpointerCore:
+    """What :class:`Checkpointer` and :class:`~tiercheck.SyncCheckpointer` share: the
+    configuration (one constructor for both) and the private loop the pipeline runs on."""
 
     def __init__(
         self,
@@ -1346,6 +1306,46 @@ class Checkpointer:
         peer_timeout: float = 300.0,
         threads: int = 0,
     ) -> None:
+        """Configure; nothing is opened or written until first use (or ``open``).
+
+        Args:
+            job_id: names the job; everything it stores sits under this name.
+            persistent: an fsspec URL for durable storage (``file://``, ``s3://``, ``memory://``,
+                ...), or ``None`` for ``./tiercheck-checkpoints``.
+            local_root: this node's shared-memory folder (default
+                ``/dev/shm/tiercheck/<job>/<node>``).
+            tiers: tier names or :class:`~tiercheck.tiers.Tier` instances, any order (they are
+                used fastest first). Default: ``local`` + ``persistent``, plus ``peer`` when the job
+                spans more than one node.
+            base_every: every ``base_every``-th save is a base, the others deltas against it.
+            keep: versions each tier retains: one number for all tiers or a mapping by tier name
+                (defaults: local 2, peer 2, persistent 3).
+            persist: which versions go to tiers that outlive the cluster: ``"base"`` (default),
+                ``"all"``, or a predicate on the version (bases always go).
+            encodings: ``"full"`` or ``"packed"`` per tier name (default: ``full`` for the local
+                tier, ``packed`` elsewhere).
+            policies: full :class:`TierPolicy` objects by tier name (override the three above).
+            on_busy: ``"wait"`` (default) or ``"skip"`` when the previous save is still encoding.
+            max_pending: how many saves may be encoding at once before ``on_busy`` applies.
+            tier_queue: how many encoded versions may wait for one tier before newer ones are
+                dropped for that tier (a slow remote store never blocks training).
+            codec: compression options for packed blobs.
+            allow_pickle: admit arbitrary Python objects in the state through pickle (off: a
+                checkpoint from a stranger must not be able to run code).
+            rank, world_size, ranks_per_node: placement; detected from torch.distributed and the
+                launcher's environment when not given.
+            node: the node's name (default ``node<index>``).
+            coordinator: how ranks agree (default: none for one rank, dedicated gloo groups
+                for more).
+            local_capacity: bytes the local tier may use.
+            peer_replicas, peer_timeout: peer tier replica count and the seconds any exchange with
+                another rank may take before failing.
+            threads: worker threads for hashing and compression (default: every core).
+
+        Memory: staging costs one copy of the state (in the local tier's memory when it is used),
+        a second copy is held as the delta base when a packed tier receives deltas, and each
+        tier's queue holds at most ``tier_queue`` encoded versions.
+        """
         job_id = _check_job_id(job_id)
         if not isinstance(base_every, int) or base_every < 1:
             raise ConfigError(f"base_every must be a positive int, got {base_every!r}")
@@ -1477,6 +1477,28 @@ class Checkpointer:
             self._engine = _Engine(self._config)
         return self._loop, self._engine
 
+    def _abandon(self) -> None:
+        """Stop dead, as a crashed process would (for tests): nothing is flushed or closed."""
+        self._closed = True
+        if self._loop is not None:
+            if self._engine is not None:
+                self._engine.closed = True
+            self._loop.stop()
+            self._loop = None
+
+
+class Checkpointer(_CheckpointerCore):
+    """Tiered, asynchronous checkpointing of one rank's training state.
+
+    ``save`` blocks only while the state is copied to host memory; the rest happens in the
+    background (see the module docstring for the order of events). ``restore`` returns the
+    newest version every rank can rebuild, from the fastest tier that has it.
+
+    Constructed with ``job_id`` and keyword options (``persistent=``, ``tiers=``,
+    ``base_every=``, ``keep=``, ...): see ``__init__``. :class:`~tiercheck.SyncCheckpointer`
+    takes exactly the same.
+    """
+
     async def open(self) -> Checkpointer:
         """Open tiers, manifest and coordination (done on first use if not called)."""
         if self._engine is not None and self._engine.opened:
@@ -1542,13 +1564,4 @@ class Checkpointer:
             await loop.run(engine.aclose(flush))
         finally:
             loop.stop()
-            self._loop = None
-
-    def _abandon(self) -> None:
-        """Stop dead, as a crashed process would (for tests): nothing is flushed or closed."""
-        self._closed = True
-        if self._loop is not None:
-            if self._engine is not None:
-                self._engine.closed = True
-            self._loop.stop()
             self._loop = None
