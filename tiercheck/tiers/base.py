@@ -115,7 +115,8 @@ class Tier(ABC):
     """A place blobs live. See the module docstring for the contract and the call order.
 
     Subclasses set :attr:`name` and :attr:`survives` and implement the five abstract methods.
-    They should call :meth:`_check_open` at the start of each operation.
+    They should call :meth:`_check_key` (or :meth:`_check_open`) at the start of each
+    operation.
     """
 
     #: The tier's name, as used in configuration and in ``handle.done(name)``.
@@ -174,6 +175,11 @@ class Tier(ABC):
             raise TierClosed(
                 f"the {self.name!r} tier {self!r} is closed; create a new one to use it"
             )
+
+    def _check_key(self, key: str) -> str:
+        """The checks every keyed operation starts with: the tier is open, the key is valid."""
+        self._check_open()
+        return validate_key(key)
 
     async def __aenter__(self) -> Tier:
         self._check_open()

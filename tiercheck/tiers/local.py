@@ -277,8 +277,7 @@ class LocalTier(Tier):
 
     async def put(self, key: str, data: Buffer) -> None:
         """Store ``data`` under ``key`` atomically (temporary file, then rename)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         # The views are left to the garbage collector, not released: if this coroutine is
         # cancelled, the worker thread may still be writing from them.
         view = _atomic.as_byte_view(data)
@@ -286,33 +285,28 @@ class LocalTier(Tier):
 
     async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
         """Store the concatenation of ``parts``, writing each part in turn (no join)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         views = [_atomic.as_byte_view(part) for part in parts]
         await self._run("put", key, self._put_sync, key, views)
 
     async def get(self, key: str) -> memoryview:
         """Return a private, writable copy of the blob under ``key``."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         return await self._run("get", key, self._get_sync, key)
 
     async def get_size(self, key: str) -> int:
         """Size of the blob under ``key`` (one ``stat``)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         return await self._run("get_size", key, self._size_sync, key)
 
     async def exists(self, key: str) -> bool:
         """Whether a blob is stored under ``key``."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         return await self._run("exists", key, self._exists_sync, key)
 
     async def delete(self, key: str) -> None:
         """Remove the blob under ``key`` (idempotent); its file may be kept as a spare."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         await self._run("delete", key, self._delete_sync, key)
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:
@@ -339,8 +333,7 @@ class LocalTier(Tier):
         against the capacity from now on; raises :class:`~tiercheck.errors.TierFull` if it does
         not fit.
         """
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if nbytes < 0:

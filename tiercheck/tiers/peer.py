@@ -233,8 +233,7 @@ class PeerTier(Tier):
 
     async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
         """Store the concatenation of ``parts`` on every holder, without joining them."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         views = []
         for part in parts:
             view = memoryview(part).cast("B")
@@ -246,8 +245,7 @@ class PeerTier(Tier):
 
     async def get(self, key: str) -> Buffer:
         """The blob under ``key`` from the first holder that has it."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         missing: BlobNotFound | None = None
         errors: list[BaseException] = []
         for dst in self.targets:
@@ -263,15 +261,13 @@ class PeerTier(Tier):
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` on every holder (idempotent)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         for dst in self.targets:
             await asyncio.to_thread(self._call, dst, {"op": "delete", "key": key})
 
     async def exists(self, key: str) -> bool:
         """Whether any holder has ``key``."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         for dst in self.targets:
             reply = await asyncio.to_thread(self._call, dst, {"op": "exists", "key": key})
             if reply["exists"]:
@@ -280,8 +276,7 @@ class PeerTier(Tier):
 
     async def get_size(self, key: str) -> int:
         """Size of ``key`` on the first holder that has it."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         for dst in self.targets:
             reply = await asyncio.to_thread(self._call, dst, {"op": "size", "key": key})
             if reply["size"] >= 0:

@@ -227,8 +227,7 @@ class PersistentTier(Tier):
 
     async def put(self, key: str, data: Buffer) -> None:
         """Store ``data`` under ``key`` atomically (rename on filesystems, one object put else)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         # Views are left to the garbage collector, not released: if this coroutine is
         # cancelled, the worker thread may still be reading them.
         view = _atomic.as_byte_view(data)
@@ -237,22 +236,19 @@ class PersistentTier(Tier):
 
     async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
         """Store the concatenation of ``parts`` (written in turn, unjoined, on filesystems)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         views = [_atomic.as_byte_view(part) for part in parts]
         write = self._put_local if self._local else self._pipe
         await self._call("put", key, write, key, views)
 
     async def get(self, key: str) -> bytes:
         """Return the blob under ``key``."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         return await self._call("get", key, self._get_sync, key)
 
     async def get_size(self, key: str) -> int:
         """Size of the blob under ``key``, from the store's metadata (no read)."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         size = await self._call("get_size", key, self._size_sync, key)
         if size is None:
             raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}")
@@ -260,14 +256,12 @@ class PersistentTier(Tier):
 
     async def exists(self, key: str) -> bool:
         """Whether a blob is stored under ``key``."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         return await self._call("exists", key, self._size_sync, key) is not None
 
     async def delete(self, key: str) -> None:
         """Remove the blob under ``key``; a missing blob is fine."""
-        self._check_open()
-        validate_key(key)
+        self._check_key(key)
         await self._call("delete", key, self._delete_sync, key)
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:
