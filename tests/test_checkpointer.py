@@ -77,6 +77,28 @@ async def test_save_then_restore_is_bit_exact(tmp_path: Path) -> None:
     assert_state_equal(restored.state, saved[6])
 
 
+async def test_a_restored_rng_state_can_be_set_directly(tmp_path: Path) -> None:
+    # torch.set_rng_state reads a state tensor from the start of its storage: a view at an
+    # offset into the shared payload would fail or set the wrong state.
+    torch.manual_seed(7)
+    big = torch.randn(100_000)  # larger than OWN_STORAGE_BYTES: stays a view, placed first
+    state = {"big": big, "rng": torch.get_rng_state()}
+    expected = torch.rand(5)
+    async with _ckpt(tmp_path) as ckpt:
+        await ckpt.save(0, state)
+        await ckpt.wait()
+    for tiers in (["local", "persistent"], ["persistent"]):
+        async with _ckpt(tmp_path, tiers=tiers) as again:
+            restored = await again.restore()
+        assert restored is not None
+        assert restored.source_tier == tiers[0]
+        rng = restored.state["rng"]
+        assert rng.storage_offset() == 0
+        torch.set_rng_state(rng)
+        assert torch.equal(torch.rand(5), expected)
+        assert torch.equal(restored.state["big"], big)
+
+
 async def test_state_may_change_as_soon_as_save_returns(tmp_path: Path) -> None:
     x = torch.arange(1000, dtype=torch.float32)
     async with _ckpt(tmp_path) as ckpt:

@@ -62,6 +62,7 @@ from tiercheck.codec import (
     load_into,
     raw_digest,
     read_meta,
+    unflatten,
     write_full_blob,
 )
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
@@ -204,9 +205,21 @@ class CheckpointerStats:
     restore_fallbacks: int = 0
 
 
+#: Restored tensors up to this size have storage of their own; larger ones are views into one
+#: shared buffer (see :class:`Restored`).
+OWN_STORAGE_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class Restored:
-    """The result of a restore."""
+    """The result of a restore.
+
+    Without a live state to fill, tensors larger than :data:`OWN_STORAGE_BYTES` are views into
+    one buffer holding the whole version (no copy beyond the read); they are valid for as long
+    as they are referenced. Smaller ones (RNG states, counters, scalars) have storage of their
+    own, so code that reads a tensor's storage from its start (``torch.set_rng_state``) gets
+    the right bytes.
+    """
 
     version: int
     #: The restored state: the caller's own object, filled in place, when one was passed.
@@ -1209,7 +1222,13 @@ class _Engine:
         if self.base is not None:
             self.base.holder.drop()
             self.base = None
-        restored_state = raw.state(allow_pickle=self.cfg.allow_pickle)
+        # Small tensors get storage of their own: some consumers read a tensor from the start
+        # of its storage, ignoring the offset of a view (torch.set_rng_state does, and then
+        # fails or sets a wrong state). Large ones stay views of the payload: no second copy.
+        tensors = raw.tensors()
+        if state is None:
+            tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
+        restored_state = unflatten(raw.layout, tensors, allow_pickle=self.cfg.allow_pickle)
         if state is not None:
             restored_state = load_into(state, restored_state)
         return Restored(
