@@ -1,0 +1,112 @@
+"""What both integrations share: optional imports, checkpoint names, RNG states, sessions."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tiercheck import ConfigError, RestoreError, VersionError
+from tiercheck.integrations import LATEST, parse_name, version_name
+from tiercheck.integrations._common import Session, capture_rng, restore_rng
+
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("module", ["tiercheck", "tiercheck.integrations"])
+def test_importing_tiercheck_imports_no_framework(module: str) -> None:
+    code = (
+        f"import sys, {module}\n"
+        f"loaded = [m for m in {FRAMEWORKS!r} if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_names() -> None:
+    assert parse_name(LATEST) == "latest"
+    assert parse_name(version_name(42)) == 42
+    assert parse_name("tiercheck:0") == 0
+    assert parse_name(Path("tiercheck:7")) == 7
+    assert parse_name("checkpoints/epoch=0-step=4.ckpt") is None
+    assert parse_name(None) is None
+
+
+@pytest.mark.parametrize("name", ["tiercheck:", "tiercheck:last", "tiercheck:-1", "tiercheck:1.5"])
+def test_malformed_tiercheck_names_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_name(name)
+
+
+@pytest.mark.parametrize("version", [-1, True, 1.0, "3"])
+def test_version_name_refuses_non_versions(version: object) -> None:
+    with pytest.raises(ConfigError):
+        version_name(version)  # type: ignore[arg-type]
+
+
+def _draws() -> tuple[float, float, list[float]]:
+    return random.random(), float(np.random.random()), torch.rand(3).tolist()
+
+
+def test_rng_states_survive_a_checkpoint(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    _draws()  # move away from the seeded states
+    session = Session("rng", {"local_root": tmp_path / "shm", "persistent": tmp_path.as_uri()})
+    # Padding first: restored tensors are views at non-zero offsets of one payload.
+    handle = session.save(5, lambda: {"pad": torch.zeros(3), "rng": capture_rng()})
+    assert handle is not None
+    expected = _draws()
+    handle.result()
+    session.close()
+
+    again = Session("rng", {"local_root": tmp_path / "shm", "persistent": tmp_path.as_uri()})
+    restored = again.restore("latest")
+    assert restored is not None
+    _draws()
+    restore_rng(restored.state["rng"])
+    assert _draws() == expected
+    again.close()
+
+
+def test_a_version_saved_twice_is_stored_once(tmp_path: Path) -> None:
+    session = Session("twice", {"local_root": tmp_path / "shm", "persistent": tmp_path.as_uri()})
+    first = session.save(3, lambda: {"w": torch.ones(2)})
+    assert first is not None
+    assert session.save(3, lambda: pytest.fail("a stored version's state is built")) is None
+    assert session.last_save is first
+    with pytest.raises(VersionError):
+        session.save(2, lambda: {"w": torch.ones(2)})
+    session.close()
+
+
+def test_newest_only_restore_drops_nothing(tmp_path: Path) -> None:
+    options = {"local_root": tmp_path / "shm", "persistent": tmp_path.as_uri(), "persist": "all"}
+    session = Session("newest", options)
+    for version in (1, 2, 3):
+        session.save(version, lambda v=version: {"w": torch.full((2,), float(v))})
+    session.close()
+
+    again = Session("newest", options)
+    with pytest.raises(RestoreError):
+        again.restore(2, newest_only=True)
+    restored = again.restore(3, newest_only=True)
+    assert restored is not None
+    assert restored.version == 3
+    # Resuming from an older version is allowed, and continues from there.
+    older = again.restore(2)
+    assert older is not None
+    assert older.state["w"].tolist() == [2.0, 2.0]
+    again.close()
+
+
+def test_session_needs_a_job_id() -> None:
+    with pytest.raises(ConfigError):
+        Session("", {})

@@ -1,0 +1,182 @@
+"""The Trainer integration in one process: resume values, retention, refusals, moving over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the Trainer integration needs the 'hf' extra")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (the 'hf' extra)")
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from tiercheck import ConfigError, RestoreError
+from tiercheck.integrations.hf import LATEST, TiercheckTrainer
+
+from .hf_train import SEQ, VOCAB, Tokens
+
+
+class StartStep(TrainerCallback):
+    """Records the global step when training starts."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps.append(state.global_step)
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        n_positions=SEQ,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _args(tmp_path: Path, **overrides: Any) -> TrainingArguments:
+    settings: dict[str, Any] = {
+        "output_dir": str(tmp_path / "output"),
+        "use_cpu": True,
+        "max_steps": 9,
+        "per_device_train_batch_size": 4,
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "logging_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 0,
+        **overrides,
+    }
+    return TrainingArguments(**settings)
+
+
+def _trainer(
+    tmp_path: Path, job: str = "job", **overrides: Any
+) -> tuple[TiercheckTrainer, StartStep]:
+    start = StartStep()
+    options = overrides.pop("tiercheck_options", {})
+    eval_dataset = overrides.pop("eval_dataset", None)
+    trainer = TiercheckTrainer(
+        model=_model(),
+        args=_args(tmp_path, **overrides),
+        train_dataset=Tokens(),
+        eval_dataset=eval_dataset,
+        callbacks=[start],
+        tiercheck_job=job,
+        tiercheck_options={
+            "local_root": tmp_path / f"shm-{job}",
+            "persistent": (tmp_path / "durable").as_uri(),
+            "persist": "all",
+            **options,
+        },
+    )
+    return trainer, start
+
+
+def test_resume_from_a_checkpoint_folder_name(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path, max_steps=12)
+    first.train()
+    assert first.tiercheck_last_save is not None
+    assert first.tiercheck_last_save.version == 12
+    assert not (tmp_path / "output" / "checkpoint-9").exists()  # names only: no folder
+
+    again, start = _trainer(tmp_path, max_steps=12)
+    again.train(resume_from_checkpoint=tmp_path / "output" / "checkpoint-9")
+    assert start.steps == [9]
+    assert again.tiercheck_restored is not None
+    assert again.tiercheck_restored.version == 9
+    assert again.state.global_step == 12
+
+
+def test_resume_true_is_the_newest_whole_version(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path)
+    first.train()
+    again, start = _trainer(tmp_path, max_steps=12)
+    again.train(resume_from_checkpoint=True)
+    assert start.steps == [9]
+
+
+def test_resume_on_a_fresh_job_starts_fresh(tmp_path: Path) -> None:
+    for job, value in (("a", True), ("b", LATEST)):
+        trainer, start = _trainer(tmp_path, job=job, max_steps=3)
+        trainer.train(resume_from_checkpoint=value)
+        assert start.steps == [0]
+
+
+def test_resume_from_a_version_that_is_not_stored_fails(tmp_path: Path) -> None:
+    first, _ = _trainer(tmp_path, max_steps=6)
+    first.train()
+    again, _ = _trainer(tmp_path)
+    with pytest.raises(RestoreError):
+        again.train(resume_from_checkpoint="tiercheck:4")
+
+
+@pytest.mark.parametrize("value", ["somewhere/else", "tiercheck:newest", 3])
+def test_resume_values_that_name_no_version_are_refused(tmp_path: Path, value: Any) -> None:
+    trainer, _ = _trainer(tmp_path)
+    with pytest.raises(ConfigError):
+        trainer.train(resume_from_checkpoint=value)
+
+
+def test_stock_checkpoint_moves_over_to_tiercheck(tmp_path: Path) -> None:
+    stock = Trainer(model=_model(), args=_args(tmp_path, max_steps=3), train_dataset=Tokens())
+    stock.train()
+    folder = tmp_path / "output" / "checkpoint-3"
+    assert (folder / "trainer_state.json").is_file()
+
+    trainer, start = _trainer(tmp_path, max_steps=6)
+    trainer.train(resume_from_checkpoint=folder)
+    assert start.steps == [3]
+    assert trainer.tiercheck_last_save is not None
+    assert trainer.tiercheck_last_save.version == 6
+
+
+def test_save_total_limit_is_each_tiers_keep(tmp_path: Path) -> None:
+    trainer, _ = _trainer(tmp_path, save_total_limit=2)
+    policies = trainer.tiercheck_checkpointer.policies
+    assert {name: p.keep for name, p in policies.items()} == {"local": 2, "persistent": 2}
+    trainer.tiercheck_checkpointer.close()
+
+    explicit, _ = _trainer(tmp_path, save_total_limit=2, tiercheck_options={"keep": 5})
+    assert explicit.tiercheck_checkpointer.policies["local"].keep == 5
+    explicit.tiercheck_checkpointer.close()
+
+
+def test_save_total_limit_bounds_what_is_stored(tmp_path: Path) -> None:
+    trainer, _ = _trainer(tmp_path, max_steps=15, save_total_limit=2)
+    trainer.train()
+    local = sorted(p.name for p in (tmp_path / "shm-job" / "blobs").glob("v*"))
+    assert local == ["v000000000012", "v000000000015"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"save_only_model": True},
+        {
+            "load_best_model_at_end": True,
+            "eval_strategy": "steps",
+            "eval_steps": 3,
+            "eval_dataset": Tokens(),
+        },
+    ],
+)
+def test_configurations_not_covered_are_refused(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        _trainer(tmp_path, **overrides)

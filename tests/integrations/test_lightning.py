@@ -1,0 +1,259 @@
+"""The Lightning plugin and callback in one process: names, pointers, retention, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the Lightning integration needs the 'lightning' extra")
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from tiercheck import ConfigError, RestoreError
+from tiercheck.integrations.lightning import (
+    LATEST,
+    TiercheckCallback,
+    TiercheckCheckpointIO,
+)
+
+from .lightning_train import Batches, Net
+
+pytestmark = [
+    # Lightning 2.6 calls torch.utils._pytree.LeafSpec(), deprecated in recent torch; harmless.
+    pytest.mark.filterwarnings(r"ignore:.*LeafSpec.*:FutureWarning"),
+]
+
+
+class EvalNet(Net):
+    """The training script's model, with a validation step."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+class StartStep(L.Callback):
+    """Records the global step when training starts."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.steps.append(trainer.global_step)
+
+
+def _io(tmp_path: Path, job: str = "job") -> TiercheckCheckpointIO:
+    return TiercheckCheckpointIO(
+        job, local_root=tmp_path / "shm", persistent=(tmp_path / "durable").as_uri()
+    )
+
+
+def _trainer(max_steps: int, plugins: list[Any], callbacks: list[Any]) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=plugins,
+        callbacks=callbacks,
+    )
+
+
+def _pointer(path: Path) -> dict[str, Any]:
+    pointer = json.loads(path.read_text())
+    assert isinstance(pointer, dict)
+    return pointer
+
+
+# The second ModelCheckpoint on the same folder warns that it is not empty: that is the point.
+@pytest.mark.filterwarnings(r"ignore:Checkpoint directory .* exists and is not empty:UserWarning")
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_model_checkpoint_writes_pointers_and_last_resumes(tmp_path: Path, save_last: Any) -> None:
+    folder = tmp_path / "ckpts"
+    io = _io(tmp_path)
+
+    def checkpoint() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=folder,
+            filename="{step}",
+            every_n_train_steps=4,
+            save_top_k=2,
+            monitor="step",
+            mode="max",
+            save_last=save_last,
+        )
+
+    trainer = _trainer(12, [io], [TiercheckCallback(), checkpoint()])
+    trainer.fit(Net(), train_dataloaders=Batches())
+    # Top-2 rotation removed step=4's pointer through remove_checkpoint.
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=12.ckpt", "step=8.ckpt"]
+    assert _pointer(folder / "step=8.ckpt")["version"] == 8
+    assert _pointer(folder / "last.ckpt") == _pointer(folder / "step=12.ckpt")
+    assert (folder / "last.ckpt").is_symlink() == (save_last == "link")
+    assert _pointer(folder / "last.ckpt")["job_id"] == "job"
+
+    start = StartStep()
+    again = _io(tmp_path)
+    resumed = _trainer(16, [again], [TiercheckCallback(), checkpoint(), start])
+    resumed.fit(Net(), train_dataloaders=Batches(), ckpt_path="last")
+    assert start.steps == [12]
+    assert again.restored is not None
+    assert again.restored.version == 12
+    assert resumed.global_step == 16
+
+
+def test_evaluation_loads_only_the_newest_version(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    folder = tmp_path / "ckpts"
+    saver = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    trainer = _trainer(12, [io], [TiercheckCallback(), saver])
+    model = EvalNet()
+    trainer.fit(model, train_dataloaders=Batches(), val_dataloaders=Batches())
+    with pytest.raises(RestoreError):
+        trainer.validate(model, dataloaders=Batches(), ckpt_path=folder / "step=8.ckpt")
+    # Nothing was dropped: the newest version still loads, for evaluation and by name.
+    trainer.validate(model, dataloaders=Batches(), ckpt_path=folder / "step=12.ckpt")
+    trainer.validate(model, dataloaders=Batches(), ckpt_path=LATEST)
+    assert io.restored is not None
+    assert io.restored.version == 12
+
+
+class SaveThenRemove(L.Callback):
+    """At one step, saves to a path and removes it at once, while the save is in flight."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.strategy.remove_checkpoint(self.path)
+
+
+def test_remove_checkpoint_leaves_an_in_flight_save_alone(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    path = tmp_path / "extra.ckpt"
+    trainer = _trainer(5, [io], [TiercheckCallback(every_n_train_steps=2), SaveThenRemove(5, path)])
+    trainer.fit(Net(), train_dataloaders=Batches())
+    assert not path.exists()
+    handle = io.last_save
+    assert handle is not None
+    assert handle.version == 5
+    handle.result(timeout=0)  # fit's teardown finished it: committed in every tier
+    loaded = io.load_checkpoint("tiercheck:5")
+    assert loaded["global_step"] == 5
+    io.teardown()
+
+
+def test_a_save_after_fit_is_durable_when_it_returns(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    trainer = _trainer(5, [io], [TiercheckCallback(every_n_train_steps=2)])
+    trainer.fit(Net(), train_dataloaders=Batches())
+    trainer.save_checkpoint(tmp_path / "final.ckpt")
+    handle = io.last_save
+    assert handle is not None
+    assert handle.version == 5
+    assert handle.committed("local")
+    assert handle.committed("persistent")
+
+
+def test_stock_checkpoint_moves_over_to_tiercheck(tmp_path: Path) -> None:
+    stock = _trainer(4, [], [])
+    stock.fit(Net(), train_dataloaders=Batches())
+    stock.save_checkpoint(tmp_path / "stock.ckpt")
+
+    io = _io(tmp_path)
+    start = StartStep()
+    trainer = _trainer(8, [io], [TiercheckCallback(every_n_train_steps=2), start])
+    trainer.fit(Net(), train_dataloaders=Batches(), ckpt_path=tmp_path / "stock.ckpt")
+    assert start.steps == [4]
+    assert io.last_save is not None
+    assert io.last_save.version == 8
+
+
+class GeneratorBatches(Batches):
+    """A loader whose state holds a torch.Generator state, as torchdata's loaders' does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(7)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.gen.set_state(state["gen"])
+
+
+def test_loaded_states_outside_weights_and_optimizers_own_their_tensors(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    trainer = _trainer(4, [io], [TiercheckCallback(every_n_train_steps=4)])
+    trainer.fit(Net(), train_dataloaders=GeneratorBatches())
+    loaded = io.load_checkpoint("tiercheck:4")
+    gen_state = loaded["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["gen"]
+    # Generator.set_state reads from the start of the storage: a view at an offset breaks it.
+    assert gen_state.storage_offset() == 0
+    assert gen_state.untyped_storage().nbytes() == gen_state.numel()
+    assert torch.equal(gen_state, torch.Generator().manual_seed(7).get_state())
+    io.teardown()
+
+
+def test_resume_path_is_none_on_a_fresh_job_and_latest_refuses(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    assert io.resume_path() is None
+    trainer = _trainer(4, [io], [TiercheckCallback()])
+    with pytest.raises(RestoreError):
+        trainer.fit(Net(), train_dataloaders=Batches(), ckpt_path=LATEST)
+
+
+def test_plugin_without_callback_refuses_to_save(tmp_path: Path) -> None:
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
+    trainer = _trainer(4, [_io(tmp_path)], [saver])
+    with pytest.raises(ConfigError):
+        trainer.fit(Net(), train_dataloaders=Batches())
+
+
+def test_callback_without_plugin_is_refused(tmp_path: Path) -> None:
+    trainer = _trainer(4, [], [TiercheckCallback(every_n_train_steps=2)])
+    with pytest.raises(ConfigError):
+        trainer.fit(Net(), train_dataloaders=Batches())
+
+
+def test_weights_only_checkpoints_are_refused(tmp_path: Path) -> None:
+    trainer = _trainer(2, [_io(tmp_path)], [TiercheckCallback()])
+    trainer.fit(Net(), train_dataloaders=Batches())
+    with pytest.raises(ConfigError):
+        trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+
+
+def test_a_name_must_match_the_step(tmp_path: Path) -> None:
+    trainer = _trainer(2, [_io(tmp_path)], [TiercheckCallback()])
+    trainer.fit(Net(), train_dataloaders=Batches())
+    with pytest.raises(ConfigError):
+        trainer.save_checkpoint("tiercheck:7")
+    with pytest.raises(ConfigError):
+        trainer.save_checkpoint(LATEST)
+
+
+def test_a_pointer_of_another_job_is_refused(tmp_path: Path) -> None:
+    trainer = _trainer(2, [_io(tmp_path, "one")], [TiercheckCallback()])
+    trainer.fit(Net(), train_dataloaders=Batches())
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    with pytest.raises(ConfigError):
+        _io(tmp_path, "two").load_checkpoint(tmp_path / "one.ckpt")
+
+
+@pytest.mark.parametrize("every", [0, -3, True, 2.5])
+def test_every_n_train_steps_must_be_positive(every: Any) -> None:
+    with pytest.raises(ConfigError):
+        TiercheckCallback(every_n_train_steps=every)

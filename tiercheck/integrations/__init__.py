@@ -1,0 +1,18 @@
+"""Trainer integrations: checkpoints of a training framework saved and resumed through tiercheck.
+
+* :mod:`tiercheck.integrations.lightning` -- ``TiercheckCheckpointIO`` (a Lightning
+  ``CheckpointIO`` plugin) and ``TiercheckCallback``; ``pip install 'tiercheck[lightning]'``.
+* :mod:`tiercheck.integrations.hf` -- ``TiercheckTrainer`` / ``TiercheckTrainerMixin`` for the
+  Hugging Face ``Trainer``; ``pip install 'tiercheck[hf]'``.
+
+Each submodule imports its framework; neither ``import tiercheck`` nor importing this package
+does. In both, a version is the trainer's global step, and two checkpoint names address versions
+directly: :data:`LATEST` (``"tiercheck:latest"``, the newest version every rank can rebuild) and
+``"tiercheck:<step>"`` (:func:`version_name`).
+"""
+
+from __future__ import annotations
+
+from tiercheck.integrations._common import LATEST, parse_name, version_name
+
+__all__ = ["LATEST", "parse_name", "version_name"]

@@ -1,0 +1,208 @@
+"""What both trainer integrations share: checkpoint names, RNG states, the lazy checkpointer.
+
+Nothing here imports Lightning or transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.errors import ConfigError, RestoreError
+from tiercheck.sync import SyncCheckpointer
+
+__all__ = [
+    "LATEST",
+    "PREFIX",
+    "Session",
+    "Target",
+    "capture_rng",
+    "own_tensors",
+    "parse_name",
+    "restore_rng",
+    "version_name",
+]
+
+#: Prefix of the names that address tiercheck versions directly, not through a file.
+PREFIX = "tiercheck:"
+
+#: The name of "the newest version every rank can rebuild, from the fastest tier holding it".
+LATEST = "tiercheck:latest"
+
+_VERSION = re.compile(r"^tiercheck:(\d+)$")
+
+#: What a checkpoint name asks for: one version, or the newest restorable one.
+Target = int | Literal["latest"]
+
+
+def version_name(version: int) -> str:
+    """The name that addresses ``version`` (a global step) directly: ``"tiercheck:<version>"``."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(f"a version is a non-negative int, got {version!r}")
+    return f"{PREFIX}{version}"
+
+
+def parse_name(name: object) -> Target | None:
+    """The version a ``tiercheck:`` name addresses, ``"latest"``, or ``None`` for other names.
+
+    Raises :class:`~tiercheck.errors.ConfigError` for a ``tiercheck:`` name that is neither
+    ``tiercheck:latest`` nor ``tiercheck:<step>``, so that a typo never reads as a file path.
+    """
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str) or not name.startswith(PREFIX):
+        return None
+    if name == LATEST:
+        return "latest"
+    match = _VERSION.match(name)
+    if match is None:
+        raise ConfigError(
+            f"{name!r} is not a tiercheck checkpoint name; use {LATEST!r} or 'tiercheck:<step>'"
+        )
+    return int(match.group(1))
+
+
+def capture_rng() -> dict[str, Any]:
+    """The global RNG states a training loop draws from: Python, numpy, torch (and CUDA).
+
+    Every value is something the no-pickle flattening stores as is (a tuple of ints, numpy's
+    legacy state tuple, uint8 tensors).
+    """
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng(states: Mapping[str, Any]) -> None:
+    """Set the global RNGs to ``states`` (from :func:`capture_rng`); absent entries are left be.
+
+    CUDA states are restored only where CUDA is available (a checkpoint taken on GPUs can
+    still be resumed on a CPU, with the CPU generators exact).
+    """
+    if "python" in states:
+        random.setstate(_as_python_state(states["python"]))
+    if "numpy" in states:
+        np.random.set_state(tuple(states["numpy"]))
+    # Copies: torch's set_rng_state reads a state tensor from the start of its storage,
+    # ignoring its offset. Restores give small tensors storage of their own, but a state
+    # handed in from elsewhere may be a view.
+    if "torch" in states:
+        torch.set_rng_state(states["torch"].clone())
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.clone() for s in states["cuda"]])
+
+
+def own_tensors(obj: Any) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists, tuples) replaced by a copy.
+
+    Restored tensors above :data:`~tiercheck.checkpointer.OWN_STORAGE_BYTES` are views into
+    one payload, at non-zero offsets. Torch ops handle that, but some consumers read a
+    tensor's storage from its start (``torch.Generator.set_state`` does: wrong state or a
+    crash), and a loader's ``load_state_dict`` may pass a large one on. Parts of a restored
+    state handed to arbitrary code therefore get tensors of their own.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            obj[key] = own_tensors(value)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [own_tensors(v) for v in obj]
+        return obj
+    if type(obj) is tuple:
+        return tuple(own_tensors(v) for v in obj)
+    return obj
+
+
+def _as_python_state(state: Any) -> tuple[Any, ...]:
+    # random.setstate wants exactly (version, tuple of ints, gauss_next).
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+class Session:
+    """One job's checkpointer as a trainer integration drives it.
+
+    The :class:`~tiercheck.SyncCheckpointer` is built on first use (so placement is detected
+    where training runs, after any launcher has set it up) and built again after
+    :meth:`close`, because a trainer outlives several ``fit``/``train`` calls. Two saves of the
+    same version (a trainer writing one step under two names) store it once: the first wins.
+    """
+
+    def __init__(self, job_id: str, options: Mapping[str, Any]) -> None:
+        if not isinstance(job_id, str) or not job_id:
+            raise ConfigError(f"job_id must be a non-empty str, got {job_id!r}")
+        self.job_id = job_id
+        self.options = dict(options)
+        self._ckpt: SyncCheckpointer | None = None
+        #: The newest version saved or restored through this session.
+        self.last_version: int | None = None
+        #: The handle of the newest save (``None`` before the first).
+        self.last_save: SaveHandle | None = None
+        #: The result of the newest restore (``None`` before the first, or when it found none).
+        self.restored: Restored | None = None
+
+    @property
+    def checkpointer(self) -> SyncCheckpointer:
+        """The open checkpointer, built and opened on first use."""
+        if self._ckpt is None:
+            ckpt = SyncCheckpointer(self.job_id, **self.options)
+            ckpt.open()
+            self._ckpt = ckpt
+        return self._ckpt
+
+    def save(self, version: int, make_state: Callable[[], Any]) -> SaveHandle | None:
+        """Save ``make_state()`` as ``version``; returns ``None`` (building nothing) when
+        ``version`` is the one saved or restored last."""
+        if version == self.last_version:
+            return None
+        handle = self.checkpointer.save(version, make_state())
+        self.last_version = version
+        self.last_save = handle
+        return handle
+
+    def restore(self, target: Target, *, newest_only: bool = False) -> Restored | None:
+        """Restore ``target``; ``None`` when ``"latest"`` finds nothing restorable.
+
+        Restoring an older version drops every newer one (the run continues from there, see
+        :meth:`~tiercheck.Checkpointer.restore`). With ``newest_only``, ``target`` must be the
+        newest restorable version, so nothing that could still be restored is dropped;
+        otherwise :class:`~tiercheck.errors.RestoreError`.
+        """
+        ckpt = self.checkpointer
+        if target == "latest":
+            restored = ckpt.restore()
+        elif newest_only:
+            restored = ckpt.restore()
+            if restored is None or restored.version != target:
+                newest = None if restored is None else restored.version
+                raise RestoreError(
+                    f"job {self.job_id!r}: version {target} is not the newest restorable one "
+                    f"({newest}); loading it would drop the newer versions. Resume training from "
+                    "it instead, or load the newest"
+                )
+        else:
+            restored = ckpt.restore(version=target)
+        if restored is not None:
+            self.last_version = restored.version
+        self.restored = restored
+        return restored
+
+    def close(self) -> None:
+        """Finish every save in flight in every tier, then release the checkpointer."""
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            ckpt.close()

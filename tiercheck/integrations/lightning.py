@@ -1,0 +1,383 @@
+"""Lightning integration: save and resume a ``lightning.pytorch.Trainer`` through tiercheck.
+
+Two objects, both required::
+
+    io = TiercheckCheckpointIO("run-1", persistent="s3://bucket/ckpt")
+    trainer = L.Trainer(plugins=[io], callbacks=[TiercheckCallback(every_n_train_steps=50)])
+    trainer.fit(model, datamodule, ckpt_path=io.resume_path())   # None on the first launch
+
+* :class:`TiercheckCheckpointIO` is the ``CheckpointIO`` plugin: every checkpoint the trainer
+  writes (``trainer.save_checkpoint``, ``ModelCheckpoint``, :class:`TiercheckCallback`) becomes
+  the tiercheck version ``checkpoint["global_step"]``, and every ``ckpt_path`` it is asked to
+  load is resolved to a version and restored.
+* :class:`TiercheckCallback` links the trainer to the plugin, adds the global RNG states to each
+  checkpoint and restores them when training starts (Lightning itself saves none), and
+  optionally saves every N optimizer steps.
+
+Checkpoint names (``filepath`` when saving, ``ckpt_path`` when loading):
+
+* ``"tiercheck:latest"`` (:data:`LATEST`) -- load the newest version every rank can rebuild.
+  Torn versions (a process killed mid-save, a corrupt blob) are never chosen.
+* ``"tiercheck:<step>"`` -- exactly that version. Saving under such a name writes no file.
+* any other path -- saving stores the version and writes a small *pointer file* at the path
+  (JSON naming the job and the version; atomic on local filesystems) so that Lightning's
+  bookkeeping works unchanged: ``ModelCheckpoint`` top-k and ``save_last`` (including links),
+  ``ckpt_path="last"`` and ``"best"``. Loading reads the pointer and restores its version. A
+  file that is not a pointer (an ordinary ``.ckpt``) is loaded with Lightning's
+  ``TorchCheckpointIO``, so a run can move over to tiercheck from a stock checkpoint.
+
+Loading during ``fit`` resumes: if the version is older than the newest, the newer versions are
+dropped (the run continues from there and will save those steps again). Loading for
+``validate``/``test``/``predict`` drops nothing: it is refused with
+:class:`~tiercheck.errors.RestoreError` unless the version is the newest restorable one.
+
+Retention: ``remove_checkpoint`` (``ModelCheckpoint``'s top-k rotation) deletes the pointer file
+only; the version's data stays under tiercheck's own retention (the checkpointer's ``keep``),
+which never evicts a version whose save is still in flight nor a base that a kept delta needs.
+Since the pointer is written before ``save_checkpoint`` returns and the blobs are never touched
+by ``remove_checkpoint``, removal cannot race an in-flight save. A pointer whose version
+retention has since evicted fails to load with :class:`~tiercheck.errors.RestoreError`.
+
+Covered: single-process training (``SingleDeviceStrategy``: one CPU, GPU or other device).
+Not covered: multi-process strategies (DDP writes from rank 0 only, and FSDP, DeepSpeed and
+ModelParallel bypass ``CheckpointIO``), ``AsyncCheckpointIO`` wrapping (the plugin is already
+non-blocking), weights-only checkpoints (they cannot be resumed from), ``storage_options``, and
+the standalone ``pytorch_lightning`` package (this is built on ``lightning``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.errors import ConfigError, FormatError, RestoreError
+from tiercheck.integrations._common import (
+    LATEST,
+    Session,
+    Target,
+    capture_rng,
+    own_tensors,
+    parse_name,
+    restore_rng,
+    version_name,
+)
+from tiercheck.sync import SyncCheckpointer
+from tiercheck.tiers._atomic import atomic_write
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "tiercheck.integrations.lightning needs Lightning: pip install 'tiercheck[lightning]'"
+    ) from exc
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+
+__all__ = ["LATEST", "TiercheckCallback", "TiercheckCheckpointIO", "version_name"]
+
+logger = logging.getLogger("tiercheck")
+
+#: Names the format of pointer files; a file without it is not a tiercheck pointer.
+POINTER_FORMAT = "tiercheck.lightning-pointer/1"
+# The parts of a Lightning checkpoint that hold nearly all its bytes.
+_BULK = frozenset({"state_dict", "optimizer_states"})
+# A pointer is a few dozen bytes; anything larger is an ordinary checkpoint, not read as JSON.
+_POINTER_MAX_BYTES = 4096
+
+
+class TiercheckCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that stores checkpoints as tiercheck versions.
+
+    Pass it in ``Trainer(plugins=[...])`` together with a :class:`TiercheckCallback` in
+    ``callbacks``. The version of a checkpoint is its ``global_step``; see the module docstring
+    for the checkpoint names it understands.
+
+    ``save_checkpoint`` returns once the state is copied to host memory; encoding and writing
+    to the tiers continue in the background (:attr:`last_save` is the handle of the newest
+    save). The checkpointer is closed -- finishing every save in flight, in every tier -- when
+    the trainer tears down (end of ``fit``, ``validate``...), and built again on next use. A
+    save made while the trainer is not running (``trainer.save_checkpoint`` after ``fit``)
+    has no teardown to follow it, so it returns only once written to every tier.
+
+    Args:
+        job_id: the tiercheck job (names everything stored).
+        **options: any other :class:`~tiercheck.SyncCheckpointer` argument (``persistent``,
+            ``local_root``, ``keep``, ``base_every``, ``allow_pickle``...).
+    """
+
+    def __init__(self, job_id: str, **options: Any) -> None:
+        super().__init__()
+        self._session = Session(job_id, options)
+        self._trainer: weakref.ref[pl.Trainer] | None = None
+        self._cached: Restored | None = None
+
+    # --- public extras ----------------------------------------------------------------------
+
+    @property
+    def job_id(self) -> str:
+        """The tiercheck job."""
+        return self._session.job_id
+
+    @property
+    def checkpointer(self) -> SyncCheckpointer:
+        """The underlying checkpointer (opened on first use)."""
+        return self._session.checkpointer
+
+    @property
+    def last_save(self) -> SaveHandle | None:
+        """The handle of the newest save: ``last_save.result("persistent")`` waits until durable."""
+        return self._session.last_save
+
+    @property
+    def restored(self) -> Restored | None:
+        """What the newest load restored (version, source tier...), ``None`` before one."""
+        return self._session.restored
+
+    def resume_path(self) -> str | None:
+        """Restore the newest restorable version now; return the ``ckpt_path`` that resumes it.
+
+        Returns ``"tiercheck:<step>"``, or ``None`` when nothing is restorable, so that one
+        training script serves the first launch and every restart:
+        ``trainer.fit(model, ckpt_path=io.resume_path())``. The restored state is kept until
+        the trainer loads it (no second read).
+        """
+        restored = self._session.restore("latest")
+        self._cached = restored
+        return None if restored is None else version_name(restored.version)
+
+    # --- CheckpointIO -----------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Store ``checkpoint`` as version ``checkpoint["global_step"]``; write a pointer at
+        ``path`` unless it is a ``tiercheck:`` name. Returns after the snapshot copy."""
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} does not take storage_options (got {storage_options!r})"
+            )
+        trainer = self._linked_trainer()
+        if trainer is None:
+            raise ConfigError(
+                "TiercheckCheckpointIO needs a TiercheckCallback in Trainer(callbacks=[...]): "
+                "without it the RNG states are not saved and resumes are not exact"
+            )
+        if "optimizer_states" not in checkpoint:
+            raise ConfigError(
+                "weights-only checkpoints cannot be resumed from and are not stored in tiercheck; "
+                "save them with Lightning's default CheckpointIO (or export a version later)"
+            )
+        version = checkpoint["global_step"]
+        named = parse_name(path)
+        if named == "latest":
+            raise ConfigError(f"{LATEST!r} names what to load; save under 'tiercheck:<step>'")
+        if named is not None and named != version:
+            raise ConfigError(
+                f"{path!r} names version {named}, but the trainer is at step {version}"
+            )
+        if self._session.save(version, lambda: checkpoint) is None:
+            logger.debug("tiercheck: step %s is stored already; %s points to it", version, path)
+        if named is None:
+            self._write_pointer(path, version)
+        if trainer.state.status != TrainerStatus.RUNNING:
+            # No teardown will follow to finish this save: finish it now.
+            self._session.close()
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Restore the version ``path`` names (see the module docstring) and return it.
+
+        Tensors come back on the CPU, whatever ``map_location`` says: Lightning copies them into
+        the model's and optimizers' own tensors on their devices. ``weights_only`` needs no
+        enforcing: tiercheck checkpoints hold no pickled objects unless the checkpointer was
+        built with ``allow_pickle=True``.
+        """
+        target: Target | None = parse_name(path)
+        if target is None:
+            target = self._read_pointer(path)
+            if target is None:
+                loaded: dict[str, Any] = TorchCheckpointIO().load_checkpoint(
+                    path, map_location=map_location, weights_only=weights_only
+                )
+                return loaded
+        restored = self._restore(target)
+        if restored is None:
+            raise RestoreError(
+                f"job {self.job_id!r} has no restorable version for {path!r}; for a script that "
+                "also starts fresh, pass ckpt_path=io.resume_path() (None when there is nothing)"
+            )
+        state = restored.state
+        if not isinstance(state, dict) or "state_dict" not in state:
+            raise FormatError(
+                f"version {restored.version} of job {self.job_id!r} is not a Lightning checkpoint"
+            )
+        # The weights and optimizer states (nearly all the bytes) go to load_state_dict calls,
+        # which handle views; the rest (loops, callbacks, loaders...) reaches code that may not.
+        return {key: value if key in _BULK else own_tensors(value) for key, value in state.items()}
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete the pointer file at ``path``; the version itself is left to tiercheck retention.
+
+        Nothing of an in-flight save is touched, so removal never races one.
+        """
+        if parse_name(path) is not None:
+            return
+        fs, fspath = fsspec.core.url_to_fs(str(path))
+        if fs.exists(fspath):
+            fs.rm(fspath)
+        logger.debug("tiercheck: removed %s; its version stays until retention evicts it", path)
+
+    def teardown(self) -> None:
+        """Finish every save in flight (every tier) and close the checkpointer."""
+        self._cached = None
+        self._session.close()
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _link(self, trainer: pl.Trainer) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def _linked_trainer(self) -> pl.Trainer | None:
+        return None if self._trainer is None else self._trainer()
+
+    def _fitting(self) -> bool:
+        """Whether a load now is a ``fit`` resuming (not an evaluation or a direct call)."""
+        trainer = self._linked_trainer()
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    def _restore(self, target: Target) -> Restored | None:
+        cached, self._cached = self._cached, None
+        if cached is not None and target in ("latest", cached.version):
+            return cached
+        # Outside fit (or without a trainer) nothing newer may be dropped.
+        return self._session.restore(target, newest_only=not self._fitting())
+
+    def _write_pointer(self, path: _PATH, version: int) -> None:
+        data = json.dumps(
+            {"format": POINTER_FORMAT, "job_id": self.job_id, "version": version}
+        ).encode()
+        fs, fspath = fsspec.core.url_to_fs(str(path))
+        if isinstance(fs, LocalFileSystem):
+            atomic_write(fspath, [memoryview(data)])
+        else:
+            # Object stores publish a single put whole.
+            fs.makedirs(fs._parent(fspath), exist_ok=True)
+            fs.pipe_file(fspath, data)
+
+    def _read_pointer(self, path: _PATH) -> int | None:
+        """The version the pointer at ``path`` names; ``None`` if the file is not a pointer."""
+        fs, fspath = fsspec.core.url_to_fs(str(path))
+        if not fs.exists(fspath):
+            raise FileNotFoundError(f"no checkpoint at {path!r}")
+        if fs.size(fspath) > _POINTER_MAX_BYTES:
+            return None
+        try:
+            pointer = json.loads(fs.cat_file(fspath))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
+            return None
+        if pointer.get("job_id") != self.job_id:
+            raise ConfigError(
+                f"{path!r} points into job {pointer.get('job_id')!r}; this plugin is for job "
+                f"{self.job_id!r}"
+            )
+        version = pointer.get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise FormatError(f"pointer {path!r} names no valid version: {version!r}")
+        return version
+
+
+class TiercheckCallback(pl.Callback):
+    """The callback that makes :class:`TiercheckCheckpointIO` resumes exact.
+
+    * At ``setup`` it finds the plugin in the trainer's strategy and links the two (the plugin
+      needs the trainer to tell a resume from an evaluation load); it refuses strategies the
+      plugin does not cover.
+    * Its checkpoint state is the global RNG states (Python, numpy, torch, CUDA), taken when
+      each checkpoint is written; after a resume they are set again at ``on_train_start``,
+      after the sanity check and just before the first training batch.
+    * With ``every_n_train_steps=N`` it saves every N optimizer steps as ``tiercheck:<step>``
+      (no file written; the save returns after the copy to host memory).
+
+    Args:
+        every_n_train_steps: save every this many optimizer steps (``None``: leave saving to
+            ``ModelCheckpoint`` or explicit ``trainer.save_checkpoint`` calls).
+    """
+
+    def __init__(self, every_n_train_steps: int | None = None) -> None:
+        super().__init__()
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool)
+            or not isinstance(every_n_train_steps, int)
+            or every_n_train_steps < 1
+        ):
+            raise ConfigError(
+                f"every_n_train_steps must be a positive int or None, got {every_n_train_steps!r}"
+            )
+        self.every_n_train_steps = every_n_train_steps
+        self._last_saved_step: int | None = None
+        self._pending_rng: dict[str, Any] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Link the trainer to its :class:`TiercheckCheckpointIO`; refuse what is not covered."""
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, TiercheckCheckpointIO):
+            raise ConfigError(
+                "TiercheckCallback needs Trainer(plugins=[TiercheckCheckpointIO(...)]) and no "
+                f"wrapper around it; the strategy's CheckpointIO is {type(io).__name__}"
+            )
+        if not isinstance(trainer.strategy, SingleDeviceStrategy) or trainer.world_size != 1:
+            raise ConfigError(
+                "tiercheck's Lightning integration covers single-process training "
+                f"(SingleDeviceStrategy); got {type(trainer.strategy).__name__} with "
+                f"world_size={trainer.world_size}"
+            )
+        io._link(trainer)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Save ``tiercheck:<step>`` when the optimizer step count reaches a multiple of N."""
+        n = self.every_n_train_steps
+        step = trainer.global_step
+        # Under gradient accumulation several batches end on one step: save it once.
+        if n is None or step == 0 or step % n or step == self._last_saved_step:
+            return
+        self._last_saved_step = step
+        trainer.save_checkpoint(version_name(step))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a resume, set the RNG states saved with the checkpoint."""
+        if self._pending_rng is not None:
+            restore_rng(self._pending_rng)
+            self._pending_rng = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global RNG states, taken now (Lightning calls this while writing a checkpoint)."""
+        return {"rng": capture_rng()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the RNG states of a loaded checkpoint for ``on_train_start``."""
+        self._pending_rng = state_dict.get("rng")
