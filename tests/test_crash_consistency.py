@@ -244,7 +244,9 @@ class CrashMachine(RuleBasedStateMachine):
             self.next_version = restored.version + 1
         for t in self.committed:
             self.committed[t] = {v for v in self.committed[t] if restored and v <= restored.version}
-            self.damaged[t].clear()
+            # A damaged blob stays damaged while it is stored: only the versions after the
+            # restored one are removed (and may be saved again, whole).
+            self.damaged[t] = {v for v in self.damaged[t] if restored and v <= restored.version}
         self.handles.clear()
         self.corrupted_this_life = False
 
