@@ -25,7 +25,6 @@ when it claims to be committed, normal (a crash mid-save) when it does not.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import os
 import re
@@ -39,7 +38,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import numpy as np
 import torch
 
-from tiercheck.codec import BlobMeta, RawState, decode, read_meta
+from tiercheck.codec import BlobMeta, RawState, decode, own_copy, read_meta
 from tiercheck.codec import verify as verify_blob
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import (
@@ -1094,34 +1093,6 @@ class ExportResult:
         }
 
 
-def _own_copy(obj: Any) -> Any:
-    """``obj`` with every tensor and array copied out of the decoded payload.
-
-    The decoded state's tensors are views of one payload buffer; saved as they are, every one
-    would drag that whole buffer (``torch.save`` stores storages) and share memory with the
-    others once loaded.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
-    if type(obj) is collections.OrderedDict:
-        out: collections.OrderedDict[Any, Any] = collections.OrderedDict(
-            (k, _own_copy(v)) for k, v in obj.items()
-        )
-        metadata = getattr(obj, "_metadata", None)
-        if metadata is not None:
-            out._metadata = metadata  # type: ignore[attr-defined]
-        return out
-    if type(obj) is dict:
-        return {k: _own_copy(v) for k, v in obj.items()}
-    if type(obj) is list:
-        return [_own_copy(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_own_copy(v) for v in obj)
-    return obj
-
-
 # Torch dtypes a safetensors file can hold, by name (looked up, as some builds lack a few).
 _SAFETENSORS_DTYPES = frozenset(
     getattr(torch, name)
@@ -1273,7 +1244,7 @@ async def export(
     try:
         raw = await _decode_blob(store, catalog, blob)
         count = len(raw.layout.specs)
-        state = _own_copy(raw.state(allow_pickle=allow_pickle))
+        state = own_copy(raw.state(allow_pickle=allow_pickle))
         del raw
         progress.advance()
         await asyncio.to_thread(out.parent.mkdir, parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from tiercheck.codec import (
     Layout,
     flatten,
     load_into,
+    own_copy,
     snapshot,
     supported_dtypes,
     unflatten,
@@ -433,3 +434,25 @@ def test_load_into_keeps_aliasing_of_the_target() -> None:
     load_into(target, {"emb": torch.full((2, 2), 3.0), "head": torch.full((2, 2), 3.0)})
     assert target["emb"] is target["head"] is tied
     assert torch.equal(tied, torch.full((2, 2), 3.0))
+
+
+def test_own_copy_gives_every_tensor_and_array_its_own_memory() -> None:
+    module_state: collections.OrderedDict[str, Any] = collections.OrderedDict(
+        w=torch.arange(6.0), b=torch.ones(2)
+    )
+    module_state._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    state = {"model": module_state, "arr": np.arange(4), "rng": [torch.zeros(3, dtype=torch.uint8)]}
+    layout, tensors = flatten(state)
+    payload = torch.zeros(layout.payload_nbytes, dtype=torch.uint8)
+    write_payload(layout, tensors, payload)
+    restored = unflatten(layout, layout.views(payload))
+    assert restored["model"]["b"].storage_offset() > 0  # a view into the payload
+
+    owned = own_copy(restored)
+    payload.fill_(0xFF)  # the copies no longer see the payload
+    assert torch.equal(owned["model"]["w"], torch.arange(6.0))
+    assert owned["model"]["b"].storage_offset() == 0
+    assert type(owned["model"]) is collections.OrderedDict
+    assert owned["model"]._metadata == {"": {"version": 1}}
+    np.testing.assert_array_equal(owned["arr"], np.arange(4))
+    assert torch.equal(owned["rng"][0], torch.zeros(3, dtype=torch.uint8))

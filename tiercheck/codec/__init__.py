@@ -40,6 +40,7 @@ from tiercheck.codec.flatten import (
     TensorSpec,
     flatten,
     load_into,
+    own_copy,
     unflatten,
     write_payload,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "full_blob_size",
     "load_into",
     "match_base",
+    "own_copy",
     "raw_digest",
     "read_meta",
     "snapshot",

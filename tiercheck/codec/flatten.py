@@ -58,6 +58,7 @@ __all__ = [
     "TensorSpec",
     "flatten",
     "load_into",
+    "own_copy",
     "unflatten",
     "write_payload",
 ]
@@ -590,3 +591,33 @@ def load_into(target: Any, source: Any) -> Any:
             return target
         return merged_items
     return source
+
+
+def own_copy(obj: Any) -> Any:
+    """``obj`` with every tensor and numpy array in it copied out of the payload it views.
+
+    Restored tensors are views of one payload buffer. Saved with ``torch.save`` as they are,
+    each would drag that whole buffer along (it stores storages); handed to code that reads a
+    tensor's storage from its start (``torch.Generator.set_state``), a view at an offset gives
+    the wrong bytes. Containers are rebuilt (dicts, lists, tuples; an ``OrderedDict`` keeps its
+    ``_metadata``, as a module's ``state_dict`` has); other leaves are returned as they are.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if type(obj) is collections.OrderedDict:
+        out: collections.OrderedDict[Any, Any] = collections.OrderedDict(
+            (k, own_copy(v)) for k, v in obj.items()
+        )
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if type(obj) is dict:
+        return {k: own_copy(v) for k, v in obj.items()}
+    if type(obj) is list:
+        return [own_copy(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(own_copy(v) for v in obj)
+    return obj

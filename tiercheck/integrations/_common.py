@@ -24,7 +24,6 @@ __all__ = [
     "Session",
     "Target",
     "capture_rng",
-    "own_tensors",
     "parse_name",
     "restore_rng",
     "version_name",
@@ -102,29 +101,6 @@ def restore_rng(states: Mapping[str, Any]) -> None:
         torch.set_rng_state(states["torch"].clone())
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.clone() for s in states["cuda"]])
-
-
-def own_tensors(obj: Any) -> Any:
-    """``obj`` with every tensor in it (through dicts, lists, tuples) replaced by a copy.
-
-    Restored tensors above :data:`~tiercheck.checkpointer.OWN_STORAGE_BYTES` are views into
-    one payload, at non-zero offsets. Torch ops handle that, but some consumers read a
-    tensor's storage from its start (``torch.Generator.set_state`` does: wrong state or a
-    crash), and a loader's ``load_state_dict`` may pass a large one on. Parts of a restored
-    state handed to arbitrary code therefore get tensors of their own.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            obj[key] = own_tensors(value)
-        return obj
-    if isinstance(obj, list):
-        obj[:] = [own_tensors(v) for v in obj]
-        return obj
-    if type(obj) is tuple:
-        return tuple(own_tensors(v) for v in obj)
-    return obj
 
 
 def _as_python_state(state: Any) -> tuple[Any, ...]:

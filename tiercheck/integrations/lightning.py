@@ -56,13 +56,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.codec import own_copy
 from tiercheck.errors import ConfigError, FormatError, RestoreError
 from tiercheck.integrations._common import (
     LATEST,
     Session,
     Target,
     capture_rng,
-    own_tensors,
     parse_name,
     restore_rng,
     version_name,
@@ -225,7 +225,7 @@ class TiercheckCheckpointIO(CheckpointIO):
             )
         # The weights and optimizer states (nearly all the bytes) go to load_state_dict calls,
         # which handle views; the rest (loops, callbacks, loaders...) reaches code that may not.
-        return {key: value if key in _BULK else own_tensors(value) for key, value in state.items()}
+        return {key: value if key in _BULK else own_copy(value) for key, value in state.items()}
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete the pointer file at ``path``; the version itself is left to tiercheck retention.
