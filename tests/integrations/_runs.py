@@ -8,11 +8,13 @@ writing their final weights (safetensors).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -117,3 +119,39 @@ def flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
+
+
+def kill_twice_then_resume(
+    script: Path,
+    args: Callable[..., list[str]],
+    folder: Path,
+    *,
+    seed: int,
+    delay: str,
+    commits: tuple[int, int],
+    linger: float,
+) -> tuple[int, int]:
+    """Run ``script``, SIGKILL it at a random moment, resume and kill it again, then resume it
+    to the end; returns (the newest step reported committed before the last kill, the step the
+    final run started from).
+
+    ``args(*extra)`` gives the script's arguments; each kill comes after a random number of
+    commits in ``commits`` plus up to ``linger`` seconds (anywhere in a step, a save included).
+    A resume must never start before a step reported committed by the run before it.
+    """
+    rng = random.Random(seed)
+    newest_committed = -1
+    for attempt in range(2):
+        extra = ["--delay", delay] + (["--resume"] if attempt else [])
+        run = Run(script, args(*extra), folder / f"killed{attempt}.log")
+        run.wait_committed(rng.randint(*commits))
+        time.sleep(rng.uniform(0.0, linger))
+        run.kill()
+        if attempt:
+            assert run.starts[0] >= newest_committed
+        newest_committed = max(run.committed)
+    resumed = Run(script, args("--resume"), folder / "resumed.log")
+    resumed.finish()
+    start = resumed.starts[0]
+    assert newest_committed <= start
+    return newest_committed, start

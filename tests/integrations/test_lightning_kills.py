@@ -12,8 +12,6 @@ still ends bit-exact.
 
 from __future__ import annotations
 
-import random
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,14 @@ import pytest
 pytest.importorskip("lightning", reason="the Lightning integration needs the 'lightning' extra")
 pytest.importorskip("safetensors", reason="the runs write their weights with safetensors")
 
-from ._runs import Run, assert_bit_equal, flip_a_byte, version_blobs, weights
+from ._runs import (
+    Run,
+    assert_bit_equal,
+    flip_a_byte,
+    kill_twice_then_resume,
+    version_blobs,
+    weights,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -56,22 +61,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_killed_twice_and_resumed_ends_bit_exact(tmp_path: Path, reference: Path) -> None:
-    rng = random.Random(20261201)
-    newest_committed = -1
-    for attempt in range(2):
-        extra = ["--delay", DELAY] + (["--resume"] if attempt else [])
-        run = Run(SCRIPT, _args(tmp_path, "run", *extra), tmp_path / f"killed{attempt}.log")
-        run.wait_committed(rng.randint(2, 4))
-        time.sleep(rng.uniform(0.0, 0.2))  # anywhere in a step, a save included
-        run.kill()
-        if attempt:
-            assert run.starts[0] >= newest_committed
-        newest_committed = max(run.committed)
-
-    resumed = Run(SCRIPT, _args(tmp_path, "run", "--resume"), tmp_path / "resumed.log")
-    resumed.finish()
-    start = resumed.starts[0]
-    assert newest_committed <= start < STEPS
+    _, start = kill_twice_then_resume(
+        SCRIPT,
+        lambda *extra: _args(tmp_path, "run", *extra),
+        tmp_path,
+        seed=20261201,
+        delay=DELAY,
+        commits=(2, 4),
+        linger=0.2,
+    )
+    assert start < STEPS
     assert start % EVERY == 0
     assert_bit_equal(weights(tmp_path / "run.safetensors"), weights(reference))
 
