@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -206,6 +207,32 @@ async def test_retention_keeps_what_it_should(tmp_path: Path) -> None:
     assert sorted(durable) == sorted(
         [f"v{v:012d}/{n}" for v in (4, 8) for n in ("COMMIT", "r00000.packed")]
     )
+
+
+async def test_whole_versions_the_manifest_missed_are_kept_after_a_restore(tmp_path: Path) -> None:
+    # A crash between a local commit and the manifest's record of it: the blobs are whole
+    # in the tier, the manifest does not know. Modelled by losing the manifest outright.
+    local_only: dict[str, Any] = {"tiers": ["local"], "keep": {"local": 2}}
+    async with _ckpt(tmp_path, **local_only) as ckpt:
+        for v in range(2):
+            await ckpt.save(v, {"w": torch.full((64,), float(v))})
+        await ckpt.wait()
+    shutil.rmtree(tmp_path / "shm" / "manifest")
+
+    async with _ckpt(tmp_path, **local_only) as again:
+        restored = await again.restore()
+        assert restored is not None
+        assert restored.version == 1
+        handle = await again.save(2, {"w": torch.full((64,), 2.0)})
+        await handle.done("local")
+        await again.wait()
+        # Retention keeps the newest two: the restored version is one of them.
+        assert (await again.versions())["local"] == [1, 2]
+    assert sorted(p.parent.name for p in (tmp_path / "shm" / "blobs").rglob("r*.full")) == [
+        f"v{v:012d}" for v in (1, 2)
+    ]
+    async with _ckpt(tmp_path, **local_only) as third:  # and the manifest now knows them
+        assert (await third.versions())["local"] == [1, 2]
 
 
 async def test_a_base_stays_while_a_kept_delta_needs_it(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from tiercheck.tiers import LocalTier, PersistentTier
 
 from .helpers import assert_state_equal, clone_state
 
+KEEP = 2  # versions each tier retains
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 
 
@@ -72,6 +73,13 @@ class CrashMachine(RuleBasedStateMachine):
         self.damaged: dict[str, set[int]] = {"local": set(), "persistent": set()}
         self.corrupted_this_life = False
         self.restarts = 0
+        # What happened, for the failure message: a failure that depends on background timing
+        # cannot be replayed by Hypothesis, so the message has to carry the story itself.
+        self.history: list[str] = []
+
+    def _note(self, line: str) -> None:
+        self.history.append(line)
+        note(line)
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -87,9 +95,12 @@ class CrashMachine(RuleBasedStateMachine):
             tiers=tiers,
             base_every=self.base_every,
             persist=self.persist,
-            keep={"local": 2, "persistent": 2},
+            keep={"local": KEEP, "persistent": KEEP},
             threads=1,
         )
+
+    def _story(self) -> str:
+        return "what happened:\n  " + "\n  ".join(self.history)
 
     def _harvest(self) -> None:
         """Record what the handles have reported so far (what a user could have observed)."""
@@ -144,8 +155,9 @@ class CrashMachine(RuleBasedStateMachine):
         try:
             handle = self.ckpt.save(version, state)
         except SimulatedCrash:
-            note(f"died while saving {version}")
+            self._note(f"died while saving {version}")
             return
+        self._note(f"save {version}: {handle.stats.kind} to {', '.join(handle.tiers)}")
         self.next_version += 1
         self.saved[version] = clone_state(state)
         self.handles.append(handle)
@@ -162,6 +174,7 @@ class CrashMachine(RuleBasedStateMachine):
     def arm_crash(self, after: int) -> None:
         """The process will die at the ``after``-th write from now (if not dead already)."""
         self.plan.die_at = self.plan.count + after
+        self._note(f"die at write {self.plan.die_at} (now {self.plan.count})")
 
     @precondition(lambda self: self.ckpt is not None and not self.corrupted_this_life)
     @rule(pick=st.integers(0, 10_000), byte=st.integers(0, 2**20), bit=st.integers(0, 7))
@@ -190,7 +203,7 @@ class CrashMachine(RuleBasedStateMachine):
             f.write(bytes([value ^ (1 << bit)]))
         version = int(path.parent.name[1:])
         self.damaged["local"].add(version)
-        note(f"corrupted local blob of version {version}")
+        self._note(f"corrupted local blob of version {version} at byte {byte % size}")
 
     @precondition(lambda self: self.ckpt is not None)
     @rule(node_lost=st.booleans(), let_finish=st.booleans())
@@ -210,11 +223,25 @@ class CrashMachine(RuleBasedStateMachine):
             self.damaged["local"].clear()
         else:
             surviving.insert(0, "local")
+            # A local put is atomic and there is one rank: a blob there is a whole version,
+            # committed even if the process died before its handle could say so.
+            self.committed["local"] |= {
+                int(p.parent.name[1:]) for p in (self.root / "node" / "blobs").rglob("r00000.*")
+            }
         self.restarts += 1
+        self._note(
+            f"restart {self.restarts}: {'died' if died else 'stopped'}, node_lost={node_lost}, "
+            f"committed={self.committed}, damaged={self.damaged}"
+        )
         self.ckpt = self._open()
         restored = self.ckpt.restore()
+        # Retention keeps the newest KEEP committed versions of each tier, damaged or not.
         floor = max(
-            (max(self.committed[t] - self.damaged[t], default=-1) for t in surviving), default=-1
+            (
+                max(set(sorted(self.committed[t])[-KEEP:]) - self.damaged[t], default=-1)
+                for t in surviving
+            ),
+            default=-1,
         )
         event(
             f"restart after {'death' if died else 'a stop'}, node {'lost' if node_lost else 'kept'}"
@@ -225,17 +252,19 @@ class CrashMachine(RuleBasedStateMachine):
             event(f"restored from {restored.source_tier}")
             if restored.version < self.next_version - 1:
                 event("restored an older version than the newest saved")
-        note(
+        self._note(
             f"restart {self.restarts}: node_lost={node_lost} floor={floor} "
             f"restored={None if restored is None else (restored.version, restored.source_tier)}"
         )
         if restored is None:
-            assert floor == -1, f"nothing restored although version {floor} was committed"
+            assert floor == -1, (
+                f"nothing restored although version {floor} was committed; " + self._story()
+            )
             self.next_version = max(self.next_version, 0)
             self.saved.clear()
         else:
             assert restored.version >= floor, (
-                f"restored {restored.version}, older than committed {floor}"
+                f"restored {restored.version}, older than committed {floor}; " + self._story()
             )
             assert_state_equal(restored.state, self.saved[restored.version])
             # Everything after the restored version is abandoned: the model forgets it.

@@ -1215,6 +1215,7 @@ class _Engine:
         assert raw is not None
         assert source is not None
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
+        self._adopt_whole(everyone, upto=chosen)
         self.session_started = True
         self.last_version = chosen
         self.count = 0
@@ -1238,6 +1239,27 @@ class _Engine:
             source_tiers={r: v["source"] for r, v in enumerate(verdicts)},
             seconds=time.perf_counter() - started,
         )
+
+    def _adopt_whole(self, everyone: Sequence[Inventory], *, upto: int) -> None:
+        """Count as committed, in the tiers without commit records, what every rank holds.
+
+        Those tiers' commits live in the node's manifest, written just after the commit; a
+        crash in between leaves a version whole in the tier (every rank's blob there, each put
+        atomic) that the manifest does not know. Retention would then take it for a failed
+        save's leftover and delete it, the restored version included. The inventories every
+        rank exchanged for the restore show what is whole: adopt it, and record it.
+        """
+        for tier in self.tiers:
+            name = tier.name
+            if self.writes_commit_records(tier):
+                continue
+            whole = set(self.own[name])
+            for inventory in everyone:
+                whole &= inventory.by_tier.get(name, frozenset())
+            adopted = sorted(v for v in whole - self.committed[name] if v <= upto)
+            if adopted:
+                self.committed[name].update(adopted)
+                self._log(*(Commit(v, name) for v in adopted))
 
     async def _fetch(self, version: int, mine: Inventory) -> tuple[RawState | None, str | None]:
         for name in mine.sources(version):
