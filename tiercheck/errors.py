@@ -15,12 +15,16 @@ __all__ = [
     "ConfigError",
     "FormatError",
     "InvalidKey",
+    "JobLocked",
     "ManifestError",
     "PeerUnavailable",
     "PluginImportError",
     "RestoreError",
     "SaveSkipped",
+    "StaleMemory",
+    "StateMismatch",
     "StorageError",
+    "Superseded",
     "TierClosed",
     "TierFull",
     "TierNotTargeted",
@@ -30,6 +34,7 @@ __all__ = [
     "UnsupportedFormat",
     "UnsupportedObject",
     "VersionError",
+    "WorldSizeMismatch",
 ]
 
 
@@ -120,6 +125,29 @@ class ManifestError(TiercheckError, OSError):
 
 class RestoreError(TiercheckError, RuntimeError):
     """A restore could not complete (for example ranks could not agree on a version)."""
+
+
+class StateMismatch(TiercheckError, ValueError):
+    """An in-place restore found the caller's state shaped unlike the stored version.
+
+    Raised before anything is written into the caller's state; the message lists the paths.
+    """
+
+
+class WorldSizeMismatch(ConfigError):
+    """The job's stored data was saved by another number of ranks than this run has."""
+
+
+class JobLocked(ConfigError):
+    """Another live process already writes this job as this rank on this node."""
+
+
+class StaleMemory(ConfigError):
+    """A node's shared memory holds data of another incarnation of the job (same name)."""
+
+
+class Superseded(TiercheckError, RuntimeError):
+    """A newer opening of the same job took over its durable storage; this one stops writing."""
 
 
 class PeerUnavailable(TiercheckError, ConnectionError):

@@ -1,0 +1,179 @@
+"""Whose data is this: the job record, writer generations and node identity.
+
+Three small JSON records keep one job's stored data from being mixed with, or destroyed by,
+another run that uses the same name:
+
+* the **job record** (key ``JOB`` in every tier that outlives the cluster) names the job's
+  *incarnation*: a random token made when the job first stored anything at that location, and
+  the number of ranks that saves it. A run with another world size is refused before it reads
+  anything; memory left by another incarnation is never restored as this one's.
+* **writer generations** (keys ``writers/g<12 digits>`` next to it): every opening of the job
+  claims the next generation. A writer checks that the newest generation is still its own
+  before it writes a blob or a ``COMMIT`` record there, so when two launches of one job run at
+  once, the older one stops writing durable data instead of overwriting the newer one's.
+* the **node identity** (``identity.json`` in a node's memory root) records which incarnation
+  the node's shared memory (its local tier and the replicas it keeps for peers) belongs to.
+
+Records are JSON, like ``COMMIT`` records, so an operator can read them with ``cat``. Each has a
+``format`` field; an unknown major version is refused with
+:class:`~tiercheck.errors.UnsupportedFormat`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, TypeVar
+
+from tiercheck.errors import FormatError, UnsupportedFormat
+
+__all__ = [
+    "IDENTITY_FILE",
+    "JOB_KEY",
+    "LOCKS_DIR",
+    "PROBE_PREFIX",
+    "QUARANTINE_PREFIX",
+    "WRITERS_PREFIX",
+    "JobRecord",
+    "NodeIdentity",
+    "WriterRecord",
+    "parse_quarantine_key",
+    "parse_writer_key",
+    "probe_key",
+    "quarantine_key",
+    "writer_key",
+]
+
+#: The job record's key in a tier that outlives the cluster.
+JOB_KEY = "JOB"
+#: Where writer generations live in such a tier.
+WRITERS_PREFIX = "writers/"
+#: Where blobs that failed verification are set aside, under their original key.
+QUARANTINE_PREFIX = "quarantine/"
+#: Where the small objects that test a location at open are written (and deleted at once).
+PROBE_PREFIX = "probe/"
+#: The node identity file, in a node's memory root (not a tier key).
+IDENTITY_FILE = "identity.json"
+#: The folder of per-rank writer locks, in a node's memory root.
+LOCKS_DIR = "locks"
+
+_WRITER = re.compile(r"^writers/g(\d{12})$")
+
+_R = TypeVar("_R", bound="_JsonRecord")
+
+
+def writer_key(generation: int) -> str:
+    """The key of writer generation ``generation``."""
+    return f"{WRITERS_PREFIX}g{generation:012d}"
+
+
+def parse_writer_key(key: str) -> int | None:
+    """The generation a writer key names, or ``None`` when ``key`` is not one."""
+    m = _WRITER.match(key)
+    return None if m is None else int(m.group(1))
+
+
+def quarantine_key(key: str) -> str:
+    """Where the blob stored under ``key`` is set aside when it fails verification."""
+    return QUARANTINE_PREFIX + key
+
+
+def parse_quarantine_key(key: str) -> str | None:
+    """The original key of a quarantined blob, or ``None`` when ``key`` is not one."""
+    if key.startswith(QUARANTINE_PREFIX) and len(key) > len(QUARANTINE_PREFIX):
+        return key[len(QUARANTINE_PREFIX) :]
+    return None
+
+
+def probe_key(session: str, rank: int) -> str:
+    """The key one rank's probe of a location writes (and deletes) at open."""
+    return f"{PROBE_PREFIX}{session}-r{rank:05d}"
+
+
+class _JsonRecord:
+    """Shared JSON (de)serialization of the records below."""
+
+    FORMAT: ClassVar[str]
+
+    def to_bytes(self) -> bytes:
+        """Serialize as UTF-8 JSON with a ``format`` field."""
+        body = {"format": self.FORMAT, **asdict(self)}  # type: ignore[call-overload]
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls: type[_R], data: bytes | bytearray | memoryview) -> _R:
+        """Parse what :meth:`to_bytes` wrote; anything else is a typed error."""
+        what = cls.FORMAT.partition("/")[0]
+        try:
+            body = json.loads(bytes(data))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"a {what} record is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict) or not isinstance(body.get("format"), str):
+            raise FormatError(f"a {what} record must be a JSON object with a 'format' field")
+        name, _, major = body.pop("format").partition("/")
+        if name != what:
+            raise FormatError(f"expected a {what} record, got format {name!r}")
+        if major != cls.FORMAT.partition("/")[2]:
+            raise UnsupportedFormat(
+                f"{what} record format {name}/{major} is newer than this build reads "
+                f"({cls.FORMAT}); upgrade tiercheck"
+            )
+        try:
+            return cls(**_known_fields(cls, body))
+        except (TypeError, ValueError) as exc:
+            raise FormatError(f"a {what} record is missing or mistypes a field: {exc}") from exc
+
+
+def _known_fields(cls: type[Any], body: dict[str, Any]) -> dict[str, Any]:
+    names = cls.__dataclass_fields__
+    return {k: v for k, v in body.items() if k in names}
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord(_JsonRecord):
+    """The incarnation of a job at one durable location (key :data:`JOB_KEY`)."""
+
+    FORMAT: ClassVar[str] = "tiercheck.job/1"
+
+    job_id: str
+    #: Random, made when the job first stored data here; memory tiers record it too.
+    token: str
+    #: The number of ranks that saves this job.
+    world_size: int
+    #: Seconds since the epoch when the record was made.
+    created: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        if not isinstance(self.token, str) or not self.token:
+            raise ValueError("token must be a non-empty string")
+
+
+@dataclass(frozen=True, slots=True)
+class WriterRecord(_JsonRecord):
+    """One opening of a job as its writer (key :func:`writer_key`)."""
+
+    FORMAT: ClassVar[str] = "tiercheck.writer/1"
+
+    generation: int
+    #: The session token of the opening (shared by all its ranks).
+    session: str
+    host: str = ""
+    pid: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeIdentity(_JsonRecord):
+    """Which incarnation a node's memory belongs to (file :data:`IDENTITY_FILE`)."""
+
+    FORMAT: ClassVar[str] = "tiercheck.node/1"
+
+    job_id: str
+    token: str
+    world_size: int
+    #: The durable location the incarnation's job record lives at (``None`` when none).
+    persistent: str | None = None
+    created: float = 0.0
