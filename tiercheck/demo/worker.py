@@ -146,9 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         }
 
     with ckpt:
-        restored = ckpt.restore(state(-1))
+        # Not restore(state(-1)): a restarted process has a fresh optimizer whose state_dict
+        # holds no moments yet, so it does not match the saved one and an in-place restore
+        # (strict) refuses it. The version as saved goes through load_state_dict instead.
+        restored = ckpt.restore()
         start = 0
         if restored is not None:
+            model.load_state_dict(restored.state["model"])
             opt.load_state_dict(restored.state["optim"])
             torch.set_rng_state(restored.state["rng"])
             start = restored.version + 1
