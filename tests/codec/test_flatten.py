@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tiercheck.codec import (
     ALIGNMENT,
     Layout,
+    check_into,
     flatten,
     load_into,
     own_copy,
@@ -23,7 +26,7 @@ from tiercheck.codec import (
     unflatten,
     write_payload,
 )
-from tiercheck.errors import UnsupportedObject
+from tiercheck.errors import StateMismatch, UnsupportedObject
 
 from ._helpers import assert_same, random_tensor, tensor_bytes
 
@@ -174,9 +177,9 @@ def test_rng_states_round_trip_and_still_work() -> None:
     py = random.Random()
     py.setstate(restored["python"])
     assert py.random() == random.Random(3).random()
-    for name, st in restored["gens"].items():
+    for name, gen_state in restored["gens"].items():
         bg = getattr(np.random, name)()
-        bg.state = st
+        bg.state = gen_state
         assert bg.random_raw(3).tolist() == getattr(np.random, name)(9).random_raw(3).tolist()
     gen = torch.Generator()
     gen.set_state(restored["torch"])
@@ -376,56 +379,66 @@ def test_load_into_restores_in_place_and_keeps_references() -> None:
     assert tensor_bytes(opt.state[params[0]]["exp_avg"]) == tensor_bytes(moments[0])
 
 
+def _frozen(obj: Any) -> Any:
+    """Everything a restore could change in ``obj``: identities, types, keys, bits."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", id(obj), obj.dtype, tuple(obj.shape), obj.device, tensor_bytes(obj))
+    if isinstance(obj, np.ndarray):
+        return ("array", id(obj), obj.dtype, obj.shape, obj.tobytes())
+    if isinstance(obj, dict):
+        return (type(obj), id(obj), [(k, _frozen(v)) for k, v in obj.items()])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), id(obj), [_frozen(v) for v in obj])
+    return (type(obj), repr(obj))
+
+
 def test_load_into_container_rules() -> None:
     keep = torch.zeros(3)
     target: dict[str, Any] = {
         "t": keep,
-        "gone": 1,
         "lst": [torch.zeros(2), 5, 6],
         "tup": (torch.zeros(2), "x"),
-        "shape_changed": torch.zeros(2),
         "arr": np.zeros(3),
-        "kind_changed": [1],
+        "value_changed": [1],
     }
     source: dict[str, Any] = {
-        "kind_changed": (1,),
+        "value_changed": ["one"],
         "t": torch.ones(3),
-        "lst": [torch.ones(2)],
+        "lst": [torch.ones(2), 7, None],
         "tup": (torch.ones(2), "y"),
-        "shape_changed": torch.ones(4),
         "arr": np.ones(3),
-        "new": "hello",
     }
     tup_tensor = target["tup"][0]
-    lst_tensor = target["lst"][0]
+    lst = target["lst"]
+    lst_tensor = lst[0]
     arr = target["arr"]
     out = load_into(target, source)
     assert out is target
-    assert list(target) == list(source)  # keys follow the source, extra keys are gone
+    assert list(target) == list(source)  # keys follow the source
     assert target["t"] is keep
     assert torch.equal(keep, torch.ones(3))
-    assert target["lst"][0] is lst_tensor
-    assert len(target["lst"]) == 1
+    assert target["lst"] is lst
+    assert lst[0] is lst_tensor
+    assert lst[1:] == [7, None]
+    assert torch.equal(lst_tensor, torch.ones(2))
     assert target["tup"][0] is tup_tensor
     assert target["tup"][1] == "y"
     assert torch.equal(tup_tensor, torch.ones(2))
-    assert target["shape_changed"] is source["shape_changed"]
     assert target["arr"] is arr
     assert arr.tolist() == [1.0, 1.0, 1.0]
-    assert target["kind_changed"] == (1,)
-    assert target["new"] == "hello"
+    assert target["value_changed"] == ["one"]
 
 
 def test_load_into_leaf_and_tuple_results() -> None:
     assert load_into(1, 2) == 2
+    assert load_into(1, "two") == "two"  # values of any types replace each other
+    assert load_into(None, 3.5) == 3.5
     t = torch.zeros(2)
     same = (t, "a")
     assert load_into(same, (torch.ones(2), "a")) is same
-    longer = load_into((1,), (1, 2))
-    assert longer == (1, 2)
-    grown: list[int] = [1]
-    assert load_into(grown, [1, 2, 3]) is grown
-    assert grown == [1, 2, 3]
+    rebuilt = load_into((t, 1), (torch.ones(2), 2))
+    assert rebuilt == (t, 2)
+    assert rebuilt[0] is t
 
 
 def test_load_into_keeps_aliasing_of_the_target() -> None:
@@ -434,6 +447,339 @@ def test_load_into_keeps_aliasing_of_the_target() -> None:
     load_into(target, {"emb": torch.full((2, 2), 3.0), "head": torch.full((2, 2), 3.0)})
     assert target["emb"] is target["head"] is tied
     assert torch.equal(tied, torch.full((2, 2), 3.0))
+
+
+def test_a_smaller_model_is_refused_and_the_target_is_untouched() -> None:
+    torch.manual_seed(0)
+    small, big = torch.nn.Linear(4, 4), torch.nn.Linear(8, 8)
+    saved = snapshot({"model": small.state_dict(), "step": 3}, version=1)
+    target = {"model": big.state_dict(), "step": 0}
+    before = _frozen(target)
+    weight_bits = tensor_bytes(big.weight)
+    expected = [
+        "state['model']['weight']: the target holds float32(8, 8), the version float32(4, 4)",
+        "state['model']['bias']: the target holds float32(8,), the version float32(4,)",
+    ]
+    assert check_into(target, saved.state()) == expected
+    assert check_into(target, saved.state(), strict=False) == expected  # shapes stay errors
+    for strict in (True, False):
+        with pytest.raises(StateMismatch) as info:
+            load_into(target, saved.state(), strict=strict)
+        for line in expected:
+            assert line in str(info.value)
+        assert "nothing was written" in str(info.value)
+        assert "without a state" in str(info.value)
+        assert _frozen(target) == before
+        assert target["step"] == 0
+        assert tensor_bytes(big.weight) == weight_bits
+
+
+def test_check_into_finds_dtype_and_kind_mismatches_on_both_sides() -> None:
+    ro = np.zeros(2)
+    ro.setflags(write=False)
+    target = {
+        "f": torch.zeros(2),
+        "n": np.zeros(2, dtype=np.float32),
+        "ro": ro,
+        "t_vs_int": torch.zeros(2),
+        "int_vs_t": 5,
+        "dict_vs_list": {"a": 1},
+        "list_vs_tuple": [1],
+        "arr_vs_t": np.zeros(2),
+        "none_vs_dict": None,
+    }
+    source = {
+        "f": torch.zeros(2, dtype=torch.float64),
+        "n": np.zeros(2, dtype=np.float64),
+        "ro": np.ones(2),
+        "t_vs_int": 5,
+        "int_vs_t": torch.zeros(2, dtype=torch.int64),
+        "dict_vs_list": [1],
+        "list_vs_tuple": (1,),
+        "arr_vs_t": torch.zeros(2, dtype=torch.float64),
+        "none_vs_dict": {},
+    }
+    assert check_into(target, source) == [
+        "state['f']: the target holds float32(2,), the version float64(2,)",
+        "state['n']: the target holds float32(2,), the version float64(2,)",
+        "state['ro']: the target holds a read-only numpy array float64(2,), which cannot be "
+        "restored in place",
+        "state['t_vs_int']: the target holds a tensor float32(2,), the version an int value",
+        "state['int_vs_t']: the target holds an int value, the version a tensor int64(2,)",
+        "state['dict_vs_list']: the target holds a dict of 1 key, the version a list of 1 item",
+        "state['list_vs_tuple']: the target holds a list of 1 item, the version a tuple of 1 item",
+        "state['arr_vs_t']: the target holds a numpy array float64(2,), the version a tensor "
+        "float64(2,)",
+        "state['none_vs_dict']: the target holds None, the version a dict of 0 keys",
+    ]
+    before = _frozen(target)
+    with pytest.raises(StateMismatch, match="at 9 places"):
+        load_into(target, source, strict=False)
+    assert _frozen(target) == before
+
+
+def test_an_inference_tensor_is_written_only_in_inference_mode() -> None:
+    with torch.inference_mode():
+        target = {"w": torch.zeros(2)}
+    problems = check_into(target, {"w": torch.ones(2)})
+    assert problems == [
+        "state['w']: the target holds an inference tensor float32(2,), which cannot be written "
+        "outside torch.inference_mode()"
+    ]
+    with pytest.raises(StateMismatch):
+        load_into(target, {"w": torch.ones(2)})
+    assert torch.equal(target["w"], torch.zeros(2))
+    with torch.inference_mode():
+        assert load_into(target, {"w": torch.ones(2)}) is target
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_keys_on_one_side_only_strict_and_not() -> None:
+    kept = torch.zeros(2)
+    target: dict[str, Any] = {"w": torch.zeros(2), "only_target": kept, "nested": {"a": 1}}
+    source: dict[str, Any] = {"nested": {"a": 2, "b": 3}, "w": torch.ones(2), "new": np.ones(2)}
+    assert check_into(target, source) == [
+        "state['nested']: the version holds key 'b' that the target lacks",
+        "state: the version holds key 'new' that the target lacks",
+        "state: the target holds key 'only_target' that the version lacks",
+    ]
+    before = _frozen(target)
+    with pytest.raises(StateMismatch, match="strict=False") as info:
+        load_into(target, source)
+    assert "the version holds key 'new' that the target lacks" in str(info.value)
+    assert _frozen(target) == before
+
+    assert check_into(target, source, strict=False) == []
+    w = target["w"]
+    assert load_into(target, source, strict=False) is target
+    # The version's keys first, in its order; the target's own keys kept after them.
+    assert list(target) == ["nested", "w", "new", "only_target"]
+    assert target["nested"] == {"a": 2, "b": 3}
+    assert target["w"] is w
+    assert torch.equal(w, torch.ones(2))
+    assert target["only_target"] is kept
+    assert torch.equal(kept, torch.zeros(2))
+    np.testing.assert_array_equal(target["new"], np.ones(2))
+    assert not np.shares_memory(target["new"], source["new"])  # a copy of its own
+
+
+def test_lengths_must_match_even_when_not_strict() -> None:
+    target = {"a": [1, (torch.zeros(1), 2)], "b": [1, 2, 3]}
+    source = {"a": [1, (torch.ones(1), 2, 3)], "b": [1]}
+    expected = [
+        "state['a'][1]: the target holds a tuple of 2 items, the version a tuple of 3 items",
+        "state['b']: the target holds a list of 3 items, the version a list of 1 item",
+    ]
+    for strict in (True, False):
+        assert check_into(target, source, strict=strict) == expected
+        before = _frozen(target)
+        with pytest.raises(StateMismatch):
+            load_into(target, source, strict=strict)
+        assert _frozen(target) == before
+
+
+def test_the_message_lists_at_most_fifty_mismatches() -> None:
+    target = {f"k{i}": torch.zeros(1) for i in range(60)}
+    source = {f"k{i}": torch.zeros(2) for i in range(60)}
+    with pytest.raises(StateMismatch) as info:
+        load_into(target, source)
+    message = str(info.value)
+    assert "state['k49']" in message
+    assert "state['k50']" not in message
+    assert "... and 10 more" in message
+    assert "at 60 places" in message
+
+
+def test_dict_and_ordered_dict_are_compatible_mappings() -> None:
+    model = torch.nn.Linear(3, 2)
+    saved = snapshot({"model": model.state_dict()}, version=1).state()
+    assert type(saved["model"]) is collections.OrderedDict
+    plain = {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}
+    assert check_into({"model": plain}, saved) == []
+    weight = plain["weight"]
+    load_into({"model": plain}, saved)
+    assert type(plain) is dict
+    assert plain["weight"] is weight
+    assert tensor_bytes(weight) == tensor_bytes(model.weight)
+
+    other = torch.nn.Linear(3, 2)
+    ordered = other.state_dict()
+    load_into(ordered, {"weight": torch.ones(2, 3), "bias": torch.ones(2)})
+    assert type(ordered) is collections.OrderedDict
+    assert torch.equal(other.weight, torch.ones(2, 3))
+
+
+def test_a_fresh_optimizer_receives_the_saved_moments_when_not_strict() -> None:
+    model, opt = _trained()
+    saved = snapshot({"model": model.state_dict(), "optim": opt.state_dict()}, version=1)
+
+    torch.manual_seed(1)
+    fresh_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
+    target = {"model": fresh_model.state_dict(), "optim": fresh_opt.state_dict()}
+    assert target["optim"]["state"] == {}
+    problems = check_into(target, saved.state())
+    assert len(problems) == len(list(model.parameters()))
+    assert problems[0] == "state['optim']['state']: the version holds key 0 that the target lacks"
+    with pytest.raises(StateMismatch):
+        load_into(target, saved.state())
+
+    result = load_into(target, saved.state(), strict=False)
+    assert result is target
+    fresh_opt.load_state_dict(result["optim"])
+    saved.payload.fill_(0xFF)  # the restored moments do not live in the version's buffer
+    for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert tensor_bytes(p) == tensor_bytes(q)
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert tensor_bytes(fresh_opt.state[q][name]) == tensor_bytes(opt.state[p][name])
+    # And both train on identically from here.
+    x = torch.randn(2, 4)
+    for m, o in ((model, opt), (fresh_model, fresh_opt)):
+        o.zero_grad()
+        m(x).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert tensor_bytes(p) == tensor_bytes(q)
+
+
+def test_the_device_is_not_compared() -> None:
+    target = {"w": torch.zeros(2, device="cpu")}
+    source = {"w": torch.ones(2, device="cpu")}
+    assert check_into(target, source) == []
+    # Only dtype and shape describe a tensor in a mismatch; the device never makes one.
+    assert check_into({"w": torch.zeros(2, device="meta")}, source) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_restore_onto_a_gpu_copies_across_devices() -> None:
+    w = torch.zeros(3, device="cuda")
+    target = {"w": w}
+    assert check_into(target, {"w": torch.arange(3.0)}) == []
+    assert load_into(target, {"w": torch.arange(3.0)}) is target
+    assert target["w"] is w
+    assert w.device.type == "cuda"
+    assert torch.equal(w.cpu(), torch.arange(3.0))
+
+
+_small_leaves = st.one_of(
+    st.sampled_from([(2,), (3,), (2, 2)]).flatmap(
+        lambda shape: st.sampled_from([torch.float32, torch.int64]).map(
+            lambda dtype: torch.arange(_numel(shape)).to(dtype).reshape(shape)
+        )
+    ),
+    st.sampled_from([(2,), (3,)]).map(lambda shape: np.arange(_numel(shape), dtype=np.float64)),
+    st.none(),
+    st.integers(-3, 3),
+    st.text(max_size=2),
+)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_small_states = st.recursive(
+    _small_leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=2),
+        st.lists(children, max_size=2).map(tuple),
+        st.dictionaries(st.sampled_from("abc"), children, max_size=3),
+        st.dictionaries(st.sampled_from("abc"), children, max_size=3).map(collections.OrderedDict),
+    ),
+    max_leaves=6,
+)
+
+
+def _values(obj: Any) -> Any:
+    """The values a restore must reproduce (mappings of either type compare equal)."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.dtype, tuple(obj.shape), tensor_bytes(obj))
+    if isinstance(obj, np.ndarray):
+        return ("array", obj.dtype, obj.shape, obj.tobytes())
+    if isinstance(obj, dict):
+        return ("mapping", [(k, _values(v)) for k, v in obj.items()])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), [_values(v) for v in obj])
+    return (type(obj), repr(obj))
+
+
+@given(_small_states)
+def test_a_state_always_fits_itself(state: Any) -> None:
+    assert check_into(state, state) == []
+    assert check_into(state, own_copy(state)) == []
+    assert check_into(state, own_copy(state), strict=False) == []
+
+
+@given(_small_states, _small_states, st.booleans())
+def test_load_into_either_raises_untouched_or_restores(
+    target: Any, source: Any, strict: bool
+) -> None:
+    before = _frozen(target)
+    problems = check_into(target, source, strict=strict)
+    if problems:
+        with pytest.raises(StateMismatch):
+            load_into(target, source, strict=strict)
+        assert _frozen(target) == before
+        return
+    result = load_into(target, source, strict=strict)
+    if strict:
+        assert _values(result) == _values(source)
+    else:
+        _assert_covers(result, source)
+
+
+def _assert_covers(result: Any, source: Any) -> None:
+    """Every value of ``source`` is in ``result`` at its path (keys only in result aside)."""
+    if isinstance(source, dict):
+        assert isinstance(result, dict)
+        for key, value in source.items():
+            _assert_covers(result[key], value)
+    elif isinstance(source, (list, tuple)):
+        assert type(result) is type(source)
+        assert len(result) == len(source)
+        for r, s in zip(result, source, strict=True):
+            _assert_covers(r, s)
+    else:
+        assert _values(result) == _values(source)
+
+
+def _revalued(obj: Any) -> Any:
+    """A copy of ``obj`` of the same structure with other values in every tensor and array."""
+    if isinstance(obj, torch.Tensor):
+        return obj + 1
+    if isinstance(obj, np.ndarray):
+        return obj - 1
+    if isinstance(obj, dict):
+        copy = own_copy(obj)
+        for key, value in obj.items():
+            copy[key] = _revalued(value)
+        return copy
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_revalued(v) for v in obj)
+    return obj
+
+
+@given(_small_states)
+def test_load_into_restores_any_matching_state_in_place(target: Any) -> None:
+    source = _revalued(target)
+    originals = [id(t) for t in _arrays_and_tensors(target)]
+    result = load_into(target, source)
+    assert _values(result) == _values(source)
+    assert [id(t) for t in _arrays_and_tensors(result)] == originals
+
+
+def _arrays_and_tensors(obj: Any) -> list[Any]:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _arrays_and_tensors(v)]
+    return []
 
 
 def test_own_copy_gives_every_tensor_and_array_its_own_memory() -> None:

@@ -5,7 +5,9 @@
 :class:`TensorSpec` per tensor -- and the list of the caller's own tensors (nothing is copied).
 :func:`write_payload` copies those tensors into one flat byte buffer, the *raw payload*, at
 offsets fixed by the layout; :func:`unflatten` rebuilds the state around tensors (typically views
-into a payload); :func:`load_into` restores a rebuilt state into live objects in place.
+into a payload); :func:`load_into` restores a rebuilt state into live objects in place, after
+:func:`check_into` found that they match (shapes, dtypes, keys, lengths: else
+:class:`~tiercheck.errors.StateMismatch`, and nothing is written).
 
 What the skeleton holds (everything else raises :class:`~tiercheck.errors.UnsupportedObject`
 naming the path of the object, unless ``allow_pickle=True``):
@@ -50,12 +52,13 @@ import numpy as np
 import torch
 
 from tiercheck.codec.dtypes import is_supported_dtype
-from tiercheck.errors import FormatError, UnsupportedObject
+from tiercheck.errors import FormatError, StateMismatch, UnsupportedObject
 
 __all__ = [
     "ALIGNMENT",
     "Layout",
     "TensorSpec",
+    "check_into",
     "flatten",
     "load_into",
     "own_copy",
@@ -521,76 +524,228 @@ def write_payload(
 
 # --- load_into -------------------------------------------------------------------------------
 
+#: At most this many mismatch lines go into a :class:`~tiercheck.errors.StateMismatch` message.
+_MAX_MISMATCH_LINES = 50
 
-def load_into(target: Any, source: Any) -> Any:
+
+def _kind(obj: Any) -> str:
+    """The structural kind of ``obj``: ``tensor``, ``array``, ``mapping``, ``list``, ``tuple``,
+    or ``leaf`` (a value, replaced whole by a restore)."""
+    if isinstance(obj, torch.Tensor):
+        return "tensor"
+    t = type(obj)
+    if t is np.ndarray:
+        return "array"
+    if t is dict or t is collections.OrderedDict:
+        return "mapping"
+    if t is list:
+        return "list"
+    if t is tuple:
+        return "tuple"
+    return "leaf"
+
+
+def _an(word: str) -> str:
+    return f"an {word}" if word[:1].lower() in "aeiou" else f"a {word}"
+
+
+def _items(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _typed_shape(obj: torch.Tensor | np.ndarray[Any, Any]) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"{str(obj.dtype).removeprefix('torch.')}{tuple(obj.shape)}"
+    return f"{obj.dtype}{tuple(obj.shape)}"
+
+
+def _describe(obj: Any) -> str:
+    """``obj`` in a few words, for a mismatch line."""
+    kind = _kind(obj)
+    if kind == "tensor":
+        return f"a tensor {_typed_shape(obj)}"
+    if kind == "array":
+        return f"a numpy array {_typed_shape(obj)}"
+    if kind == "mapping":
+        return f"{_an(type(obj).__name__)} of {_items(len(obj), 'key')}"
+    if kind in ("list", "tuple"):
+        return f"a {kind} of {_items(len(obj), 'item')}"
+    if obj is None:
+        return "None"
+    return _an(f"{type(obj).__qualname__} value")
+
+
+def _check(target: Any, source: Any, path: str, strict: bool, out: list[str]) -> None:
+    where = f"state{path}"
+    tk, sk = _kind(target), _kind(source)
+    if tk != sk:
+        # Two values of different types are not structure: the version's value replaces the
+        # target's. Anything else (a tensor where the version holds an int...) is.
+        if tk != "leaf" or sk != "leaf":
+            out.append(
+                f"{where}: the target holds {_describe(target)}, the version {_describe(source)}"
+            )
+        return
+    if tk == "tensor":
+        # The device is not compared: copying across devices is how a restore reaches a GPU.
+        if target.shape != source.shape or target.dtype != source.dtype:
+            out.append(
+                f"{where}: the target holds {_typed_shape(target)}, "
+                f"the version {_typed_shape(source)}"
+            )
+        elif target.is_inference() and not torch.is_inference_mode_enabled():
+            out.append(
+                f"{where}: the target holds an inference tensor {_typed_shape(target)}, which "
+                "cannot be written outside torch.inference_mode()"
+            )
+    elif tk == "array":
+        if target.shape != source.shape or target.dtype != source.dtype:
+            out.append(
+                f"{where}: the target holds {_typed_shape(target)}, "
+                f"the version {_typed_shape(source)}"
+            )
+        elif not target.flags.writeable and not np.shares_memory(target, source):
+            out.append(
+                f"{where}: the target holds a read-only numpy array {_typed_shape(target)}, "
+                "which cannot be restored in place"
+            )
+    elif tk == "mapping":
+        for key, value in source.items():
+            if key in target:
+                _check(target[key], value, f"{path}[{key!r}]", strict, out)
+            elif strict:
+                out.append(f"{where}: the version holds key {key!r} that the target lacks")
+        if strict:
+            out.extend(
+                f"{where}: the target holds key {key!r} that the version lacks"
+                for key in target
+                if key not in source
+            )
+    elif tk in ("list", "tuple"):
+        if len(target) != len(source):
+            out.append(
+                f"{where}: the target holds {_describe(target)}, the version {_describe(source)}"
+            )
+            return
+        for i, (t, s) in enumerate(zip(target, source, strict=True)):
+            _check(t, s, f"{path}[{i}]", strict, out)
+
+
+def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
+    """Every reason why ``source`` cannot be restored into ``target`` in place; ``[]`` if none.
+
+    Walks both objects together and modifies neither. Each line names a path in the subscript
+    style of :func:`flatten` and says what the target holds and what the version (``source``)
+    holds, e.g. ``state['model']['0.weight']: the target holds float32(8, 8), the version
+    float32(4, 4)``. Modelled on ``torch.nn.Module.load_state_dict(strict=...)``; a mismatch is:
+
+    * two tensors of different shape or dtype (the device may differ: the copy crosses it), or
+      a target that is an inference tensor outside ``torch.inference_mode()``;
+    * two numpy arrays of different shape or dtype, or a target array that is read-only;
+    * a tensor, numpy array or container on one side and anything else on the other, or
+      containers of different types. ``dict`` and ``OrderedDict`` are both mappings and match
+      each other (a ``Module.state_dict()`` is an ``OrderedDict``; a plain ``dict`` target for
+      it is fine). Subclasses (a ``defaultdict``) are not containers here;
+    * lists or tuples of different lengths (``strict`` or not);
+    * with ``strict=True``, a key in only one of two mappings, either way round. With
+      ``strict=False`` such keys are allowed (:func:`load_into` adds the version's and keeps the
+      target's), but the entries the two have in common must still match.
+
+    Other values (numbers, strings, ``None``, ``torch.Size``...) are values, not structure: the
+    version's replaces the target's whatever the two types, so they never mismatch each other.
+    """
+    out: list[str] = []
+    _check(target, source, "", strict, out)
+    return out
+
+
+def _apply(target: Any, source: Any) -> Any:
+    """Restore ``source`` into ``target``, which :func:`check_into` found compatible."""
+    kind = _kind(target)
+    if kind == "tensor" and isinstance(source, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(source)
+        return target
+    if kind == "array" and type(source) is np.ndarray:
+        if np.shares_memory(target, source):
+            return source
+        np.copyto(target, source)
+        return target
+    if kind == "mapping":
+        for key, value in source.items():
+            if key in target:
+                merged = _apply(target[key], value)
+                if merged is not target[key]:
+                    target[key] = merged
+            else:
+                # A key only the version holds (strict=False): the target gets a copy of its
+                # own, not views into the version's buffer, which may be reused later.
+                target[key] = own_copy(value)
+        order = list(source) + [k for k in target if k not in source]
+        if list(target) != order:
+            items = [(k, target[k]) for k in order]
+            target.clear()
+            target.update(items)
+        return target
+    if kind == "list":
+        for i, value in enumerate(source):
+            merged = _apply(target[i], value)
+            if merged is not target[i]:
+                target[i] = merged
+        return target
+    if kind == "tuple":
+        merged_items = tuple(_apply(t, s) for t, s in zip(target, source, strict=True))
+        if all(m is t for m, t in zip(merged_items, target, strict=True)):
+            return target
+        return merged_items
+    return source
+
+
+def load_into(target: Any, source: Any, *, strict: bool = True) -> Any:
     """Restore ``source`` (an unflattened state) into the live object ``target``, in place.
 
-    ``target`` and ``source`` are walked together:
+    First :func:`check_into`: if ``source`` does not fit ``target``, this raises
+    :class:`~tiercheck.errors.StateMismatch` listing every mismatching path, and nothing has
+    been written into ``target``. Then ``target`` and ``source`` are walked together:
 
-    * a tensor in both, of the same shape and dtype: ``target.copy_(source)`` under
-      ``torch.no_grad()`` (across devices too), so modules and optimizers keep their references
-      (and tensors that alias each other in ``target`` stay aliased);
-    * a numpy array in both, of the same shape and dtype, writable: copied in place;
-    * ``dict`` / ``OrderedDict`` in both, of the same type: mutated in place -- keys of
-      ``source`` are merged recursively, keys only in ``target`` are deleted, and the key order
-      becomes ``source``'s;
-    * ``list`` in both: mutated in place -- common indices merged recursively, the list then
-      truncated or extended to ``source``'s length;
-    * ``tuple`` in both (same type, same length): rebuilt from the merged items (tuples cannot be
+    * a tensor in both: ``target.copy_(source)`` under ``torch.no_grad()`` (across devices too),
+      so modules and optimizers keep their references (and tensors that alias each other in
+      ``target`` stay aliased);
+    * a numpy array in both: copied in place;
+    * a mapping (``dict`` / ``OrderedDict``) in both: mutated in place -- common keys merged
+      recursively, and the key order becomes ``source``'s. With ``strict=False``, keys only in
+      ``source`` are added (as copies of their own, so a fresh optimizer's empty ``state``
+      receives the saved moments) and keys only in ``target`` are kept as they are, after
+      ``source``'s;
+    * a ``list`` in both (of the same length): mutated in place, items merged recursively;
+    * a ``tuple`` in both (same length): rebuilt from the merged items (tuples cannot be
       mutated), so tensors inside a tuple are still restored in place;
-    * anything else (a leaf, or a type/shape/dtype mismatch): ``source`` replaces it.
+    * any other value: ``source``'s replaces ``target``'s.
 
     Returns ``target`` itself where it could be updated in place, else the object that replaces
     it; the caller stores the result where it got ``target`` from (containers do this for their
     entries).
     """
-    if isinstance(target, torch.Tensor) and isinstance(source, torch.Tensor):
-        if target.shape == source.shape and target.dtype == source.dtype:
-            with torch.no_grad():
-                target.copy_(source)
-            return target
-        return source
-    if type(target) is np.ndarray and type(source) is np.ndarray:
-        if (
-            target.shape == source.shape
-            and target.dtype == source.dtype
-            and target.flags.writeable
-            and not np.shares_memory(target, source)
-        ):
-            np.copyto(target, source)
-            return target
-        return source
-    if type(target) is not type(source):
-        return source
-    if isinstance(target, dict):
-        for key in [k for k in target if k not in source]:
-            del target[key]
-        for key, value in source.items():
-            if key in target:
-                merged = load_into(target[key], value)
-                if merged is not target[key]:
-                    target[key] = merged
-            else:
-                target[key] = value
-        if list(target) != list(source):
-            items = [(k, target[k]) for k in source]
-            target.clear()
-            target.update(items)
-        return target
-    if isinstance(target, list):
-        for i, value in enumerate(source[: len(target)]):
-            merged = load_into(target[i], value)
-            if merged is not target[i]:
-                target[i] = merged
-        del target[len(source) :]
-        target.extend(source[len(target) :])
-        return target
-    if type(target) is tuple and len(target) == len(source):
-        merged_items = tuple(load_into(t, s) for t, s in zip(target, source, strict=True))
-        if all(m is t for m, t in zip(merged_items, target, strict=True)):
-            return target
-        return merged_items
-    return source
+    problems = check_into(target, source, strict=strict)
+    if problems:
+        shown = problems[:_MAX_MISMATCH_LINES]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more")
+        listing = "\n  ".join(shown)
+        hint = (
+            ""
+            if not strict
+            else ", or pass strict=False to allow keys that only one side holds (shapes, "
+            "dtypes and lengths must still match)"
+        )
+        raise StateMismatch(
+            f"cannot restore in place: the state given does not match the stored version at "
+            f"{_items(len(problems), 'place')}; nothing was written into it:\n  {listing}\n"
+            "Build the state as it was saved (same model and optimizer configuration), or "
+            "restore without a state (the result holds the version as saved) and load what "
+            f"you need from it yourself{hint}."
+        )
+    return _apply(target, source)
 
 
 def own_copy(obj: Any) -> Any:
