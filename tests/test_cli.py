@@ -4,7 +4,9 @@ The checkpoints are written by :class:`tiercheck.SyncCheckpointer` (a node root 
 ``file://`` persistent folder, deltas persisted too) once per module and copied for each test
 that changes them. The CLI runs in-process through ``main(argv)`` -- its exit code returned,
 its output captured -- and once as a real subprocess. Multi-rank layouts are written with the
-codec directly, the way several ranks would leave them.
+codec directly, the way several ranks would leave them. The records the checkpointer keeps
+beside the blobs (job record, writer generations, quarantined blobs, probes, a node's identity)
+are added by hand with the record classes of :mod:`tiercheck.consistency.identity`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,23 @@ from tiercheck.catalog import (
 )
 from tiercheck.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, ExternalCommand, main
 from tiercheck.codec import encode_packed, snapshot
+from tiercheck.codec import verify as verify_blob
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
+from tiercheck.consistency.identity import (
+    IDENTITY_FILE,
+    JOB_KEY,
+    LOCKS_DIR,
+    JobRecord,
+    NodeIdentity,
+    WriterRecord,
+    parse_writer_key,
+    probe_key,
+    quarantine_key,
+    writer_key,
+)
 from tiercheck.consistency.keys import blob_key, commit_key
 from tiercheck.consistency.manifest import Manifest
+from tiercheck.errors import TiercheckError
 from tiercheck.tiers import LocalTier, PersistentTier
 
 from .helpers import TinyTrainer, assert_state_equal, clone_state
@@ -622,6 +638,335 @@ def test_gc_removes_torn_versions_but_keeps_bases(tmp_path: Path, run: Any) -> N
 def test_gc_needs_a_positive_keep(stored: Stored, run: Any) -> None:
     assert run("gc", stored.job, "--keep", 0).code == EXIT_USAGE
     assert run("gc", stored.job).code == EXIT_USAGE
+
+
+# --- job record, writer generations, quarantine, probes --------------------------------------
+
+INCARNATION = "5f3a9c0e1d2b4a6f8e7d6c5b4a3f2e1d"  # a job record's random token
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What :func:`_add_records` put into a job folder beside the checkpointer's own keys."""
+
+    generations: list[int]  # every writer generation now stored, ascending
+    quarantined: str  # the quarantine key
+    original: str  # the key it was set aside from
+    probe: str
+
+    @property
+    def newest(self) -> int:
+        return self.generations[-1]
+
+
+def _keys(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def _corrupt_copy(source: Path, target: Path) -> None:
+    """Set ``source`` aside at ``target`` as a restore would after it failed its checksum."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    _flip_bit(target)
+
+
+def _why_corrupt(path: Path) -> str:
+    """The name of the error the codec raises for the blob at ``path``."""
+    with pytest.raises(TiercheckError) as failed:
+        verify_blob(path.read_bytes())
+    return type(failed.value).__name__
+
+
+def _add_records(
+    stored: Stored, *, world_size: int = 1, quarantine_version: int = 2, move: bool = False
+) -> Extras:
+    """A job record, two more writer generations, a quarantined blob and a leftover probe.
+
+    The quarantined copy is ``quarantine_version``'s blob with a flipped bit; with ``move`` the
+    original is removed, as when a restore set the only copy aside.
+    """
+    job = stored.job
+    (job / JOB_KEY).write_bytes(
+        JobRecord(job_id=JOB, token=INCARNATION, world_size=world_size, created=1.0e9).to_bytes()
+    )
+    # A checkpointer that writes its own generations may have left some: add two beyond them.
+    own = [g for k in _keys(job) if (g := parse_writer_key(k)) is not None]
+    first = max(own, default=0) + 1
+    for generation in (first, first + 1):
+        path = job / writer_key(generation)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = WriterRecord(generation, f"session-{generation}", "host-a", 4242, 1.0e9)
+        path.write_bytes(record.to_bytes())
+    original = blob_key(quarantine_version, 0, "packed")
+    quarantined = quarantine_key(original)
+    _corrupt_copy(job / original, job / quarantined)
+    if move:
+        (job / original).unlink()
+    probe = probe_key("crashed-session", 0)
+    (job / probe).parent.mkdir(parents=True, exist_ok=True)
+    (job / probe).write_bytes(b"probe")
+    return Extras(sorted([*own, first, first + 1]), quarantined, original, probe)
+
+
+def _findings(ran: Ran) -> list[dict[str, Any]]:
+    (report,) = ran.json()["reports"]
+    findings: list[dict[str, Any]] = report["findings"]
+    return findings
+
+
+def test_ls_shows_the_job_record_writers_and_quarantine(stored: Stored, run: Any) -> None:
+    extras = _add_records(stored)
+    ran = run("ls", stored.job, "--json")
+    assert ran.code == EXIT_OK
+    (loc,) = ran.json()["locations"]
+    assert [v["version"] for v in loc["versions"]] == list(range(VERSIONS))
+    assert loc["ranks"] == [0]
+    record = loc["job_record"]
+    assert (record["job_id"], record["token"], record["world_size"]) == (JOB, INCARNATION, 1)
+    assert loc["job_record_error"] is None
+    writers = loc["writers"]
+    assert writers["count"] == len(extras.generations)
+    assert writers["newest"]["generation"] == extras.newest
+    assert writers["newest"]["session"] == f"session-{extras.newest}"
+    assert writers["error"] is None
+    (aside,) = loc["quarantined"]
+    assert aside == {
+        "key": extras.quarantined,
+        "original": extras.original,
+        "version": 2,
+        "rank": 0,
+        "size": (stored.job / extras.quarantined).stat().st_size,
+    }
+    assert loc["probes"] == [extras.probe]
+
+    human = run("ls", stored.job)
+    assert human.code == EXIT_OK
+    header = human.out.splitlines()[0]
+    assert f"world size 1, incarnation {INCARNATION[:8]}" in header
+    assert INCARNATION not in header  # the short form only
+    assert f"writer generation {extras.newest}" in header
+    assert "1 quarantined blob" in header
+    assert "1 leftover probe" in header
+
+
+def test_ls_without_records_shows_none(stored: Stored, run: Any) -> None:
+    for key in [k for k in _keys(stored.job) if k == JOB_KEY or k.startswith("writers/")]:
+        (stored.job / key).unlink()  # a job written before job records existed
+    (loc,) = run("ls", stored.job, "--json").json()["locations"]
+    assert loc["job_record"] is None
+    assert loc["writers"] == {"count": 0, "newest": None, "error": None}
+    assert loc["quarantined"] == []
+    human = run("ls", stored.job)
+    assert "incarnation" not in human.out
+    assert "quarantined" not in human.out
+
+
+def test_quarantine_folders_are_not_taken_for_jobs(stored: Stored, run: Any) -> None:
+    extras = _add_records(stored)
+    node_original = stored.blob(6, "local")
+    _corrupt_copy(node_original, stored.node / "blobs" / quarantine_key(blob_key(6, 0, "full")))
+    for target in (stored.root, stored.durable, stored.durable.as_uri()):
+        ran = run("ls", target, "--json")
+        assert ran.code == EXIT_OK
+        found = sorted((loc["tier"], loc["job"]) for loc in ran.json()["locations"])
+        expected = [("persistent", JOB)] if "durable" in str(target) else None
+        assert found == (expected or [("local", JOB), ("persistent", JOB)])
+    by_tier = {loc["tier"]: loc for loc in run("ls", stored.root, "--json").json()["locations"]}
+    assert [q["key"] for q in by_tier["persistent"]["quarantined"]] == [extras.quarantined]
+    assert [q["original"] for q in by_tier["local"]["quarantined"]] == [blob_key(6, 0, "full")]
+
+
+def test_verify_reports_quarantined_blobs_and_probes_as_warnings(stored: Stored, run: Any) -> None:
+    extras = _add_records(stored)
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_OK, ran.out
+    assert ran.json()["ok"] is True
+    findings = _findings(ran)
+    assert {f["severity"] for f in findings} == {"warning"}
+    by_code = {f["code"]: f for f in findings}
+    assert sorted(by_code) == ["probe-leftover", "quarantined"]
+    aside = by_code["quarantined"]
+    assert (aside["key"], aside["version"], aside["rank"]) == (extras.quarantined, 2, 0)
+    why = _why_corrupt(stored.job / extras.quarantined)
+    assert why in aside["message"]
+    assert "version 2 was not restored from it" in aside["message"]
+    assert f"{extras.original} holds a blob again" in aside["message"]
+    assert "--purge-quarantine" in aside["message"]
+    assert by_code["probe-leftover"]["key"] == extras.probe
+    # --version narrows the quarantine findings to that version's.
+    other = run("verify", stored.job, "--version", 3, "--json")
+    assert other.code == EXIT_OK
+    assert [f["code"] for f in _findings(other)] == ["probe-leftover"]
+
+    human = run("verify", stored.job)
+    assert human.code == EXIT_OK
+    assert f"warning  quarantined         {extras.quarantined}:" in human.out
+    assert "ok: 0 problems, 2 warnings" in human.out
+
+
+def test_verify_a_blob_moved_to_quarantine(stored: Stored, run: Any) -> None:
+    extras = _add_records(stored, quarantine_version=7, move=True)
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    codes = {(f["severity"], f["code"], f["version"]) for f in _findings(ran)}
+    assert codes == {
+        ("problem", "torn-committed", 7),
+        ("warning", "quarantined", 7),
+        ("warning", "probe-leftover", None),
+    }
+    aside = next(f for f in _findings(ran) if f["code"] == "quarantined")
+    assert aside["key"] == extras.quarantined
+    assert "holds a blob again" not in aside["message"]
+    torn = next(f for f in _findings(ran) if f["code"] == "torn-committed")
+    assert f"a restore set it aside as {extras.quarantined}" in torn["message"]
+
+
+def test_verify_a_job_record_that_disagrees_with_the_newest_commit(
+    stored: Stored, run: Any
+) -> None:
+    _add_records(stored, world_size=2)
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    problems = [f for f in _findings(ran) if f["severity"] == "problem"]
+    assert [(f["code"], f["key"], f["version"]) for f in problems] == [
+        ("job-record-mismatch", JOB_KEY, VERSIONS - 1)
+    ]
+    assert "world size 2 != 1" in problems[0]["message"]
+    assert "job-record-mismatch" in run("verify", stored.job).out
+
+
+@pytest.mark.parametrize("which", ["job", "writer"])
+def test_verify_an_unreadable_record(stored: Stored, run: Any, which: str) -> None:
+    extras = _add_records(stored)
+    key = JOB_KEY if which == "job" else writer_key(extras.newest)
+    (stored.job / key).write_text("{not json")
+    ls = run("ls", stored.job, "--json")
+    assert ls.code == EXIT_OK
+    (loc,) = ls.json()["locations"]
+    if which == "job":
+        assert loc["job_record"] is None
+        assert "FormatError" in loc["job_record_error"]
+        assert "job record unreadable" in run("ls", stored.job).out
+    else:
+        assert loc["writers"]["newest"] is None
+        assert loc["writers"]["count"] == len(extras.generations)
+        assert "FormatError" in loc["writers"]["error"]
+    ran = run("verify", stored.job, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    problems = [f for f in _findings(ran) if f["severity"] == "problem"]
+    assert [(f["code"], f["key"]) for f in problems] == [("record-unreadable", key)]
+
+
+def test_a_job_opened_without_saving_is_listed(tmp_path: Path, run: Any) -> None:
+    job = tmp_path / "ckpt" / "fresh"
+    (job / "writers").mkdir(parents=True)
+    (job / JOB_KEY).write_bytes(JobRecord("fresh", INCARNATION, 4).to_bytes())
+    (job / writer_key(1)).write_bytes(WriterRecord(1, "s").to_bytes())
+    ran = run("ls", tmp_path / "ckpt", "--json")
+    assert ran.code == EXIT_OK
+    (loc,) = ran.json()["locations"]
+    assert (loc["job"], loc["versions"], loc["job_record"]["world_size"]) == ("fresh", [], 4)
+    assert "(no versions)" in run("ls", job).out
+    # A lone file named JOB is nobody's job folder.
+    (job / writer_key(1)).unlink()
+    _assert_one_line_error(run("ls", tmp_path / "ckpt"))
+
+
+def test_inspect_and_export_ignore_the_new_keys(stored: Stored, run: Any, tmp_path: Path) -> None:
+    _add_records(stored, quarantine_version=VERSIONS - 1)
+    ran = run("inspect", stored.job, "--json")
+    assert ran.code == EXIT_OK
+    doc = ran.json()
+    assert [v["version"] for v in doc["versions"]] == list(range(VERSIONS))
+    keys = [b["key"] for v in doc["versions"] for b in v["blobs"]]
+    assert keys == [blob_key(v, 0, "packed") for v in range(VERSIONS)]
+    assert doc["errors"] == {}
+    assert run("inspect", stored.job).code == EXIT_OK
+    out = run("export", stored.job, tmp_path / "m", "--format", "pt", "--json")
+    assert out.code == EXIT_OK
+    assert out.json()["version"] == VERSIONS - 1  # the intact original, not the quarantined copy
+    assert_state_equal(
+        torch.load(tmp_path / "m.pt", weights_only=True), stored.states[VERSIONS - 1]
+    )
+
+
+def test_gc_keeps_records_and_quarantine_unless_purged(stored: Stored, run: Any) -> None:
+    extras = _add_records(stored, quarantine_version=1)
+    records = {JOB_KEY, extras.probe, *(writer_key(g) for g in extras.generations)}
+
+    dry = run("gc", stored.job, "--keep", 3, "--dry-run", "--json")
+    assert dry.code == EXIT_OK
+    plan = dry.json()
+    assert (plan["quarantine_kept"], plan["quarantine_keys"]) == ([extras.quarantined], [])
+    assert plan["purge_quarantine"] is False
+    dry_text = run("gc", stored.job, "--keep", 3, "--dry-run")
+    assert "keeping 1 quarantined blob" in dry_text.out
+    assert f"    {extras.quarantined}" in dry_text.out
+    before = _keys(stored.job)
+    assert run("gc", stored.job, "--keep", 3, "--purge-quarantine", "--dry-run").code == EXIT_OK
+    assert _keys(stored.job) == before  # dry runs remove nothing
+
+    ran = run("gc", stored.job, "--keep", 3)
+    assert ran.code == EXIT_OK
+    assert _versions_in(stored.job) == [3, 5, 6, 7]
+    left = _keys(stored.job)
+    assert records | {extras.quarantined} <= left
+
+    purge_dry = run("gc", stored.job, "--keep", 3, "--purge-quarantine", "--dry-run", "--json")
+    assert purge_dry.json()["quarantine_keys"] == [extras.quarantined]
+    assert purge_dry.json()["quarantine_kept"] == []
+    purge_text = run("gc", stored.job, "--keep", 3, "--purge-quarantine", "--dry-run")
+    assert "would remove 1 quarantined blob" in purge_text.out
+    assert f"    {extras.quarantined}" in purge_text.out
+    assert _keys(stored.job) == left
+
+    purged = run("gc", stored.job, "--keep", 3, "--purge-quarantine")
+    assert purged.code == EXIT_OK
+    assert "removed 1 quarantined blob" in purged.out
+    assert _keys(stored.job) == left - {extras.quarantined}
+    assert records <= _keys(stored.job)
+    verified = run("verify", stored.job, "--json")
+    assert verified.code == EXIT_OK
+    assert [f["code"] for f in _findings(verified)] == ["probe-leftover"]
+
+
+def test_a_node_root_with_identity_locks_and_quarantine(stored: Stored, run: Any) -> None:
+    identity = NodeIdentity(JOB, INCARNATION, 1, persistent=stored.durable.as_uri(), created=1.0e9)
+    (stored.node / IDENTITY_FILE).write_bytes(identity.to_bytes())
+    (stored.node / LOCKS_DIR).mkdir(exist_ok=True)
+    (stored.node / LOCKS_DIR / "r00000.lock").write_text("4242")
+    original = blob_key(5, 0, "full")
+    aside = quarantine_key(original)
+    _corrupt_copy(stored.node / "blobs" / original, stored.node / "blobs" / aside)
+
+    ls = run("ls", stored.node, "--json")
+    assert ls.code == EXIT_OK
+    (loc,) = ls.json()["locations"]
+    assert [v["version"] for v in loc["versions"]] == [5, 6, 7]
+    assert (loc["identity"]["token"], loc["identity"]["world_size"]) == (INCARNATION, 1)
+    assert [q["key"] for q in loc["quarantined"]] == [aside]
+    assert f"incarnation {INCARNATION[:8]}" in run("ls", stored.node).out
+
+    ran = run("verify", stored.node, "--json")
+    assert ran.code == EXIT_OK
+    (finding,) = _findings(ran)
+    assert (finding["code"], finding["key"], finding["version"]) == ("quarantined", aside, 5)
+    assert _why_corrupt(stored.node / "blobs" / aside) in finding["message"]
+
+    assert run("gc", stored.node, "--keep", 1).code == EXIT_OK
+    assert _versions_in(stored.node / "blobs") == [7]
+    assert (stored.node / "blobs" / aside).is_file()
+    assert run("gc", stored.node, "--keep", 1, "--purge-quarantine").code == EXIT_OK
+    assert not (stored.node / "blobs" / aside).exists()
+    assert NodeIdentity.from_bytes((stored.node / IDENTITY_FILE).read_bytes()) == identity
+    assert (stored.node / LOCKS_DIR / "r00000.lock").read_text() == "4242"
+
+    (stored.node / IDENTITY_FILE).write_text("[]")
+    broken = run("verify", stored.node, "--json")
+    assert broken.code == EXIT_PROBLEMS
+    assert [(f["code"], f["key"]) for f in _findings(broken)] == [
+        ("record-unreadable", IDENTITY_FILE)
+    ]
 
 
 # --- errors, json, hooks ---------------------------------------------------------------------

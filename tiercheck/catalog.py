@@ -5,10 +5,19 @@ for training code. It works on *locations*, each one tier's view of one job:
 
 * a **persistent job folder** -- ``<url>/<job_id>/`` of a :class:`~tiercheck.tiers.PersistentTier`
   (``file://``, a plain path, ``s3://``, ``memory://``...): ``packed`` blobs and ``COMMIT``
-  records;
+  records, and beside them the job record (``JOB``), the writer generations (``writers/g...``),
+  blobs a restore set aside (``quarantine/<original key>``) and, after a crash while the job was
+  opening, leftover probe objects (``probe/...``) -- see :mod:`tiercheck.consistency.identity`;
 * a **node root** -- ``/dev/shm/tiercheck/<job>/<node>/`` (any folder holding ``blobs/`` and
   ``manifest/``): the node's :class:`~tiercheck.tiers.LocalTier` (``blobs/``, usually ``full``
-  blobs) and its LMDB manifest (``manifest/``).
+  blobs, possibly ``quarantine/...`` too), its LMDB manifest (``manifest/``), its identity
+  (``identity.json``) and the writers' locks (``locks/``).
+
+:meth:`Store.scan` reads the job record, the newest writer generation and a node's identity
+(their parse errors become :func:`verify` findings) and lists quarantined blobs apart from the
+versions: nothing reads them as checkpoints (``inspect`` and ``export`` ignore them), ``verify``
+reports each one, and ``gc`` keeps them unless asked to purge them. No command ever removes the
+job record, a writer generation, a probe object or the identity file.
 
 :func:`find_locations` turns what a user typed into locations (see its docstring for the
 rules), :class:`Store` opens one, :meth:`Store.scan` lists it into a :class:`Catalog`, and
@@ -41,6 +50,18 @@ import torch
 from tiercheck.codec import BlobMeta, RawState, decode, own_copy, read_meta
 from tiercheck.codec import verify as verify_blob
 from tiercheck.consistency.commit import CommitRecord
+from tiercheck.consistency.identity import (
+    IDENTITY_FILE,
+    JOB_KEY,
+    PROBE_PREFIX,
+    QUARANTINE_PREFIX,
+    JobRecord,
+    NodeIdentity,
+    WriterRecord,
+    parse_quarantine_key,
+    parse_writer_key,
+    writer_key,
+)
 from tiercheck.consistency.keys import (
     BlobKind,
     blob_key,
@@ -75,6 +96,7 @@ __all__ = [
     "LocationError",
     "NullProgress",
     "Progress",
+    "QuarantinedBlob",
     "Store",
     "VerifyReport",
     "VersionEntry",
@@ -104,8 +126,11 @@ _REQUESTS = 16
 _READS = 2
 
 # Any path that ends in a tiercheck key: the part before it is a job folder (or a node root's
-# blobs/ folder).
+# blobs/ folder), or such a folder's quarantine/ folder.
 _TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)v\d{12}/(?:r\d{5}\.(?:full|packed)|COMMIT)$")
+# A writer generation: with a job record beside it, the part before it is a job folder (one
+# opened that has not saved anything yet).
+_WRITER_TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)writers/g\d{12}$")
 
 
 class LocationError(ConfigError):
@@ -241,15 +266,32 @@ def _probe_folder(target: str, folder: Path, job: str | None, local_root: bool) 
     return None
 
 
+def _owner(prefix: str, committing: set[str], keys: set[str]) -> str:
+    """The folder a matched key's ``prefix`` belongs to: its parent for a quarantine folder."""
+    quarantine = prefix == QUARANTINE_PREFIX or prefix.endswith("/" + QUARANTINE_PREFIX)
+    if quarantine and prefix not in committing and prefix + JOB_KEY not in keys:
+        return prefix[: -len(QUARANTINE_PREFIX)]
+    return prefix
+
+
 def _classify(
     keys: Sequence[str], target: str, path: str | None, options: Mapping[str, Any]
 ) -> dict[str, Location]:
     """The job folders and node roots that a recursive listing of ``target`` reveals."""
     found: dict[str, Location] = {}
+    keyset = set(keys)
     matches = [(m.group("prefix"), key) for key in keys if (m := _TAIL.match(key)) is not None]
     # Only persistent job folders hold COMMIT records: a blobs/ folder without any is a node
     # root's, even where its manifest is gone.
     committing = {prefix for prefix, key in matches if key.endswith("/COMMIT")}
+    # Blobs under <folder>/quarantine/ belong to <folder>, not to a job named "quarantine":
+    # quarantine holds no COMMIT record and no job record, a job folder of that name does.
+    matches = [(_owner(prefix, committing, keyset), key) for prefix, key in matches]
+    committing = {prefix for prefix, key in matches if key.endswith("/COMMIT")}
+    for key in keys:
+        m = _WRITER_TAIL.match(key)
+        if m is not None and m.group("prefix") + JOB_KEY in keyset:
+            matches.append((m.group("prefix"), key))
     for prefix, _key in matches:
         if prefix in found:
             continue
@@ -284,7 +326,9 @@ async def find_locations(
     * a node root (a folder holding ``blobs/`` and ``manifest/``; with ``local_root=True`` any
       folder is taken as one, so a node whose manifest is gone can still be read);
     * a persistent job folder: a URL or path whose keys are ``v<version>/r<rank>.<kind>`` and
-      ``v<version>/COMMIT`` (the URL given to the checkpointer plus the job id);
+      ``v<version>/COMMIT`` (the URL given to the checkpointer plus the job id), or that holds
+      a ``JOB`` record and ``writers/`` generations (a job opened that has saved nothing yet);
+      blobs under ``<job folder>/quarantine/`` belong to that job folder;
     * any folder or URL above these -- the checkpointer's ``persistent=`` URL holding one folder
       per job, ``/dev/shm/tiercheck`` holding ``<job>/<node>`` roots: everything below it is
       listed and every job folder and node root found is returned.
@@ -318,8 +362,9 @@ async def find_locations(
     if not found:
         raise LocationError(
             f"no tiercheck checkpoints at {target!r}: expected a job folder holding "
-            "v<version>/r<rank>.packed|full and v<version>/COMMIT keys, a folder of such job "
-            "folders, or a node root holding blobs/ and manifest/"
+            "v<version>/r<rank>.packed|full and v<version>/COMMIT keys (or a JOB record and "
+            "writers/), a folder of such job folders, or a node root holding blobs/ and "
+            "manifest/"
         )
     located = sorted(set(found.values()), key=lambda loc: (loc.kind, loc.job, loc.url))
     if job is None:
@@ -431,6 +476,37 @@ class VersionEntry:
 
 
 @dataclass
+class QuarantinedBlob:
+    """A blob a restore set aside after it failed verification (key ``quarantine/<original>``).
+
+    The copy holds the original bytes, untouched; the version was not restored from it.
+    """
+
+    key: str
+    #: The key the blob was stored under before it was set aside.
+    original: str
+    #: The version and rank the original key names (``None`` when it is not a blob key).
+    version: int | None
+    rank: int | None
+    #: Bytes stored, from the tier; ``None`` if unknown.
+    size: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        return {
+            "key": self.key,
+            "original": self.original,
+            "version": self.version,
+            "rank": self.rank,
+            "size": self.size,
+        }
+
+
+def _record_json(record: JobRecord | WriterRecord | NodeIdentity | None) -> dict[str, Any] | None:
+    return None if record is None else json.loads(record.to_bytes())
+
+
+@dataclass
 class Catalog:
     """A listing of one location: its versions, and what could not be read while listing."""
 
@@ -444,6 +520,30 @@ class Catalog:
     durable: dict[tuple[int, int], Durable] = field(default_factory=dict)
     #: Keys the tier holds that are not tiercheck keys (left alone by every command).
     foreign: list[str] = field(default_factory=list)
+    #: The job record (persistent job folders), when present and readable.
+    job_record: JobRecord | None = None
+    #: Why a present job record could not be read.
+    job_record_error: str | None = None
+    #: The writer generations stored (persistent job folders), ascending.
+    writer_generations: list[int] = field(default_factory=list)
+    #: The newest writer generation's record (the live, or last, writer), when readable.
+    newest_writer: WriterRecord | None = None
+    #: Why the newest writer generation's record could not be read.
+    writer_error: str | None = None
+    #: Blobs set aside by a restore, by key.
+    quarantined: list[QuarantinedBlob] = field(default_factory=list)
+    #: Probe objects left by an opening that did not finish (persistent job folders).
+    probes: list[str] = field(default_factory=list)
+    #: The node's identity (node roots), when present and readable.
+    identity: NodeIdentity | None = None
+    #: Why a present identity file could not be read.
+    identity_error: str | None = None
+
+    @property
+    def newest_commit(self) -> CommitRecord | None:
+        """The readable ``COMMIT`` record of the newest version that has one."""
+        records = [e.commit for _, e in sorted(self.versions.items()) if e.commit is not None]
+        return records[-1] if records else None
 
     @property
     def committed_versions(self) -> list[int]:
@@ -475,6 +575,17 @@ class Catalog:
             "ranks": list(self.ranks),
             "manifest_error": self.manifest_error,
             "versions": [e.to_json() for _, e in sorted(self.versions.items())],
+            "job_record": _record_json(self.job_record),
+            "job_record_error": self.job_record_error,
+            "writers": {
+                "count": len(self.writer_generations),
+                "newest": _record_json(self.newest_writer),
+                "error": self.writer_error,
+            },
+            "quarantined": [q.to_json() for q in self.quarantined],
+            "probes": self.probes,
+            "identity": _record_json(self.identity),
+            "identity_error": self.identity_error,
         }
 
 
@@ -544,7 +655,34 @@ class Store:
         versions: dict[int, VersionEntry] = {}
         commit_keys: list[tuple[int, str]] = []
         foreign: list[str] = []
+        quarantined: list[QuarantinedBlob] = []
+        writers: list[int] = []
+        probes: list[str] = []
+        has_job = False
+        persistent = loc.kind == "persistent"
         for key in sorted(keys):
+            original = parse_quarantine_key(key)
+            if original is not None:
+                where = parse_blob_key(original)
+                quarantined.append(
+                    QuarantinedBlob(
+                        key,
+                        original,
+                        None if where is None else where.version,
+                        None if where is None else where.rank,
+                    )
+                )
+                continue
+            # Only tiers that outlive the cluster hold these; in a node's blobs/ they are foreign.
+            if persistent and key == JOB_KEY:
+                has_job = True
+                continue
+            if persistent and (generation := parse_writer_key(key)) is not None:
+                writers.append(generation)
+                continue
+            if persistent and key.startswith(PROBE_PREFIX):
+                probes.append(key)
+                continue
             parsed = parse_blob_key(key)
             if parsed is not None:
                 entry = versions.setdefault(parsed.version, VersionEntry(parsed.version))
@@ -563,13 +701,64 @@ class Store:
                 continue
             foreign.append(key)
 
-        catalog = Catalog(loc, versions, (), self.manifest_error, foreign=foreign)
-        if loc.kind == "persistent":
+        catalog = Catalog(
+            loc,
+            versions,
+            (),
+            self.manifest_error,
+            foreign=foreign,
+            writer_generations=sorted(writers),
+            quarantined=quarantined,
+            probes=probes,
+        )
+        if persistent:
             await self._read_commits(catalog, commit_keys)
+            if has_job:
+                await self._read_job_record(catalog)
+            if writers:
+                await self._read_newest_writer(catalog)
         else:
             await self._read_manifest(catalog)
+            await self._read_identity(catalog)
         await self._fill_sizes(catalog)
         return catalog
+
+    async def _read_record(self, key: str) -> bytes:
+        """The small record under ``key``; raises what the tier raises."""
+        return bytes(await self.tier.get(key))
+
+    async def _read_job_record(self, catalog: Catalog) -> None:
+        try:
+            catalog.job_record = JobRecord.from_bytes(await self._read_record(JOB_KEY))
+        except (FormatError, BlobNotFound, StorageError) as exc:
+            catalog.job_record_error = f"{type(exc).__name__}: {exc}"
+
+    async def _read_newest_writer(self, catalog: Catalog) -> None:
+        generation = catalog.writer_generations[-1]
+        key = writer_key(generation)
+        try:
+            record = WriterRecord.from_bytes(await self._read_record(key))
+        except (FormatError, BlobNotFound, StorageError) as exc:
+            catalog.writer_error = f"{type(exc).__name__}: {exc}"
+            return
+        if record.generation != generation:
+            catalog.writer_error = f"{key} describes generation {record.generation}"
+            return
+        catalog.newest_writer = record
+
+    async def _read_identity(self, catalog: Catalog) -> None:
+        path = Path(self.location.url) / IDENTITY_FILE
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            return  # written by newer checkpointers only; its absence is normal
+        except OSError as exc:
+            catalog.identity_error = f"{type(exc).__name__}: {exc}"
+            return
+        try:
+            catalog.identity = NodeIdentity.from_bytes(data)
+        except FormatError as exc:
+            catalog.identity_error = f"{type(exc).__name__}: {exc}"
 
     async def _read_commits(self, catalog: Catalog, commit_keys: list[tuple[int, str]]) -> None:
         sem = asyncio.Semaphore(_REQUESTS)
@@ -644,7 +833,17 @@ class Store:
                 except (BlobNotFound, StorageError):
                     blob.size = None  # gone since the listing, or unreadable: verify says which
 
-        await asyncio.gather(*(one(b) for b in catalog.blobs() if b.size is None))
+        async def quarantined(blob: QuarantinedBlob) -> None:
+            async with sem:
+                try:
+                    blob.size = await self.tier.get_size(blob.key)
+                except (BlobNotFound, StorageError):
+                    blob.size = None  # as above; verify reports it
+
+        await asyncio.gather(
+            *(one(b) for b in catalog.blobs() if b.size is None),
+            *(quarantined(q) for q in catalog.quarantined),
+        )
 
 
 # --- inspect ---------------------------------------------------------------------------------
@@ -737,6 +936,14 @@ FINDING_CODES: Mapping[str, str] = {
     "manifest": "the node's manifest cannot be read",
     "manifest-mismatch": "a blob differs from what the manifest recorded as durable",
     "decode": "a version does not decode to the payload recorded at save time",
+    "record-unreadable": "the job record, the newest writer generation or a node's identity.json "
+    "is not a valid record",
+    "job-record-mismatch": "the job record disagrees with the newest COMMIT record (world size "
+    "or job id)",
+    "quarantined": "a restore set a blob aside after it failed verification; the version was "
+    "not restored from it (warning)",
+    "probe-leftover": "a probe object of an opening that did not finish (a crash while the job "
+    "was opening, or one opening now; warning)",
 }
 
 
@@ -791,6 +998,12 @@ async def verify(
     a node root, blobs must match the manifest's durable records. Torn versions are problems
     when they claim to be committed and warnings otherwise. With ``deep``, every version is
     also decoded (against its base) to check the payload end to end, as a restore would.
+
+    The location's own records are checked too, whatever ``versions`` says: a job record, the
+    newest writer generation or a node's identity that cannot be read, and a job record that
+    disagrees with the newest ``COMMIT`` record, are problems; a leftover probe object is a
+    warning. Every quarantined blob (of ``versions``, when given) is a warning; its copy is read
+    and checked to say why it was set aside.
     """
     progress = progress or NullProgress()
     chosen = sorted(catalog.versions) if versions is None else sorted(set(versions))
@@ -871,6 +1084,11 @@ async def verify(
     for v in chosen:
         entry = catalog.versions[v]
         findings.extend(_version_findings(catalog, entry, metas, failed))
+    findings.extend(_record_findings(catalog))
+    wanted = set(chosen)
+    aside = [q for q in catalog.quarantined if versions is None or q.version in wanted]
+    if aside:
+        findings.extend(await _quarantine_findings(store, catalog, aside, progress))
     if deep:
         findings.extend(await _deep_check(store, catalog, chosen, failed, progress))
     order = {"problem": 0, "warning": 1}
@@ -934,11 +1152,13 @@ def _version_findings(
     # Torn versions.
     missing = entry.missing_ranks
     if missing and entry.committed:
+        aside = {q.rank: q.key for q in catalog.quarantined if q.version == v}
         for rank in missing:
+            where = f" (a restore set it aside as {aside[rank]})" if rank in aside else ""
             add(
                 "problem",
                 "torn-committed",
-                f"version {v} is committed but rank {rank}'s blob is missing",
+                f"version {v} is committed but rank {rank}'s blob is missing{where}",
                 key=blob_key(v, rank, "packed" if loc.kind == "persistent" else "full"),
                 rank=rank,
             )
@@ -1010,6 +1230,116 @@ def _version_findings(
                     key=blob.key,
                     rank=rank,
                 )
+    return out
+
+
+def _record_findings(catalog: Catalog) -> list[Finding]:
+    """What is wrong with the location's own records: job record, writers, identity, probes."""
+    out: list[Finding] = []
+    unreadable = [
+        (JOB_KEY, catalog.job_record_error),
+        (
+            writer_key(catalog.writer_generations[-1]) if catalog.writer_generations else "",
+            catalog.writer_error,
+        ),
+        (IDENTITY_FILE, catalog.identity_error),
+    ]
+    for key, error in unreadable:
+        if error is not None:
+            out.append(Finding("problem", "record-unreadable", f"{key}: {error}", key))
+    job, commit = catalog.job_record, catalog.newest_commit
+    if job is not None and commit is not None:
+        diffs = []
+        if job.world_size != commit.world_size:
+            diffs.append(f"world size {job.world_size} != {commit.world_size}")
+        if job.job_id != commit.job_id:
+            diffs.append(f"job id {job.job_id!r} != {commit.job_id!r}")
+        if diffs:
+            out.append(
+                Finding(
+                    "problem",
+                    "job-record-mismatch",
+                    f"{JOB_KEY} disagrees with {commit_key(commit.version)}, the newest COMMIT "
+                    f"record: " + "; ".join(diffs) + " (a run of this job is refused, or data "
+                    "of two jobs is mixed here)",
+                    JOB_KEY,
+                    commit.version,
+                )
+            )
+    for key in catalog.probes:
+        out.append(
+            Finding(
+                "warning",
+                "probe-leftover",
+                f"{key} was left by an opening of the job that did not finish (a crash while "
+                "it was opening, or one opening right now); harmless, and safe to delete once "
+                "no run of the job is starting",
+                key,
+            )
+        )
+    return out
+
+
+async def _quarantine_findings(
+    store: Store, catalog: Catalog, aside: Sequence[QuarantinedBlob], progress: Progress
+) -> list[Finding]:
+    """One warning per quarantined blob, saying why it was set aside where its bytes tell."""
+    out: list[Finding] = []
+
+    async def one(blob: QuarantinedBlob) -> None:
+        try:
+            data = await store.get(blob.key)
+        except (TiercheckError, OSError) as exc:
+            why = f"its copy cannot be read now ({type(exc).__name__}: {exc})"
+        else:
+            try:
+                meta = await asyncio.to_thread(verify_blob, data)
+            except (TiercheckError, ValueError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            else:
+                where = parse_blob_key(blob.original)
+                if where is not None and (meta.version, meta.rank, meta.kind) != (
+                    where.version,
+                    where.rank,
+                    where.kind,
+                ):
+                    why = (
+                        f"it holds a {meta.kind} blob of version {meta.version} rank "
+                        f"{meta.rank}, not the one its key names"
+                    )
+                else:
+                    why = (
+                        "its bytes pass their checksum now (it may have failed to decode, or "
+                        "its delta base was missing or not the one it was encoded against)"
+                    )
+            del data
+        if blob.version is not None:
+            what = f"rank {blob.rank}'s blob of version {blob.version}"
+            entry = catalog.versions.get(blob.version)
+            now = None if entry is None or blob.rank is None else entry.blobs.get(blob.rank)
+            outcome = f"version {blob.version} was not restored from it" + (
+                f" ({now.key} holds a blob again)" if now is not None else ""
+            )
+        else:
+            what, outcome = blob.original, "nothing was restored from it"
+        out.append(
+            Finding(
+                "warning",
+                "quarantined",
+                f"{blob.key}: {what} was set aside by a restore: {why}; {outcome}. The copy "
+                "holds the original bytes and stays for inspection; `tiercheck gc "
+                "--purge-quarantine` removes it",
+                blob.key,
+                blob.version,
+                blob.rank,
+            )
+        )
+
+    progress.start(len(aside), "verifying quarantined blobs")
+    try:
+        await _bounded(aside, one, _READS, progress)
+    finally:
+        progress.finish()
     return out
 
 
@@ -1301,6 +1631,12 @@ class GcPlan:
     commit_keys: list[str]
     #: Blob keys to remove, with (version, rank).
     blob_keys: list[tuple[str, int, int]]
+    #: Whether quarantined blobs are removed (``purge_quarantine``).
+    purge_quarantine: bool = False
+    #: Quarantined blobs to remove (only with ``purge_quarantine``), removed last.
+    quarantine_keys: list[str] = field(default_factory=list)
+    #: Quarantined blobs kept (all of them without ``purge_quarantine``).
+    quarantine_kept: list[str] = field(default_factory=list)
 
     @property
     def removed_versions(self) -> list[int]:
@@ -1320,10 +1656,15 @@ class GcPlan:
             "removed_versions": self.removed_versions,
             "commit_keys": self.commit_keys,
             "blob_keys": [k for k, _, _ in self.blob_keys],
+            "purge_quarantine": self.purge_quarantine,
+            "quarantine_keys": self.quarantine_keys,
+            "quarantine_kept": self.quarantine_kept,
         }
 
 
-async def plan_gc(store: Store, catalog: Catalog, keep: int) -> GcPlan:
+async def plan_gc(
+    store: Store, catalog: Catalog, keep: int, *, purge_quarantine: bool = False
+) -> GcPlan:
     """Decide what retention with ``keep`` versions removes (nothing is deleted here).
 
     The newest ``keep`` committed versions stay, and so does the base of every kept delta
@@ -1332,6 +1673,10 @@ async def plan_gc(store: Store, catalog: Catalog, keep: int) -> GcPlan:
     them, and after a crash the checkpointer's own restore clears them. Everything else goes,
     torn and uncommitted versions included. In a node root without a manifest, "committed"
     means "has every rank's blob".
+
+    Quarantined blobs stay for inspection unless ``purge_quarantine`` (then all of them go).
+    The job record, writer generations, probe objects and a node's ``identity.json`` are never
+    part of a plan.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -1377,17 +1722,36 @@ async def plan_gc(store: Store, catalog: Catalog, keep: int) -> GcPlan:
         in_flight=[v for v in sorted(catalog.versions) if v > newest],
         commit_keys=commit_keys,
         blob_keys=blob_keys,
+        purge_quarantine=purge_quarantine,
+        quarantine_keys=[q.key for q in catalog.quarantined] if purge_quarantine else [],
+        quarantine_kept=[] if purge_quarantine else [q.key for q in catalog.quarantined],
     )
 
 
+def _check_plan(plan: GcPlan) -> None:
+    """Refuse a plan (a caller may build one by hand) that names anything but what gc removes."""
+    wrong = [k for k in plan.commit_keys if parse_commit_key(k) is None]
+    wrong += [k for k, _, _ in plan.blob_keys if parse_blob_key(k) is None]
+    wrong += [k for k in plan.quarantine_keys if parse_quarantine_key(k) is None]
+    if wrong:
+        raise ConfigError(
+            f"a gc plan may only remove COMMIT records, blobs and quarantined blobs; it lists "
+            f"{wrong[:3]}; nothing was removed"
+        )
+
+
 async def apply_gc(store: Store, plan: GcPlan, progress: Progress | None = None) -> None:
-    """Remove what ``plan`` lists: every ``COMMIT`` record first, then the blobs.
+    """Remove what ``plan`` lists: every ``COMMIT`` record first, then the blobs, then the
+    quarantined blobs it lists.
 
     The order keeps a crash half-way harmless: a version loses its proof of being whole before
     any of its blobs, so no ``COMMIT`` ever points at a deleted blob. In a node root, each
-    removal is logged in the manifest (``evict``, reason ``gc``), as the checkpointer logs its
-    own retention.
+    removal of a version's blob is logged in the manifest (``evict``, reason ``gc``), as the
+    checkpointer logs its own retention. A plan that lists any other key (the job record, a
+    writer generation...) is refused with :class:`~tiercheck.errors.ConfigError` before anything
+    is removed.
     """
+    _check_plan(plan)
     progress = progress or NullProgress()
     sem = asyncio.Semaphore(_REQUESTS)
 
@@ -1396,10 +1760,12 @@ async def apply_gc(store: Store, plan: GcPlan, progress: Progress | None = None)
             await store.tier.delete(key)
         progress.advance()
 
-    progress.start(len(plan.commit_keys) + len(plan.blob_keys), "removing")
+    total = len(plan.commit_keys) + len(plan.blob_keys) + len(plan.quarantine_keys)
+    progress.start(total, "removing")
     try:
         await asyncio.gather(*(delete(k) for k in plan.commit_keys))
         await asyncio.gather(*(delete(k) for k, _, _ in plan.blob_keys))
+        await asyncio.gather(*(delete(k) for k in plan.quarantine_keys))
     finally:
         progress.finish()
     if store.manifest is not None and plan.blob_keys:

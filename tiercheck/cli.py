@@ -6,7 +6,8 @@ Subcommands (``tiercheck <command> --help`` for each)::
     tiercheck inspect URL              per blob: encoding, stages, base, checksum, sizes, ratio
     tiercheck verify  URL              read and check every blob and record; exit 1 on a problem
     tiercheck export  URL OUT          a version as OUT.pt (torch.save) and OUT.safetensors
-    tiercheck gc      URL --keep N     apply retention (--dry-run to only list what would go)
+    tiercheck gc      URL --keep N     apply retention (--dry-run to only list what would go;
+                                       --purge-quarantine to remove set-aside blobs too)
 
 A location (``URL``) is a persistent URL or folder -- the checkpointer's ``persistent=`` URL, or
 it plus the job id -- or a node root (``/dev/shm/tiercheck/<job>/<node>``, or ``--local-root
@@ -291,14 +292,36 @@ def _short(values: Sequence[int], limit: int = 8) -> str:
     return shown + (f", ... ({len(values)} in all)" if len(values) > limit else "")
 
 
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
+def _short_token(token: str) -> str:
+    # Enough of the random token to tell incarnations apart by eye; --json has all of it.
+    return token[:8]
+
+
 def _print_location_header(console: Console, cat: Catalog) -> None:
     loc = cat.location
-    ranks = len(cat.ranks)
-    extra = f", {ranks} rank{'s' if ranks != 1 else ''}"
+    extra = ", " + _plural(len(cat.ranks), "rank")
     if cat.manifest_error is not None:
         extra += ", manifest unreadable"
     elif loc.kind == "node" and all(e.committed is None for e in cat.versions.values()):
         extra += ", no manifest" if cat.versions else ""
+    # Whose data this is: the job record (persistent) or the node's identity (node root).
+    owner = cat.job_record or cat.identity
+    if owner is not None:
+        extra += f", world size {owner.world_size}, incarnation {_short_token(owner.token)}"
+    if cat.job_record_error is not None:
+        extra += ", job record unreadable"
+    if cat.identity_error is not None:
+        extra += ", identity unreadable"
+    if cat.writer_generations:
+        extra += f", writer generation {cat.writer_generations[-1]}"
+    if cat.quarantined:
+        extra += ", " + _plural(len(cat.quarantined), "quarantined blob")
+    if cat.probes:
+        extra += ", " + _plural(len(cat.probes), "leftover probe")
     console.line(f"{loc.describe()}{extra}")
 
 
@@ -526,7 +549,7 @@ async def _run_verify(args: argparse.Namespace, console: Console) -> int:
         )
         for f in report.findings:
             label = "PROBLEM" if f.severity == "problem" else "warning"
-            console.line(f"  {label:<8} {f.code:<17} {f.message}")
+            console.line(f"  {label:<8} {f.code:<19} {f.message}")
         p, w = len(report.problems), len(report.warnings)
         verdict = "ok" if not p else "PROBLEMS FOUND"
         console.line(
@@ -665,13 +688,19 @@ def _configure_gc(p: argparse.ArgumentParser) -> None:
         help="how many of the newest committed versions to keep (bases they need stay too)",
     )
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument(
+        "--purge-quarantine",
+        action="store_true",
+        help="also remove the blobs a restore set aside (quarantine/...; kept by default for "
+        "inspection: `tiercheck verify` says why each was set aside)",
+    )
 
 
 async def _run_gc(args: argparse.Namespace, console: Console) -> int:
     (loc,) = await _locations(args, many=False)
     async with Store(loc) as store:
         cat = await store.scan()
-        plan = await plan_gc(store, cat, args.keep)
+        plan = await plan_gc(store, cat, args.keep, purge_quarantine=args.purge_quarantine)
         if not args.dry_run:
             await apply_gc(store, plan, progress=console.progress())
     if console.json_mode:
@@ -692,19 +721,33 @@ async def _run_gc(args: argparse.Namespace, console: Console) -> int:
         )
     removed = plan.removed_versions
     verb = "would remove" if args.dry_run else "removed"
-    if not removed:
+    if not removed and not plan.quarantine_keys:
         console.line("  nothing to remove")
-        return EXIT_OK
-    console.line(
-        f"  {verb} versions {_short(removed)}: {len(plan.commit_keys)} COMMIT record"
-        f"{'s' if len(plan.commit_keys) != 1 else ''}, {len(plan.blob_keys)} blob"
-        f"{'s' if len(plan.blob_keys) != 1 else ''}"
-    )
-    if args.dry_run:
-        for key in plan.commit_keys:
-            console.line(f"    {key}")
-        for key, _, _ in plan.blob_keys:
-            console.line(f"    {key}")
+    if removed:
+        console.line(
+            f"  {verb} versions {_short(removed)}: "
+            f"{_plural(len(plan.commit_keys), 'COMMIT record')}, "
+            f"{_plural(len(plan.blob_keys), 'blob')}"
+        )
+        if args.dry_run:
+            for key in plan.commit_keys:
+                console.line(f"    {key}")
+            for key, _, _ in plan.blob_keys:
+                console.line(f"    {key}")
+    if plan.quarantine_keys:
+        console.line(f"  {verb} {_plural(len(plan.quarantine_keys), 'quarantined blob')}")
+        if args.dry_run:
+            for key in plan.quarantine_keys:
+                console.line(f"    {key}")
+    if plan.quarantine_kept:
+        n = len(plan.quarantine_kept)
+        console.line(
+            f"  keeping {_plural(n, 'quarantined blob')} (set aside by a restore; "
+            f"--purge-quarantine removes {'it' if n == 1 else 'them'})"
+        )
+        if args.dry_run:
+            for key in plan.quarantine_kept:
+                console.line(f"    {key}")
     return EXIT_OK
 
 
