@@ -520,6 +520,74 @@ async def test_filesystem_full_is_tier_full(root: Path, monkeypatch: pytest.Monk
         assert tier.usage == 3
 
 
+async def _reserve_filled(tier: LocalTier, key: str, data: bytes) -> None:
+    reservation = await tier.reserve(key, len(data))
+    reservation.buffer[:] = data
+    await reservation.commit()
+    reservation.release()
+
+
+async def test_only_new_pages_are_backed_ahead_of_time(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """posix_fallocate backs the pages a reservation has not got yet: all of a fresh file's,
+    the growth of a recycled one, prepared memory (ahead of time). A recycled file's own pages
+    and a reserve that takes prepared memory (the save's critical path) cost no allocation."""
+    real = local._posix_fallocate
+    assert real is not None  # Linux
+    calls: list[tuple[int, int]] = []
+
+    def recording(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(local, "_posix_fallocate", recording)
+    async with LocalTier(root, spare_files=4) as tier:
+        await _reserve_filled(tier, "a", blob(MiB, 1))
+        assert calls == [(0, MiB)]
+        await tier.delete("a")
+        await _reserve_filled(tier, "b", blob(MiB, 2))  # refills a's file
+        assert calls == [(0, MiB)]
+        await tier.delete("b")
+        await _reserve_filled(tier, "c", blob(2 * MiB, 3))  # grows it
+        assert calls == [(0, MiB), (MiB, MiB)]
+        await tier.delete("c")
+        assert await tier.prepare(3 * MiB)  # grows it again, in the background
+        assert calls[2:] == [(2 * MiB, MiB)]
+        data = blob(3 * MiB, 4)
+        await _reserve_filled(tier, "d", data)  # takes the prepared memory
+        assert len(calls) == 3
+        await tier.put("e", b"e" * 100)  # a fresh file, written: write reports ENOSPC itself
+        assert len(calls) == 3
+        assert bytes(await tier.get("d")) == data
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.EINVAL])
+async def test_a_filesystem_that_cannot_preallocate_is_used_without(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    """Where posix_fallocate is unsupported, files are only sized (as before), the tier says
+    so once, and stops asking that filesystem."""
+    calls: list[int] = []
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(local, "_posix_fallocate", unsupported)
+    caplog.set_level(logging.INFO, logger="tiercheck")
+    async with LocalTier(root, spare_files=0) as tier:
+        for seed, key in enumerate(["a", "b"]):
+            await _reserve_filled(tier, key, blob(MiB, seed))
+            assert bytes(await tier.get(key)) == blob(MiB, seed)
+        assert await tier.prepare(MiB)
+        await _reserve_filled(tier, "c", blob(MiB, 9))
+        assert bytes(await tier.get("c")) == blob(MiB, 9)
+    assert calls == [MiB]
+    said = [r for r in caplog.records if "cannot preallocate" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
+
+
 async def test_other_os_errors_are_storage_errors(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
