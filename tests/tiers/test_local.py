@@ -866,14 +866,54 @@ async def test_a_reserve_of_another_size_ignores_prepared_memory(tmp_path: Path)
     assert hidden == []
 
 
+def hidden_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and "#" in p.name]
+
+
 async def test_prepare_respects_capacity(tmp_path: Path) -> None:
-    """Preparing more than the capacity allows prepares nothing and writes nothing."""
+    """Preparing more than the capacity allows prepares nothing and writes nothing; prepared
+    memory counts as in flight, and a write that does not fit even without it keeps it."""
     tier = LocalTier(tmp_path / "root", capacity=1000)
     await tier.put("k", b"z" * 600)
     assert not await tier.prepare(800)
+    assert hidden_files(tmp_path / "root") == []
+    assert tier.usage == 600
     assert await tier.prepare(300)
+    assert tier.usage == 900  # the prepared 300 bytes count as in flight
+    small = await tier.reserve("small", 50)  # fits beside them: nothing dropped
+    assert tier.usage == 950
     with pytest.raises(TierFull):
-        await tier.put("other", b"w" * 200)  # the prepared 300 bytes count as in flight
+        await tier.put("other", b"w" * 401)  # 600 + 50 + 401 > 1000 even without them
+    with pytest.raises(TierFull):
+        await tier.reserve("other", 401)
+    assert tier.usage == 950  # so the prepared memory is still there
+    await small.abort()
+    await tier.aclose()
+
+
+@pytest.mark.parametrize("write", ["reserve", "put"])
+async def test_prepared_memory_gives_way_to_a_write_that_needs_its_room(
+    tmp_path: Path, write: str
+) -> None:
+    """With a capacity, a write of another size that fits only without the prepared memory
+    drops it instead of raising TierFull; the prepared file goes with it."""
+    root = tmp_path / "root"
+    tier = LocalTier(root, capacity=1000, spare_files=0)
+    await tier.put("k", b"z" * 600)
+    assert await tier.prepare(300)
+    data = b"r" * 350  # 600 + 300 + 350 > 1000, 600 + 350 fits
+    if write == "reserve":
+        reservation = await tier.reserve("r", len(data))
+        assert tier.usage == 950
+        reservation.buffer[:] = data
+        await reservation.commit()
+        reservation.release()
+    else:
+        await tier.put("r", data)
+    assert tier.usage == 950
+    assert bytes(await tier.get("r")) == data
+    assert bytes(await tier.get("k")) == b"z" * 600
+    assert hidden_files(root) == []
     await tier.aclose()
 
 

@@ -179,7 +179,9 @@ class LocalTier(Tier):
         :attr:`usage` is that stored total. The count starts from a scan of :attr:`root` at first
         use and then follows this instance's own puts and deletes: several processes sharing one
         root each keep their own count and do not see each other's later writes (call
-        :meth:`refresh_usage` to rescan).
+        :meth:`refresh_usage` to rescan). Memory kept ready by :meth:`prepare` counts as in
+        flight until a reserve takes it; a write that fits only without it drops it instead of
+        raising.
 
         A full filesystem raises :class:`~tiercheck.errors.TierFull` too, and never kills the
         process with ``SIGBUS``. Memory handed out to be written through a mapping
@@ -379,9 +381,9 @@ class LocalTier(Tier):
         Sizing a file and mapping its pages is most of what a reserve costs. Done here, ahead
         of time and off the caller's critical path, the next ``reserve(key, nbytes)`` only
         renames a file. At most one region is kept ready; it counts against the capacity like
-        a reservation. The memory is allocated here, in full (see "Capacity" in
-        :class:`LocalTier`). Returns ``False`` (and prepares nothing) when it would not fit, in
-        the capacity or in the filesystem.
+        a reservation, until a write of another size needs its room. The memory is allocated
+        here, in full (see "Capacity" in :class:`LocalTier`). Returns ``False`` (and prepares
+        nothing) when it would not fit, in the capacity or in the filesystem.
         """
         self._check_open()
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
@@ -504,11 +506,28 @@ class LocalTier(Tier):
     # --- accounting -----------------------------------------------------------------------------
 
     def _claim(self, key: str, nbytes: int) -> _Spare | None:
-        """Count ``nbytes`` as in flight (or raise TierFull); take a spare to refill if any."""
+        """Count ``nbytes`` as in flight (or raise TierFull); take a spare to refill if any.
+
+        Memory held only to be fast never makes a write fail: the prepared region is given up
+        when that makes room, and spares are dropped (largest first) as long as room is needed.
+        """
         victims: list[_Spare] = []
+        dropped: _Prepared | None = None
         with self._lock:
             if self._capacity is not None:
                 after = self._stored - self._sizes.get(key, 0) + self._pending + nbytes
+                prepared = self._prepared
+                if (
+                    after > self._capacity
+                    and prepared is not None
+                    and after - prepared.nbytes <= self._capacity
+                ):
+                    # Dropped only where that makes room: a write that fails anyway leaves it
+                    # to serve the next reserve of its size.
+                    self._prepared = None
+                    self._pending -= prepared.nbytes
+                    after -= prepared.nbytes
+                    dropped = prepared
                 if after > self._capacity:
                     raise TierFull(
                         f"storing {nbytes} bytes under {key!r} would bring the local tier at "
@@ -524,6 +543,8 @@ class LocalTier(Tier):
                     self._spare_bytes -= victim.size
                     victims.append(victim)
             self._pending += nbytes
+        if dropped is not None:
+            self._free_prepared(dropped)
         for victim in victims:
             _atomic.discard(victim.path)
         return spare
