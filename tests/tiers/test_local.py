@@ -520,6 +520,74 @@ async def test_filesystem_full_is_tier_full(root: Path, monkeypatch: pytest.Monk
         assert tier.usage == 3
 
 
+async def _reserve_filled(tier: LocalTier, key: str, data: bytes) -> None:
+    reservation = await tier.reserve(key, len(data))
+    reservation.buffer[:] = data
+    await reservation.commit()
+    reservation.release()
+
+
+async def test_only_new_pages_are_backed_ahead_of_time(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """posix_fallocate backs the pages a reservation has not got yet: all of a fresh file's,
+    the growth of a recycled one, prepared memory (ahead of time). A recycled file's own pages
+    and a reserve that takes prepared memory (the save's critical path) cost no allocation."""
+    real = local._posix_fallocate
+    assert real is not None  # Linux
+    calls: list[tuple[int, int]] = []
+
+    def recording(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(local, "_posix_fallocate", recording)
+    async with LocalTier(root, spare_files=4) as tier:
+        await _reserve_filled(tier, "a", blob(MiB, 1))
+        assert calls == [(0, MiB)]
+        await tier.delete("a")
+        await _reserve_filled(tier, "b", blob(MiB, 2))  # refills a's file
+        assert calls == [(0, MiB)]
+        await tier.delete("b")
+        await _reserve_filled(tier, "c", blob(2 * MiB, 3))  # grows it
+        assert calls == [(0, MiB), (MiB, MiB)]
+        await tier.delete("c")
+        assert await tier.prepare(3 * MiB)  # grows it again, in the background
+        assert calls[2:] == [(2 * MiB, MiB)]
+        data = blob(3 * MiB, 4)
+        await _reserve_filled(tier, "d", data)  # takes the prepared memory
+        assert len(calls) == 3
+        await tier.put("e", b"e" * 100)  # a fresh file, written: write reports ENOSPC itself
+        assert len(calls) == 3
+        assert bytes(await tier.get("d")) == data
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.EINVAL])
+async def test_a_filesystem_that_cannot_preallocate_is_used_without(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    """Where posix_fallocate is unsupported, files are only sized (as before), the tier says
+    so once, and stops asking that filesystem."""
+    calls: list[int] = []
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(local, "_posix_fallocate", unsupported)
+    caplog.set_level(logging.INFO, logger="tiercheck")
+    async with LocalTier(root, spare_files=0) as tier:
+        for seed, key in enumerate(["a", "b"]):
+            await _reserve_filled(tier, key, blob(MiB, seed))
+            assert bytes(await tier.get(key)) == blob(MiB, seed)
+        assert await tier.prepare(MiB)
+        await _reserve_filled(tier, "c", blob(MiB, 9))
+        assert bytes(await tier.get("c")) == blob(MiB, 9)
+    assert calls == [MiB]
+    said = [r for r in caplog.records if "cannot preallocate" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
+
+
 async def test_other_os_errors_are_storage_errors(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -798,14 +866,54 @@ async def test_a_reserve_of_another_size_ignores_prepared_memory(tmp_path: Path)
     assert hidden == []
 
 
+def hidden_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and "#" in p.name]
+
+
 async def test_prepare_respects_capacity(tmp_path: Path) -> None:
-    """Preparing more than the capacity allows prepares nothing and writes nothing."""
+    """Preparing more than the capacity allows prepares nothing and writes nothing; prepared
+    memory counts as in flight, and a write that does not fit even without it keeps it."""
     tier = LocalTier(tmp_path / "root", capacity=1000)
     await tier.put("k", b"z" * 600)
     assert not await tier.prepare(800)
+    assert hidden_files(tmp_path / "root") == []
+    assert tier.usage == 600
     assert await tier.prepare(300)
+    assert tier.usage == 900  # the prepared 300 bytes count as in flight
+    small = await tier.reserve("small", 50)  # fits beside them: nothing dropped
+    assert tier.usage == 950
     with pytest.raises(TierFull):
-        await tier.put("other", b"w" * 200)  # the prepared 300 bytes count as in flight
+        await tier.put("other", b"w" * 401)  # 600 + 50 + 401 > 1000 even without them
+    with pytest.raises(TierFull):
+        await tier.reserve("other", 401)
+    assert tier.usage == 950  # so the prepared memory is still there
+    await small.abort()
+    await tier.aclose()
+
+
+@pytest.mark.parametrize("write", ["reserve", "put"])
+async def test_prepared_memory_gives_way_to_a_write_that_needs_its_room(
+    tmp_path: Path, write: str
+) -> None:
+    """With a capacity, a write of another size that fits only without the prepared memory
+    drops it instead of raising TierFull; the prepared file goes with it."""
+    root = tmp_path / "root"
+    tier = LocalTier(root, capacity=1000, spare_files=0)
+    await tier.put("k", b"z" * 600)
+    assert await tier.prepare(300)
+    data = b"r" * 350  # 600 + 300 + 350 > 1000, 600 + 350 fits
+    if write == "reserve":
+        reservation = await tier.reserve("r", len(data))
+        assert tier.usage == 950
+        reservation.buffer[:] = data
+        await reservation.commit()
+        reservation.release()
+    else:
+        await tier.put("r", data)
+    assert tier.usage == 950
+    assert bytes(await tier.get("r")) == data
+    assert bytes(await tier.get("k")) == b"z" * 600
+    assert hidden_files(root) == []
     await tier.aclose()
 
 
