@@ -55,3 +55,15 @@ def test_invariants(
         base = own.get(v)
         if base is not None:
             assert base not in out
+
+
+def test_a_kept_blob_of_unknown_base_keeps_every_older_blob() -> None:
+    from tiercheck.consistency.retention import UNKNOWN_BASE
+
+    # After the node's manifest was lost, a packed blob's base is unknown: any older blob may
+    # be it, so none of them goes while it is kept.
+    own = {0: None, 1: UNKNOWN_BASE, 2: UNKNOWN_BASE, 3: None}
+    assert evictable(committed={0, 1, 2, 3}, own=own, keep=2, settled_upto=3) == []
+    # Once newer, known versions fill the window, the unknown ones and their bases go.
+    own.update({4: None, 5: 4})
+    assert evictable(committed={0, 1, 2, 3, 4, 5}, own=own, keep=2, settled_upto=5) == [0, 1, 2, 3]

@@ -4,6 +4,8 @@
   It needs ``pytest`` and ``pytest-asyncio`` (the ``test`` extra); it is imported on first use,
   so the other helpers here do not need them.
 * :mod:`tiercheck.testing.faults` -- tiers that fail or "die" at a chosen operation.
+* :class:`LocalGroup` -- several ranks of one job in one process (threads), for fast tests of
+  multi-rank behaviour without ``torch.distributed`` (:mod:`tiercheck.testing.coordinators`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tiercheck.testing.tiers import TierTests
 
-__all__ = ["TierTests"]
+from tiercheck.testing.coordinators import LocalGroup, ThreadCoordinator
+
+__all__ = ["LocalGroup", "ThreadCoordinator", "TierTests"]
 
 # Under pytest, let it rewrite the suite's asserts so that failures show the values compared.
 # Registration must precede the import of the module, hence here and not in it.
