@@ -204,9 +204,11 @@ async def test_retention_keeps_what_it_should(tmp_path: Path) -> None:
     assert versions["local"] == [9, 10]
     assert versions["persistent"] == [4, 8]  # bases only, newest two
     durable = _keys(tmp_path / "durable" / "job")
-    assert sorted(durable) == sorted(
+    assert sorted(k for k in durable if k.startswith("v")) == sorted(
         [f"v{v:012d}/{n}" for v in (4, 8) for n in ("COMMIT", "r00000.packed")]
     )
+    # Besides versions, only the job's own records: who it is, who writes it.
+    assert {k.split("/")[0] for k in durable if not k.startswith("v")} == {"JOB", "writers"}
 
 
 async def test_whole_versions_the_manifest_missed_are_kept_after_a_restore(tmp_path: Path) -> None:
@@ -316,35 +318,45 @@ async def test_restore_an_explicit_version(tmp_path: Path) -> None:
 
 
 class _BrokenTier(Tier):
-    """A durable tier whose every write fails."""
+    """A durable tier that works when the job opens, then fails every write (a store that
+    went down during training)."""
 
     name = "persistent"
 
-    def __init__(self) -> None:
+    def __init__(self, inner: Tier) -> None:
         from tiercheck.tiers.base import FailureScope
 
+        self.inner = inner
         self.survives = FailureScope.CLUSTER
+        self.down = False
 
     async def put(self, key: str, data: Buffer) -> None:
-        raise OSError("the store is down")
+        if self.down:
+            raise OSError("the store is down")
+        await self.inner.put(key, data)
 
     async def get(self, key: str) -> Buffer:
-        raise OSError("the store is down")
+        if self.down:
+            raise OSError("the store is down")
+        return await self.inner.get(key)
 
     async def delete(self, key: str) -> None:
-        raise OSError("the store is down")
+        if self.down:
+            raise OSError("the store is down")
+        await self.inner.delete(key)
 
     async def exists(self, key: str) -> bool:
-        return False
+        return await self.inner.exists(key)
 
-    async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
-        for key in ():
-            yield key
+    def list(self, prefix: str = "") -> AsyncIterator[str]:
+        return self.inner.list(prefix)
 
 
 async def test_a_failing_tier_never_reaches_training(tmp_path: Path) -> None:
     local = LocalTier(tmp_path / "shm" / "blobs")
-    async with _ckpt(tmp_path, tiers=[local, _BrokenTier()], base_every=1) as ckpt:
+    broken = _BrokenTier(PersistentTier((tmp_path / "durable").as_uri()))
+    async with _ckpt(tmp_path, tiers=[local, broken], base_every=1) as ckpt:
+        broken.down = True
         handles = [await ckpt.save(v, {"w": torch.full((16,), float(v))}) for v in range(3)]
         for h in handles:
             await h.done("local")
@@ -470,20 +482,22 @@ def test_sync_checkpointer_round_trip(tmp_path: Path) -> None:
 
 async def test_a_crash_before_commit_restores_the_previous_version(tmp_path: Path) -> None:
     # Writes of version 0: local commit (1), persistent blob (2), COMMIT record (3).
-    # The process dies at the 4th write: publishing version 1 in the local tier.
-    plan = FaultPlan(die_at=4)
+    # The process dies at the 4th write after opening: publishing version 1 in the local tier.
+    plan = FaultPlan()
     tiers: Sequence[Tier] = [
         FaultyTier.wrap(LocalTier(tmp_path / "shm" / "blobs"), plan),
         FaultyTier.wrap(PersistentTier((tmp_path / "durable").as_uri() + "/job"), plan),
     ]
     ckpt = _ckpt(tmp_path, tiers=tiers, base_every=1)
-    await ckpt.open()
+    await ckpt.open()  # writes records of its own (a probe, the job record, a writer's)
+    opened = plan.count
+    plan.die_at = opened + 4
     await (await ckpt.save(0, {"w": torch.zeros(32)})).done()
     handle = await ckpt.save(1, {"w": torch.ones(32)})
     with pytest.raises(TierWriteFailed):
         await handle.done("local")
     assert plan.dead
-    assert [op for _, op, _, _ in plan.log] == ["commit", "put", "put", "commit"]
+    assert [op for _, op, _, _ in plan.log[opened:]] == ["commit", "put", "put", "commit"]
     ckpt._abandon()
     async with _ckpt(tmp_path) as again:
         restored = await again.restore()

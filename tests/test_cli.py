@@ -582,9 +582,8 @@ def test_gc_of_a_node_root_logs_its_evictions(stored: Stored, run: Any, tmp_path
     with Manifest(stored.node / "manifest") as manifest:
         assert [d.version for d in manifest.blobs(LOCAL_TIER)] == [7]
         assert manifest.committed(LOCAL_TIER) == [7]
-    with SyncCheckpointer(
-        JOB, local_root=stored.node, persistent=(tmp_path / "elsewhere").as_uri()
-    ) as ckpt:
+    # The job's own durable location: memory is restored only as the run it belongs to.
+    with SyncCheckpointer(JOB, local_root=stored.node, persistent=stored.durable.as_uri()) as ckpt:
         restored = ckpt.restore()
     assert restored is not None
     assert (restored.version, restored.source_tier) == (7, "local")

@@ -53,6 +53,7 @@ from tiercheck.codec import (
     CodecOptions,
     Layout,
     RawState,
+    check_into,
     decode,
     encode_full,
     encode_packed,
@@ -67,6 +68,7 @@ from tiercheck.codec import (
 )
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
+from tiercheck.consistency.identity import JobRecord, NodeIdentity, quarantine_key
 from tiercheck.consistency.keys import (
     MAX_VERSION,
     BlobKind,
@@ -78,19 +80,40 @@ from tiercheck.consistency.keys import (
 )
 from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest, Record
 from tiercheck.consistency.recovery import Inventory, agree, candidates
-from tiercheck.consistency.retention import evictable
+from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.errors import (
     BlobNotFound,
+    ChecksumMismatch,
     ConfigError,
     FormatError,
+    JobLocked,
     PeerUnavailable,
     RestoreError,
     SaveSkipped,
+    StaleMemory,
+    StateMismatch,
+    StorageError,
+    Superseded,
     TiercheckError,
     TierClosed,
+    TierFull,
     TierNotTargeted,
     TierWriteFailed,
+    UnsupportedFormat,
+    UnsupportedObject,
     VersionError,
+    WorldSizeMismatch,
+)
+from tiercheck.guard import (
+    Fence,
+    RankLock,
+    discard_node_memory,
+    node_holds_data,
+    probe,
+    read_identity,
+    read_job_record,
+    write_identity,
+    write_job_record,
 )
 from tiercheck.staging import StagingBuffer, StagingPool, snapshot
 from tiercheck.tiers.base import (
@@ -118,6 +141,7 @@ logger = logging.getLogger("tiercheck")
 
 TierEncoding = Literal["full", "packed"]
 BusyPolicy = Literal["wait", "skip"]
+StalePolicy = Literal["error", "discard"]
 VersionSelector = Literal["all", "base"] | Callable[[int], bool]
 
 DEFAULT_KEEP = {"local": 2, "peer": 2, "persistent": 3}
@@ -203,6 +227,14 @@ class CheckpointerStats:
     stall_s_total: float = 0.0
     manifest_errors: int = 0
     restore_fallbacks: int = 0
+    #: Versions a tier could not take at all (full, unusable when staging), by tier; they
+    #: still went to the other tiers.
+    tier_skips: dict[str, int] = field(default_factory=dict)
+    #: Blobs that failed verification during a restore and were set aside (``quarantine/``).
+    quarantined: int = 0
+    #: Whether a newer opening of the job took over its durable tiers (this one stopped
+    #: writing there; see :class:`~tiercheck.errors.Superseded`).
+    superseded: bool = False
 
 
 #: Restored tensors up to this size have storage of their own; larger ones are views into one
@@ -229,6 +261,8 @@ class Restored:
     #: The tier every rank read from, by rank.
     source_tiers: Mapping[int, str]
     seconds: float
+    #: Newer versions that were passed over, and why (by version: one line per rank and tier).
+    rejected: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 class SaveHandle:
@@ -321,6 +355,8 @@ class _Config:
     peer_replicas: int
     peer_timeout: float
     threads: int
+    storage_options: Mapping[str, Any]
+    stale_memory: StalePolicy
 
 
 def _check_job_id(job_id: object) -> str:
@@ -428,6 +464,19 @@ class _Engine:
         self.opened = False
         self.session = ""
         self.closed = False
+        self.lock = RankLock(config.node_root, config.topology.rank)
+        # The job's incarnation (see tiercheck.consistency.identity) and, per durable tier, the
+        # writer generation this opening claimed there.
+        self.job_token = ""
+        self.fences: dict[str, Fence] = {}
+        self.superseded = False
+        # A delta's base vanished from a tier: the next save is encoded as a base.
+        self.force_base = False
+        # Tiers this rank could not list: retention never deletes from them blindly.
+        self.unlisted: set[str] = set()
+        # (tier, reason) pairs already logged as skips; cleared when the tier takes a version.
+        self.skip_logged: set[tuple[str, str]] = set()
+        self.manifest_failing = False
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -444,18 +493,23 @@ class _Engine:
             self.coordinator = await asyncio.to_thread(
                 TorchCoordinator, ["control", *names], timeout=cfg.peer_timeout
             )
+        self.channel_exec["control"] = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-sync")
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
         token = os.urandom(8).hex().encode()
         self.session = (await asyncio.to_thread(self.coordinator.all_gather, "control", token))[
             0
         ].decode()
+        # Every tier but the peer tier: constructing that one is a collective, so it waits
+        # until every rank has passed the checks below (which fail on every rank alike).
         for spec in cfg.tiers:
-            # In a thread: the peer tier's constructor creates a process group (a collective).
-            tier = (
-                spec if isinstance(spec, Tier) else await asyncio.to_thread(self._make_tier, spec)
-            )
-            self.tiers.append(tier)
+            if isinstance(spec, Tier):
+                self.tiers.append(spec)
+            elif spec != "peer":
+                self.tiers.append(await asyncio.to_thread(self._make_tier, spec))
+        await self._guard()
+        if "peer" in cfg.tiers:
+            self.tiers.append(await asyncio.to_thread(self._make_tier, "peer"))
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
@@ -467,9 +521,6 @@ class _Engine:
             logger.error("tiercheck: running without a manifest: %s", exc)
         for tier in self.tiers:
             self.policy(tier.name)  # fail early on a tier without a policy
-            self.own[tier.name] = await self._list_own(tier)
-            known = set(self.manifest.committed(tier.name)) if self.manifest else set()
-            self.committed[tier.name] = {v for v in known if v in self.own[tier.name]}
             self.settled[tier.name] = -1
             self.lanes[tier.name] = asyncio.Queue()
             self.round_queues[tier.name] = asyncio.Queue()
@@ -478,10 +529,263 @@ class _Engine:
             self.channel_exec[tier.name] = ThreadPoolExecutor(
                 1, thread_name_prefix="tiercheck-sync"
             )
+            try:
+                self.own[tier.name] = await self._list_own(tier)
+                if self.writes_commit_records(tier):
+                    # What retention counts in a durable tier is what its COMMIT records
+                    # prove, not what this node's manifest remembers (it may be new).
+                    self.committed[tier.name] = await self._commit_versions(tier)
+                else:
+                    known = set(self.manifest.committed(tier.name)) if self.manifest else set()
+                    self.committed[tier.name] = {v for v in known if v in self.own[tier.name]}
+            except Exception as exc:
+                logger.error(
+                    "tiercheck: cannot list the %r tier (%r); nothing will be deleted from it "
+                    "until a restore lists it",
+                    tier.name,
+                    exc,
+                )
+                self.unlisted.add(tier.name)
+                self.own[tier.name] = {}
+                self.committed[tier.name] = set()
             self.workers.append(asyncio.create_task(self._lane_worker(tier)))
             self.workers.append(asyncio.create_task(self._round_worker(tier)))
-        self.channel_exec["control"] = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-sync")
         self.opened = True
+
+    # --- guards: whose data this is, one writer, usable locations -------------------------------
+
+    def _durable_tiers(self) -> list[Tier]:
+        return [t for t in self.tiers if self.writes_commit_records(t)]
+
+    def _location(self, tier: Tier) -> str:
+        """Where a durable tier stores, as recorded in node identities."""
+        inner: Any = tier
+        while getattr(inner, "inner", None) is not None:  # wrappers (fault injection, ...)
+            inner = inner.inner
+        return str(getattr(inner, "url", None) or repr(inner))
+
+    async def _guard(self) -> None:
+        """Refuse to open over data this run must not touch; the same verdict on every rank.
+
+        Each rank gathers what it can see (its writer lock, whether the durable tiers work, its
+        node's identity); rank 0 also reads or creates the job record and claims a writer
+        generation. One exchange later every rank decides from the same facts, so every rank
+        raises the same typed error, or none does.
+        """
+        cfg, topo = self.cfg, self.topo
+        mine: dict[str, Any] = {"node": topo.node_index, "local_rank": topo.local_rank}
+        try:
+            await asyncio.to_thread(self.lock.acquire)
+        except (JobLocked, OSError) as exc:
+            mine["lock"] = str(exc)
+        durable = self._durable_tiers()
+        probes: dict[str, str] = {}
+        for tier in durable:
+            try:
+                await probe(tier, self.session, self.rank)
+            except (TiercheckError, OSError) as exc:
+                probes[tier.name] = str(exc)
+        mine["probe"] = probes
+        if self.rank == 0 and durable and not probes:
+            try:
+                mine["job"] = await self._read_job_record(durable)
+            except (TiercheckError, OSError) as exc:
+                mine["job_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            identity = await asyncio.to_thread(read_identity, cfg.node_root)
+            mine["identity"] = None if identity is None else identity.to_bytes().decode()
+        except (TiercheckError, OSError) as exc:
+            mine["identity_error"] = str(exc)
+        try:
+            mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.node_root)
+        except OSError:
+            mine["has_data"] = True  # cannot look: assume there is something to protect
+        if self.rank == 0:
+            mine["fresh_token"] = os.urandom(8).hex()
+        everyone = await self._exchange("control", mine)
+        stale = self._judge(everyone)
+        # Past this point every rank may open: only now is anything written.
+        if stale and topo.local_rank == 0 and topo.node_index in stale:
+            logger.warning(
+                "tiercheck: discarding the memory of node %s at %s (stale_memory='discard'): %s",
+                topo.node_index,
+                cfg.node_root,
+                stale[topo.node_index],
+            )
+            await asyncio.to_thread(discard_node_memory, cfg.node_root)
+        claimed: dict[str, int] = {}
+        failure = ""
+        if self.rank == 0 and durable:
+            try:
+                if everyone[0]["job"]["state"] != "found":
+                    await self._write_job_record()
+                for tier in durable:
+                    fence = Fence(tier, self.session)
+                    claimed[tier.name] = await fence.claim()
+                    self.fences[tier.name] = fence
+            except (TiercheckError, OSError) as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+        # Also a barrier: no rank reads its node's memory while it is being discarded.
+        decided = await self._exchange("control", {"generations": claimed, "failure": failure})
+        if decided[0]["failure"]:
+            raise StorageError(
+                f"cannot claim job {cfg.job_id!r} in its durable storage: {decided[0]['failure']}"
+            )
+        for tier in durable:
+            if tier.name not in self.fences:
+                fence = Fence(tier, self.session)
+                fence.adopt(int(decided[0]["generations"][tier.name]))
+                self.fences[tier.name] = fence
+        me = everyone[self.rank]
+        if topo.local_rank == 0 and (me.get("identity") is None or topo.node_index in stale):
+            identity = NodeIdentity(
+                job_id=cfg.job_id,
+                token=self.job_token,
+                world_size=topo.world_size,
+                persistent=self._location(durable[0]) if durable else None,
+                created=time.time(),
+            )
+            try:
+                await asyncio.to_thread(write_identity, cfg.node_root, identity)
+            except OSError as exc:  # memory that cannot take a small file takes no blob either
+                logger.warning("tiercheck: cannot record the node's identity: %r", exc)
+
+    async def _write_job_record(self) -> None:
+        record = JobRecord(self.cfg.job_id, self.job_token, self.topo.world_size, time.time())
+        for tier in self._durable_tiers():
+            await write_job_record(tier, record)
+
+    async def _read_job_record(self, durable: Sequence[Tier]) -> dict[str, Any]:
+        """Rank 0: what the durable tiers say about the job's incarnation.
+
+        ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records written
+        before job records existed; the newest says how many ranks saved them) or ``"absent"``
+        (nothing stored: a new location, or one that was emptied).
+        """
+        for tier in durable:
+            record = await read_job_record(tier)
+            if record is not None:
+                return {
+                    "state": "found",
+                    "token": record.token,
+                    "world_size": record.world_size,
+                }
+        newest = max(await self._commit_versions(durable[0]), default=None)
+        if newest is None:
+            return {"state": "absent"}
+        commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(newest))))
+        return {"state": "legacy", "world_size": commit.world_size}
+
+    def _judge(self, everyone: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+        """Decide, from what every rank saw, whether this run may open; return stale nodes.
+
+        Pure: every rank computes the same verdict from the same exchange.
+        """
+        cfg, topo = self.cfg, self.topo
+        locked = [e["lock"] for e in everyone if e.get("lock")]
+        if locked:
+            raise JobLocked(locked[0] + (f" ({len(locked)} ranks)" if len(locked) > 1 else ""))
+        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e["probe"].values()]
+        if broken:
+            raise StorageError(
+                "the durable storage of job "
+                f"{cfg.job_id!r} cannot be used, so the job does not start:\n  "
+                + "\n  ".join(broken[:8])
+            )
+        first = everyone[0]
+        if first.get("job_error"):
+            raise StorageError(
+                f"cannot read or write the job record of {cfg.job_id!r}: {first['job_error']}"
+            )
+        nodes: dict[int, Mapping[str, Any]] = {}
+        for e in everyone:
+            nodes.setdefault(int(e["node"]), e)
+        identities: dict[int, NodeIdentity | None] = {}
+        stale: dict[int, str] = {}
+        for n, e in nodes.items():
+            if e.get("identity_error"):
+                stale[n] = f"its identity record is unreadable ({e['identity_error']})"
+                identities[n] = None
+                continue
+            text = e.get("identity")
+            identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
+        job = first.get("job")
+        durable = self._durable_tiers()
+        here = self._location(durable[0]) if durable else None
+        # Identities of nodes whose memory says it belongs to this job at this location.
+        ours = {
+            i.token: i
+            for i in identities.values()
+            if i is not None and i.job_id == cfg.job_id and i.persistent == here
+        }
+        absent = job is not None and job["state"] == "absent"
+        if job is not None and job["state"] == "found":
+            token, world_size = job["token"], job["world_size"]
+            where = f"at {here}"
+        elif job is not None:
+            where = f"at {here}"
+            if len(ours) == 1:
+                # The location lost its records (deleted, a lifecycle rule) while the job was
+                # away, or predates them; the memory that names it is this job's.
+                token, remembered = next(iter(ours.items()))
+                world_size = job.get("world_size", remembered.world_size)
+                if absent:
+                    logger.warning(
+                        "tiercheck: the durable location %s of job %r holds nothing, but the "
+                        "nodes' memory holds this job's checkpoints written there: the location "
+                        "was emptied. Using the memory and writing the job record again.",
+                        here,
+                        cfg.job_id,
+                    )
+            else:
+                token = first["fresh_token"]
+                world_size = job.get("world_size", topo.world_size)
+        else:
+            tokens = {i.token for i in identities.values() if i is not None}
+            if len(tokens) > 1:
+                raise StaleMemory(
+                    f"the nodes of job {cfg.job_id!r} hold memory of different runs "
+                    f"(tokens {sorted(tokens)}); with no durable tier to tell which is this "
+                    "run's, none is used. Pass stale_memory='discard' to start over, or "
+                    "another job_id."
+                )
+            token = tokens.pop() if tokens else first["fresh_token"]
+            sizes = {i.world_size for i in identities.values() if i is not None}
+            world_size = sizes.pop() if len(sizes) == 1 else topo.world_size
+            where = "in the nodes' memory"
+        if world_size != topo.world_size:
+            raise WorldSizeMismatch(
+                f"job {cfg.job_id!r} {where} was saved by {world_size} ranks; this run has "
+                f"{topo.world_size}. Restoring onto another number of ranks is not supported "
+                f"yet: restart with {world_size} ranks, or give this run another job_id. "
+                "Nothing stored was read or changed."
+            )
+        for n, identity in identities.items():
+            if n in stale:
+                continue
+            if identity is None:
+                if absent and nodes[n]["has_data"]:
+                    stale[n] = (
+                        "it holds checkpoints from before this job's durable location existed"
+                    )
+            elif identity.job_id != cfg.job_id or identity.token != token:
+                stale[n] = (
+                    f"it belongs to another run of {identity.job_id!r} (token "
+                    f"{identity.token[:8]}, durable location {identity.persistent})"
+                )
+        self.job_token = token
+        if stale and cfg.stale_memory != "discard":
+            lines = [f"node {n}: {why}" for n, why in sorted(stale.items())]
+            raise StaleMemory(
+                f"the shared memory of job {cfg.job_id!r} (for this rank: {cfg.node_root}) "
+                "holds checkpoints of another run with the same name; they are not restored as "
+                "this run's:\n  "
+                + "\n  ".join(lines)
+                + "\nTo continue that run, point this one at its durable location. To discard "
+                "that memory, pass stale_memory='discard' (or delete the folder). Or use "
+                "another job_id. Nothing was changed."
+            )
+        return stale
 
     def _make_tier(self, name: str) -> Tier:
         cfg = self.cfg
@@ -492,7 +796,10 @@ class _Engine:
         if name == "persistent":
             from tiercheck.tiers.persistent import PersistentTier
 
-            return PersistentTier(cfg.persistent_url.rstrip("/") + "/" + cfg.job_id)
+            return PersistentTier(
+                cfg.persistent_url.rstrip("/") + "/" + cfg.job_id,
+                storage_options=cfg.storage_options,
+            )
         from tiercheck.tiers.registry import get_tier_class
 
         if name == "peer":
@@ -543,8 +850,24 @@ class _Engine:
         async for key in tier.list("v"):
             parsed = parse_blob_key(key)
             if parsed is not None and parsed.rank == self.rank:
-                out[parsed.version] = _OwnBlob(key, bases.get(parsed.version))
+                if parsed.kind == "full":
+                    base = None
+                elif parsed.version in bases:
+                    base = bases[parsed.version]
+                else:
+                    # Not in this node's manifest (a new node): any older blob may be its base.
+                    base = UNKNOWN_BASE
+                out[parsed.version] = _OwnBlob(key, base)
         return out
+
+    async def _commit_versions(self, tier: Tier) -> set[int]:
+        """Versions with a ``COMMIT`` record in ``tier``."""
+        found: set[int] = set()
+        async for key in tier.list("v"):
+            v = parse_commit_key(key)
+            if v is not None:
+                found.add(v)
+        return found
 
     # --- saving -------------------------------------------------------------------------------
 
@@ -589,8 +912,10 @@ class _Engine:
             async with self.slot_freed:
                 await self.slot_freed.wait_for(lambda: len(self.pending) < self.cfg.max_pending)
         kind: Literal["base", "delta"] = (
-            "base" if scheduled_base or self.planned_base is None else "delta"
+            "base" if scheduled_base or self.planned_base is None or self.force_base else "delta"
         )
+        if kind == "base":
+            self.force_base = False
         stats = SaveStats(version, kind, raw_bytes=layout.payload_nbytes)
         handle = SaveHandle(version, list(targets), stats)
         job = _Job(
@@ -634,7 +959,12 @@ class _Engine:
         return handle
 
     async def _stage(self, job: _Job, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the state into host memory: the local tier's own memory where possible."""
+        """Copy the state into host memory: the local tier's own memory where possible.
+
+        A local tier that cannot take the version (full, or failing) is skipped for it, and the
+        snapshot goes to a staging buffer instead, so the other tiers still get it: storage
+        trouble never reaches the caller.
+        """
         layout = job.layout
         assert layout is not None
         local = next((t for t in self.tiers if t.name == "local"), None)
@@ -645,27 +975,73 @@ class _Engine:
         ):
             size, offset = full_blob_size(layout, version=job.version, rank=self.rank)
             self.reserve_size = size
-            reservation = await local.reserve(blob_key(job.version, self.rank, "full"), size)
+            key = blob_key(job.version, self.rank, "full")
             try:
-                write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
-                whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
-                payload = whole[offset : offset + layout.payload_nbytes]
-                await asyncio.to_thread(snapshot, layout, tensors, payload)
-            except BaseException:
-                await reservation.abort()
+                reservation = await self._reserve(local, key, size)
+            except (TiercheckError, OSError) as exc:
+                self._skip_tier(job, "local", exc)
+            else:
+                try:
+                    write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
+                    whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
+                    payload = whole[offset : offset + layout.payload_nbytes]
+                    await asyncio.to_thread(snapshot, layout, tensors, payload)
+                except BaseException:
+                    await reservation.abort()
+                    raise
+                job.reservation = reservation
+                job.payload = payload
+                job.holder = _Holder(reservation.release)
+                return
+        lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
+        try:
+            await asyncio.to_thread(snapshot, layout, tensors, lent.data)
+        except BaseException:
+            self.pool.release(lent)
+            raise
+        job.payload = lent.data
+        job.holder = _Holder(lambda: self.pool.release(lent))
+
+    async def _reserve(self, tier: Tier, key: str, size: int) -> Reservation:
+        """Reserve ``size`` bytes in ``tier``; when full, let pending retention free room first."""
+        assert isinstance(tier, SupportsReserve)
+        try:
+            return await tier.reserve(key, size)
+        except TierFull:
+            idle = self.idle[tier.name]
+            if idle.is_set():
                 raise
-            job.reservation = reservation
-            job.payload = payload
-            job.holder = _Holder(reservation.release)
-        else:
-            lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
-            try:
-                await asyncio.to_thread(snapshot, layout, tensors, lent.data)
-            except BaseException:
-                self.pool.release(lent)
-                raise
-            job.payload = lent.data
-            job.holder = _Holder(lambda: self.pool.release(lent))
+        # Retention runs after each commit round; the previous version's may still be on
+        # its way to freeing an old one. Bounded: training waits seconds at most.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle.wait(), timeout=min(self.cfg.peer_timeout, 10.0))
+        return await tier.reserve(key, size)
+
+    def _skip_tier(self, job: _Job, name: str, exc: BaseException) -> None:
+        """``name`` cannot take this version: count it, log the reason once, go on without it."""
+        stats = job.handle.stats.tiers[name]
+        stats.state = "skipped"
+        stats.error = f"{type(exc).__name__}: {exc}"
+        self.stats.tier_skips[name] = self.stats.tier_skips.get(name, 0) + 1
+        condition = (name, type(exc).__name__)
+        if condition not in self.skip_logged:
+            self.skip_logged.add(condition)
+            logger.warning(
+                "tiercheck: the %r tier cannot take version %s (%s: %s); the version still goes "
+                "to the other tiers. Further versions it cannot take for this reason are counted "
+                "in stats.tier_skips, not logged.",
+                name,
+                job.version,
+                type(exc).__name__,
+                exc,
+            )
+        self._lane_done(
+            job,
+            name,
+            None,
+            TierWriteFailed(f"version {job.version} was not stored in the {name!r} tier: {exc}"),
+            cause=exc,
+        )
 
     def _launch(self, job: _Job, *, pipeline: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -722,7 +1098,7 @@ class _Engine:
                 await self._publish_reserved(job, digest)
             encoded: dict[TierEncoding, tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
-                if name == "local" and job.reservation is not None:
+                if job.results[name].done():  # published in place, or skipped when staging
                     continue
                 if encoding not in encoded:
                     encoded[encoding] = await self._encode(raw, encoding, base)
@@ -835,7 +1211,9 @@ class _Engine:
         *,
         cause: BaseException | None = None,
     ) -> None:
-        fut = job.results[tier]
+        fut = job.results.get(tier)
+        if fut is None:  # decided while staging, before the job was launched
+            fut = job.results[tier] = asyncio.get_running_loop().create_future()
         if fut.done():
             return
         if error is not None and cause is not None:
@@ -853,11 +1231,14 @@ class _Engine:
             kind: BlobKind = "full" if meta.kind == "full" else "packed"
             key = blob_key(job.version, self.rank, kind)
             try:
+                if self.writes_commit_records(tier):
+                    await self._check_fence(tier)
                 await tier.putv(key, parts)
             except Exception as exc:
-                logger.warning(
-                    "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
-                )
+                if not isinstance(exc, Superseded):
+                    logger.warning(
+                        "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
+                    )
                 self._lane_done(
                     job,
                     tier.name,
@@ -876,6 +1257,30 @@ class _Engine:
                 # Do not keep the last blob alive while waiting for the next one.
                 del item, parts
 
+    async def _check_fence(self, tier: Tier) -> None:
+        """Before durable data is written: is this opening still the job's writer there?"""
+        if self.superseded:
+            raise Superseded(
+                f"a newer opening of job {self.cfg.job_id!r} took over the {tier.name!r} tier; "
+                "this run no longer writes there"
+            )
+        fence = self.fences.get(tier.name)
+        if fence is None:
+            return
+        try:
+            if await fence.check():
+                await self._write_job_record()  # the location was emptied under the job
+        except Superseded as exc:
+            self.superseded = True
+            self.stats.superseded = True
+            logger.error(
+                "tiercheck: %s. Its saves still go to the memory tiers; durable saves, retention "
+                "and restore-time cleanup in %r stop.",
+                exc,
+                tier.name,
+            )
+            raise
+
     # --- committing ---------------------------------------------------------------------------
 
     async def _round_worker(self, tier: Tier) -> None:
@@ -885,9 +1290,11 @@ class _Engine:
             job = await queue.get()
             if job is None:
                 return
+            peers_gone = False
             try:
                 await self._round(tier, job)
             except PeerUnavailable as exc:  # expected when a rank dies: one line, no traceback
+                peers_gone = True
                 logger.warning(
                     "tiercheck: version %s not committed in %r: %s", job.version, tier.name, exc
                 )
@@ -917,10 +1324,13 @@ class _Engine:
                 if job.rounds_left == 0:
                     job.finished.set()
                     self.jobs.discard(job)
-            try:
-                await self._retain(tier)
-            except Exception:
-                logger.exception("tiercheck: retention in the %r tier failed", tier.name)
+            # A round that lost its peers committed nothing new, and retention in a tier that
+            # needs them (the peer tier) would only wait for them to time out again.
+            if not peers_gone:
+                try:
+                    await self._retain(tier)
+                except Exception:
+                    logger.exception("tiercheck: retention in the %r tier failed", tier.name)
             if isinstance(tier, SupportsPrepare) and self.reserve_size and queue.empty():
                 # Retention just freed memory to recycle: ready the next snapshot's, so the
                 # next save's reserve costs a rename instead of sizing and mapping pages.
@@ -946,7 +1356,13 @@ class _Engine:
         result = await job.results[name]
         durable = result.durable
         ok = durable is not None and (durable.base is None or durable.base in self.committed[name])
-        mine: dict[str, Any] = {"ok": ok}
+        base_missing = False
+        if ok and durable is not None and durable.base is not None:
+            # A base can vanish from under a live job (a deleted folder, a lifecycle rule, a
+            # holder that lost its memory): a delta against it must not be reported committed.
+            base_missing = not await self._base_present(tier, durable.base)
+            ok = not base_missing
+        mine: dict[str, Any] = {"ok": ok, "base_missing": base_missing}
         if durable is not None:
             mine.update(
                 key=durable.key,
@@ -957,11 +1373,28 @@ class _Engine:
             )
         everyone = await self._exchange(name, mine)
         failed = [r for r, e in enumerate(everyone) if not e["ok"]]
+        why = ""
         if not failed and self.writes_commit_records(tier):
-            failed = await self._write_commit_record(tier, job.version, everyone)
+            failed, why = await self._write_commit_record(tier, job.version, everyone)
+        if any(e.get("base_missing") for e in everyone) or why == "base-missing":
+            self._lose_bases(name, {e["base"] for e in everyone if e.get("base") is not None})
         if failed:
             if result.error is not None:
                 error: BaseException = result.error
+            elif why == "superseded":
+                error = TierWriteFailed(
+                    f"version {job.version} was not committed in the {name!r} tier: a newer "
+                    "opening of this job took it over"
+                )
+            elif (
+                base_missing
+                or why == "base-missing"
+                or any(e.get("base_missing") for e in everyone)
+            ):
+                error = TierWriteFailed(
+                    f"version {job.version} is a delta whose base vanished from the {name!r} "
+                    "tier; the next save is stored as a base"
+                )
             elif (
                 durable is not None
                 and durable.base is not None
@@ -980,6 +1413,7 @@ class _Engine:
             return
         self.committed[name].add(job.version)
         self._log(Commit(job.version, name))
+        self.skip_logged = {c for c in self.skip_logged if c[0] != name}
         stats = job.handle.stats.tiers[name]
         stats.state = "committed"
         stats.seconds = time.perf_counter() - job.started
@@ -987,49 +1421,92 @@ class _Engine:
         self.stats.last_committed[name] = job.version
         job.handle._resolve(name)
 
+    async def _base_present(self, tier: Tier, base: int) -> bool:
+        blob = self.own[tier.name].get(base)
+        if blob is None:
+            return False
+        try:
+            return await tier.exists(blob.key)
+        except Exception as exc:
+            logger.warning(
+                "tiercheck: cannot tell whether base %s is still in %r: %r", base, tier.name, exc
+            )
+            return False
+
+    def _lose_bases(self, tier: str, bases: set[int]) -> None:
+        """Bases that vanished from ``tier``: forget them; the next save starts a new one."""
+        self.force_base = True
+        for base in bases:
+            self.committed[tier].discard(base)
+        logger.warning(
+            "tiercheck: a delta's base vanished from the %r tier (of versions %s); the next "
+            "save is stored as a base",
+            tier,
+            sorted(bases),
+        )
+
     async def _write_commit_record(
         self, tier: Tier, version: int, everyone: list[dict[str, Any]]
-    ) -> list[int]:
-        """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed."""
-        ok = True
+    ) -> tuple[list[int], str]:
+        """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed, and why not."""
+        ok, why = True, ""
         if self.rank == 0:
-            record = CommitRecord(
-                job_id=self.cfg.job_id,
-                version=version,
-                world_size=len(everyone),
-                time=time.time(),
-                entries=tuple(
-                    CommitEntry(
-                        rank=r,
-                        key=e["key"],
-                        size=e["size"],
-                        checksum=e["checksum"],
-                        raw_digest=e["raw_digest"],
-                        base=e["base"],
-                    )
-                    for r, e in enumerate(everyone)
-                ),
-            )
             try:
-                await tier.put(commit_key(version), record.to_bytes())
+                await self._check_fence(tier)
+                bases = sorted({e["base"] for e in everyone if e["base"] is not None})
+                for base in bases:
+                    if not await tier.exists(commit_key(base)):
+                        ok, why = False, "base-missing"
+                if ok:
+                    record = CommitRecord(
+                        job_id=self.cfg.job_id,
+                        version=version,
+                        world_size=len(everyone),
+                        time=time.time(),
+                        entries=tuple(
+                            CommitEntry(
+                                rank=r,
+                                key=e["key"],
+                                size=e["size"],
+                                checksum=e["checksum"],
+                                raw_digest=e["raw_digest"],
+                                base=e["base"],
+                            )
+                            for r, e in enumerate(everyone)
+                        ),
+                    )
+                    await tier.put(commit_key(version), record.to_bytes())
+            except Superseded:
+                ok, why = False, "superseded"
             except Exception:
                 logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
-                ok = False
-        confirmed = await self._exchange(tier.name, {"ok": ok})
-        return [] if confirmed[0]["ok"] else [0]
+                ok, why = False, "error"
+        confirmed = await self._exchange(tier.name, {"ok": ok, "why": why})
+        if confirmed[0]["ok"]:
+            return [], ""
+        if confirmed[0]["why"] == "superseded":
+            self.superseded = self.stats.superseded = True
+        return [0], str(confirmed[0]["why"])
 
     def _fail(self, job: _Job, tier: str, error: BaseException) -> None:
         stats = job.handle.stats.tiers[tier]
+        skipped = stats.state == "skipped"  # counted in tier_skips already
         if stats.state == "pending":
             stats.state = "failed"
             stats.error = str(error)
             stats.seconds = time.perf_counter() - job.started
-        if job.kind != "skipped":
+        if job.kind != "skipped" and not skipped:
             self.stats.failed[tier] = self.stats.failed.get(tier, 0) + 1
         job.handle._resolve(tier, error)
 
     async def _retain(self, tier: Tier) -> None:
         name = tier.name
+        if name in self.unlisted or (self.superseded and self.writes_commit_records(tier)):
+            return  # never delete from a tier this run cannot see whole, or no longer owns
+        if self.writes_commit_records(tier):
+            # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
+            # lifecycle rule) must not count towards `keep`.
+            self.committed[name] &= await self._commit_versions(tier)
         doomed = evictable(
             committed=self.committed[name],
             own={v: b.base for v, b in self.own[name].items()},
@@ -1038,11 +1515,15 @@ class _Engine:
             # in this tier and stays; in flight elsewhere does not matter here.
             settled_upto=self.settled[name],
         )
-        for version in doomed:
+        # Newest first: a delta goes before its base, so no COMMIT record is ever left naming
+        # a base that is gone, whenever the process dies.
+        for version in reversed(doomed):
             await self._evict(tier, version, "retention")
 
     async def _evict(self, tier: Tier, version: int, reason: str) -> None:
         name = tier.name
+        if self.superseded and self.writes_commit_records(tier):
+            return
         if self.rank == 0 and self.writes_commit_records(tier):
             await tier.delete(commit_key(version))
         blob = self.own[name].pop(version, None)
@@ -1100,9 +1581,20 @@ class _Engine:
         if fut.cancelled():
             return
         exc = fut.exception()
-        if exc is not None:
-            self.stats.manifest_errors += 1
-            logger.error("tiercheck: manifest write failed: %r", exc)
+        if exc is None:
+            if self.manifest_failing:
+                self.manifest_failing = False
+                logger.warning("tiercheck: manifest writes work again")
+            return
+        self.stats.manifest_errors += 1
+        if not self.manifest_failing:  # once per spell of failures, not once per record
+            self.manifest_failing = True
+            logger.error(
+                "tiercheck: manifest write failed: %r; checkpoints are unaffected (restore trusts "
+                "the tiers), history is lost until it works again; further failures are counted "
+                "in stats.manifest_errors",
+                exc,
+            )
 
     async def _in_manifest_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.manifest_exec, fn, *args)
@@ -1121,24 +1613,30 @@ class _Engine:
         if self.manifest is not None:
             await self._in_manifest_thread(lambda: None)
 
-    async def _inventory(self) -> Inventory:
+    async def newest(self) -> dict[str, int | None]:
+        """The newest committed version of each tier, as this rank knows it."""
+        return {name: max(vs, default=None) for name, vs in self.committed.items()}
+
+    async def _inventory(self) -> tuple[Inventory, dict[str, str]]:
+        """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""
         by_tier: dict[str, frozenset[int]] = {}
+        errors: dict[str, str] = {}
         for tier in self.tiers:
             try:
+                self.own[tier.name] = await self._list_own(tier)
                 if self.writes_commit_records(tier):
-                    versions = set()
-                    async for key in tier.list("v"):
-                        v = parse_commit_key(key)
-                        if v is not None:
-                            versions.add(v)
+                    versions = await self._commit_versions(tier)
                 else:
-                    self.own[tier.name] = await self._list_own(tier)
                     versions = set(self.own[tier.name])
             except Exception as exc:
                 logger.warning("tiercheck: cannot list the %r tier for restore: %r", tier.name, exc)
+                errors[tier.name] = f"{type(exc).__name__}: {exc}"
+                self.unlisted.add(tier.name)
                 versions = set()
+            else:
+                self.unlisted.discard(tier.name)
             by_tier[tier.name] = frozenset(versions)
-        return Inventory(self.rank, by_tier)
+        return Inventory(self.rank, by_tier), errors
 
     async def _own_key(self, tier: Tier, version: int) -> str:
         if self.writes_commit_records(tier):
@@ -1148,7 +1646,10 @@ class _Engine:
                     f"version {version} was saved by {record.world_size} ranks; this job has "
                     f"{self.topo.world_size} (resharding on restore is not supported)"
                 )
-            return record.entry(self.rank).key
+            entry = record.entry(self.rank)
+            if version in self.own[tier.name]:  # the record knows the base: no need to guess
+                self.own[tier.name][version] = _OwnBlob(entry.key, entry.base)
+            return entry.key
         keys = [k async for k in tier.list(version_prefix(version))]
         mine = sorted(
             (p.kind, k)
@@ -1164,58 +1665,157 @@ class _Engine:
     async def _read(self, tier: Tier, version: int, *, as_base: bool = False) -> RawState:
         key = await self._own_key(tier, version)
         blob = await tier.get(key)
-        meta = await asyncio.to_thread(read_meta, blob)
-        if meta.version != version or meta.rank != self.rank:
-            raise FormatError(
-                f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
-            )
+        try:
+            meta = await asyncio.to_thread(read_meta, blob)
+            if meta.version != version or meta.rank != self.rank:
+                raise FormatError(
+                    f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
+                )
+        except (ChecksumMismatch, FormatError) as exc:
+            await self._quarantine(tier, key, blob, exc)
+            raise
         base: RawState | None = None
         if meta.base is not None:
             if as_base:
                 raise FormatError(f"{key} is a delta, but deltas are read only against a base")
             base = await self._read(tier, meta.base.version, as_base=True)
-        return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu)
+        try:
+            return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu)
+        except (ChecksumMismatch, FormatError) as exc:
+            await self._quarantine(tier, key, blob, exc)
+            raise
 
-    async def restore(self, state: Any, version: int | None) -> Restored | None:
+    async def _quarantine(self, tier: Tier, key: str, blob: Buffer, exc: Exception) -> None:
+        """Set a blob that failed verification aside, so no cleanup can ever delete it."""
+        if isinstance(exc, UnsupportedFormat):
+            return  # written by a newer build: not damaged, and kept as it is
+        if self.superseded and self.writes_commit_records(tier):
+            return
+        where = quarantine_key(key)
+        try:
+            await tier.put(where, blob)
+        except Exception as put_exc:
+            logger.error(
+                "tiercheck: %s in %r failed verification (%s) and could not be set aside as %s "
+                "(%r); it stays under its own key",
+                key,
+                tier.name,
+                exc,
+                where,
+                put_exc,
+            )
+            return
+        self.stats.quarantined += 1
+        logger.warning(
+            "tiercheck: %s in %r failed verification (%s); set aside as %s for inspection "
+            "(`tiercheck verify` lists it)",
+            key,
+            tier.name,
+            exc,
+            where,
+        )
+
+    async def restore(
+        self, state: Any, version: int | None, strict: bool = True
+    ) -> Restored | None:
         started = time.perf_counter()
         self._check_open()
         await self.wait()
-        mine = await self._inventory()
-        everyone = [
-            Inventory.from_wire(r, e["inv"])
-            for r, e in enumerate(await self._exchange("control", {"inv": mine.to_wire()}))
+        mine, errors = await self._inventory()
+        gathered = await self._exchange("control", {"inv": mine.to_wire(), "errors": errors})
+        everyone = [Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered)]
+        unlisted = [
+            f"rank {r} cannot list the {tier!r} tier: {msg}"
+            for r, e in enumerate(gathered)
+            for tier, msg in sorted(e["errors"].items())
         ]
-        if version is not None and version not in candidates(everyone):
+        possible = candidates(everyone)
+        if version is not None and version not in possible:
             raise RestoreError(
                 f"version {version} cannot be rebuilt by every rank; rank {self.rank} can "
-                f"rebuild {sorted(mine.versions())}"
+                f"rebuild {sorted(mine.versions())}" + ("".join(f"; {line}" for line in unlisted))
             )
+        if not possible:
+            if unlisted:
+                raise RestoreError(
+                    f"cannot tell what job {self.cfg.job_id!r} stores, so nothing is restored "
+                    "and nothing is deleted:\n  " + "\n  ".join(unlisted)
+                )
+            if any(inv.versions() for inv in everyone):
+                # Only torn versions: blobs of saves that no tier holds whole for every rank,
+                # hence never committed anywhere. Remove them, or a later save of the same
+                # version could be combined with them.
+                logger.warning(
+                    "tiercheck: job %r stores no whole version, only pieces of saves that never "
+                    "committed (%s); removing them",
+                    self.cfg.job_id,
+                    sorted(mine.versions()),
+                )
+                await self._truncate_from(0, reason="restore: torn, never committed")
+            self.session_started = True
+            return None
+        rejected: dict[int, list[str]] = {}
         excluded: set[int] = set()
         while True:
             chosen = (
                 version if version is not None else agree(everyone, excluded=frozenset(excluded))
             )
             if chosen is None:
-                # Nothing here is restorable (torn or corrupt): clear it so that new saves
-                # never mix with it.
-                await self._truncate_from(0, reason="restore: nothing restorable")
-                self.session_started = True
-                return None
-            raw, source = await self._fetch(chosen, mine)
-            verdicts = await self._exchange("control", {"ok": raw is not None, "source": source})
+                raise RestoreError(self._rejection_report(rejected, unlisted))
+            raw, source, reasons = await self._fetch(chosen, mine)
+            rebuilt: Any = None
+            refusal: list[str] | None = None
+            if raw is not None:
+                try:
+                    rebuilt = self._rebuild(raw, state, strict)
+                except StateMismatch as exc:
+                    refusal = ["StateMismatch", str(exc)]
+                except UnsupportedObject as exc:
+                    refusal = ["UnsupportedObject", str(exc)]
+                except FormatError as exc:
+                    reasons.append(f"{source}: {type(exc).__name__}: {exc}")
+                    raw = None
+            verdicts = await self._exchange(
+                "control",
+                {"ok": raw is not None, "source": source, "reasons": reasons, "refusal": refusal},
+            )
+            refusals = [(r, v["refusal"]) for r, v in enumerate(verdicts) if v["refusal"]]
+            if refusals:
+                # The caller's state (or options) cannot take the version: nothing was
+                # written into it, and nothing stored is removed.
+                kind, text = refusals[0][1]
+                ranks = [r for r, _ in refusals]
+                message = f"rank {refusals[0][0]} (of ranks {ranks} refusing): {text}"
+                raise (StateMismatch if kind == "StateMismatch" else UnsupportedObject)(message)
             if all(v["ok"] for v in verdicts):
                 break
+            for r, v in enumerate(verdicts):
+                if not v["ok"]:
+                    rejected.setdefault(chosen, []).extend(
+                        f"rank {r}: {reason}" for reason in v["reasons"]
+                    )
             bad = [r for r, v in enumerate(verdicts) if not v["ok"]]
             if version is not None:
-                raise RestoreError(f"version {version} failed verification on ranks {bad}")
+                raise RestoreError(
+                    f"version {version} failed verification on ranks {bad}; nothing was "
+                    "deleted.\n" + self._rejection_report(rejected, unlisted)
+                )
             logger.warning(
                 "tiercheck: version %s failed verification on ranks %s; trying older", chosen, bad
             )
             excluded.add(chosen)
         assert raw is not None
         assert source is not None
+        # The version is whole on every rank: from here on, the run continues from it.
+        if state is not None:
+            rebuilt = load_into(state, rebuilt, strict=strict)
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
         self._adopt_whole(everyone, upto=chosen)
+        for tier in self._durable_tiers():
+            if tier.name not in self.unlisted:
+                self.committed[tier.name] = {
+                    v for v in mine.by_tier.get(tier.name, frozenset()) if v <= chosen
+                }
         self.session_started = True
         self.last_version = chosen
         self.count = 0
@@ -1223,22 +1823,51 @@ class _Engine:
         if self.base is not None:
             self.base.holder.drop()
             self.base = None
-        # Small tensors get storage of their own: some consumers read a tensor from the start
-        # of its storage, ignoring the offset of a view (torch.set_rng_state does, and then
-        # fails or sets a wrong state). Large ones stay views of the payload: no second copy.
-        tensors = raw.tensors()
-        if state is None:
-            tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
-        restored_state = unflatten(raw.layout, tensors, allow_pickle=self.cfg.allow_pickle)
-        if state is not None:
-            restored_state = load_into(state, restored_state)
         return Restored(
             version=chosen,
-            state=restored_state,
+            state=rebuilt,
             source_tier=source,
             source_tiers={r: v["source"] for r, v in enumerate(verdicts)},
             seconds=time.perf_counter() - started,
+            rejected={v: tuple(lines) for v, lines in rejected.items()},
         )
+
+    def _rebuild(self, raw: RawState, state: Any, strict: bool) -> Any:
+        """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
+        tensors = raw.tensors()
+        if state is None:
+            # Small tensors get storage of their own: some consumers read a tensor from the
+            # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
+            # Large ones stay views of the payload: no second copy.
+            tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
+        rebuilt = unflatten(raw.layout, tensors, allow_pickle=self.cfg.allow_pickle)
+        if state is not None:
+            mismatches = check_into(state, rebuilt, strict=strict)
+            if mismatches:
+                shown = mismatches[:50]
+                more = len(mismatches) - len(shown)
+                raise StateMismatch(
+                    f"the state to restore into does not match version {raw.version}; nothing "
+                    "was written into it:\n  "
+                    + "\n  ".join(shown)
+                    + (f"\n  ... and {more} more" if more else "")
+                    + "\nRestore without a state (restore()) and load what fits yourself, or "
+                    "pass strict=False to allow keys present on one side only."
+                )
+        return rebuilt
+
+    def _rejection_report(self, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
+        lines = [
+            f"no version of job {self.cfg.job_id!r} could be restored; nothing was deleted "
+            "(blobs that failed verification were set aside under quarantine/). Why each "
+            "version was rejected:"
+        ]
+        for version in sorted(rejected, reverse=True):
+            lines.append(f"  version {version}:")
+            lines.extend(f"    {reason}" for reason in rejected[version])
+        lines.extend(f"  {line}" for line in unlisted)
+        lines.append("Run `tiercheck verify` on the locations for details.")
+        return "\n".join(lines)
 
     def _adopt_whole(self, everyone: Sequence[Inventory], *, upto: int) -> None:
         """Count as committed, in the tiers without commit records, what every rank holds.
@@ -1261,23 +1890,48 @@ class _Engine:
                 self.committed[name].update(adopted)
                 self._log(*(Commit(v, name) for v in adopted))
 
-    async def _fetch(self, version: int, mine: Inventory) -> tuple[RawState | None, str | None]:
+    async def _fetch(
+        self, version: int, mine: Inventory
+    ) -> tuple[RawState | None, str | None, list[str]]:
+        """Read ``version`` from the fastest tier that serves it; else why each tier could not."""
+        reasons: list[str] = []
         for name in mine.sources(version):
             try:
-                return await self._read(self.tier(name), version), name
+                return await self._read(self.tier(name), version), name, reasons
             except Exception as exc:
                 self.stats.restore_fallbacks += 1
+                reasons.append(f"{name}: {type(exc).__name__}: {exc}")
                 logger.warning(
                     "tiercheck: version %s from the %r tier is unusable (%r); trying the next tier",
                     version,
                     name,
                     exc,
                 )
-        return None, None
+        if not reasons:
+            reasons.append("no tier holds this rank's blob of it")
+        return None, None, reasons
 
     async def versions(self) -> dict[str, list[int]]:
-        """Committed versions per tier, as this rank knows them."""
-        return {name: sorted(vs) for name, vs in self.committed.items()}
+        """Committed versions per tier that are still there, as this rank sees them."""
+        out: dict[str, list[int]] = {}
+        for tier in self.tiers:
+            name = tier.name
+            try:
+                if self.writes_commit_records(tier):
+                    present = await self._commit_versions(tier)
+                else:
+                    present = set(await self._list_own(tier))
+            except Exception as exc:
+                logger.warning("tiercheck: cannot list the %r tier: %r", name, exc)
+                out[name] = sorted(self.committed[name])
+                continue
+            there = self.committed[name] & present
+            # A delta whose base is gone cannot be restored from this tier.
+            bases = {v: b.base for v, b in self.own[name].items()}
+            out[name] = sorted(
+                v for v in there if bases.get(v) in (None, UNKNOWN_BASE) or bases[v] in there
+            )
+        return out
 
     # --- closing ------------------------------------------------------------------------------
 
@@ -1311,6 +1965,7 @@ class _Engine:
         self.coordinator.close()
         self.cpu.shutdown(wait=flush)
         self.pool.clear()
+        self.lock.release()
 
 
 # --- the public face -------------------------------------------------------------------------
@@ -1346,6 +2001,8 @@ class _CheckpointerCore:
         peer_replicas: int = 1,
         peer_timeout: float = 300.0,
         threads: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
+        stale_memory: StalePolicy = "error",
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -1382,6 +2039,21 @@ class _CheckpointerCore:
             peer_replicas, peer_timeout: peer tier replica count and the seconds any exchange with
                 another rank may take before failing.
             threads: worker threads for hashing and compression (default: every core).
+            storage_options: options for the ``persistent`` URL's fsspec filesystem, e.g. for
+                S3 ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``
+                (default: the backend's own, such as the AWS environment variables).
+            stale_memory: what to do with a node's shared memory that holds checkpoints of
+                another run of the same ``job_id`` (another durable location, or a location
+                that was made anew): ``"error"`` (default) refuses to open with
+                :class:`~tiercheck.errors.StaleMemory`, ``"discard"`` deletes that memory.
+
+        Opening refuses, with a typed error and before anything is read or changed: a second
+        live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a
+        durable location that cannot be written, read and deleted from
+        (:class:`~tiercheck.errors.StorageError`), a job saved by another number of ranks
+        (:class:`~tiercheck.errors.WorldSizeMismatch`), and stale memory (above). A second
+        opening of the job elsewhere takes the durable tiers over; this one then stops writing
+        there (:class:`~tiercheck.errors.Superseded`, ``stats.superseded``).
 
         Memory: staging costs one copy of the state (in the local tier's memory when it is used),
         a second copy is held as the delta base when a packed tier receives deltas, and each
@@ -1394,6 +2066,12 @@ class _CheckpointerCore:
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         if max_pending < 1 or tier_queue < 1:
             raise ConfigError("max_pending and tier_queue must be at least 1")
+        if stale_memory not in ("error", "discard"):
+            raise ConfigError(f"stale_memory must be 'error' or 'discard', got {stale_memory!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(
+                f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
+            )
         topology = Topology.detect(rank, world_size, ranks_per_node)
         if coordinator is not None and (
             coordinator.rank != topology.rank or coordinator.world_size != topology.world_size
@@ -1465,6 +2143,8 @@ class _CheckpointerCore:
             peer_replicas=peer_replicas,
             peer_timeout=peer_timeout,
             threads=threads or os.cpu_count() or 1,
+            storage_options=dict(storage_options or {}),
+            stale_memory=stale_memory,
         )
         self._loop: LoopThread | None = None
         self._engine: _Engine | None = None
@@ -1526,6 +2206,8 @@ class _CheckpointerCore:
                 self._engine.closed = True
             self._loop.stop()
             self._loop = None
+        if self._engine is not None:
+            self._engine.lock.release()  # the kernel drops a dead process's locks
 
 
 class Checkpointer(_CheckpointerCore):
@@ -1572,20 +2254,39 @@ class Checkpointer(_CheckpointerCore):
         loop, engine = await self._ensure_open()
         return await loop.run(engine.save(version, state))
 
-    async def restore(self, state: Any = None, *, version: int | None = None) -> Restored | None:
+    async def restore(
+        self, state: Any = None, *, version: int | None = None, strict: bool = True
+    ) -> Restored | None:
         """Restore the newest version every rank can rebuild (or exactly ``version``).
 
+        Every rank must call it (it is collective). Returns ``None`` when nothing is stored (a
+        fresh start). When versions are stored but none can be restored (corrupt everywhere,
+        unreadable, a tier that cannot be listed) it raises
+        :class:`~tiercheck.errors.RestoreError` listing, per version, rank and tier, why each
+        was rejected -- and deletes nothing. Blobs that fail verification are set aside under
+        ``quarantine/`` in their tier. Versions newer than the one restored are removed only
+        after it was restored whole.
+
         With ``state`` given, tensors are copied into the caller's own tensors (optimizers keep
-        their references) and the filled object is returned as ``Restored.state``. Returns
-        ``None`` when no version is restorable. Every rank must call it (it is collective).
+        their references) and the filled object is returned as ``Restored.state``. First the
+        state is compared with the version: with ``strict=True`` structure, keys, shapes and
+        dtypes must match; with ``strict=False`` keys present on one side only are allowed
+        (the version's are added, the state's are left alone). Any mismatch raises
+        :class:`~tiercheck.errors.StateMismatch` listing the paths, before anything is written
+        into the state or removed from storage.
         """
         loop, engine = await self._ensure_open()
-        return await loop.run(engine.restore(state, version))
+        return await loop.run(engine.restore(state, version, strict))
 
-    async def wait(self) -> None:
-        """Wait until every save so far is committed or failed in each of its tiers."""
+    async def wait(self) -> dict[str, int | None]:
+        """Wait until every save so far is committed or failed in each of its tiers.
+
+        Returns the newest version committed in each tier by then (``None`` for a tier that
+        holds none): ``(await ckpt.wait())["persistent"]`` is the newest durable version.
+        """
         loop, engine = await self._ensure_open()
         await loop.run(engine.wait())
+        return await loop.run(engine.newest())
 
     async def versions(self) -> dict[str, list[int]]:
         """Versions committed in each tier, as known to this rank."""

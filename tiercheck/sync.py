@@ -43,15 +43,22 @@ class SyncCheckpointer(_CheckpointerCore):
         loop, engine = self.open()._start()
         return loop.call(engine.save(version, state))
 
-    def restore(self, state: Any = None, *, version: int | None = None) -> Restored | None:
+    def restore(
+        self, state: Any = None, *, version: int | None = None, strict: bool = True
+    ) -> Restored | None:
         """Restore the newest version every rank can rebuild; see :meth:`Checkpointer.restore`."""
         loop, engine = self.open()._start()
-        return loop.call(engine.restore(state, version))
+        return loop.call(engine.restore(state, version, strict))
 
-    def wait(self) -> None:
-        """Block until every save so far is committed or failed in each of its tiers."""
+    def wait(self) -> dict[str, int | None]:
+        """Block until every save so far is committed or failed in each of its tiers.
+
+        Returns the newest version committed in each tier by then (``None`` where none is):
+        ``ckpt.wait()["persistent"]`` is the newest durable version.
+        """
         loop, engine = self.open()._start()
         loop.call(engine.wait())
+        return loop.call(engine.newest())
 
     def versions(self) -> dict[str, list[int]]:
         """Versions committed in each tier, as known to this rank."""
