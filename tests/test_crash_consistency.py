@@ -15,8 +15,10 @@ the test itself saved and observed:
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +34,26 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tiercheck import SyncCheckpointer, TierWriteFailed
+from tiercheck import (
+    JobLocked,
+    RestoreError,
+    SyncCheckpointer,
+    TierWriteFailed,
+    WorldSizeMismatch,
+)
+from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.manifest import Manifest
+from tiercheck.testing import LocalGroup
 from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash
 from tiercheck.tiers import LocalTier, PersistentTier
 
 from .helpers import assert_state_equal, clone_state
 
 KEEP = 2  # versions each tier retains
+# Versions the local tier may hold at once: the kept ones, the newest committed before
+# retention trims, the one being saved, and after a restart the previous life's leftovers
+# below the restored version until the first retention.
+LOCAL_BOUND = 2 * KEEP + 3
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
 
 
@@ -72,6 +86,7 @@ class CrashMachine(RuleBasedStateMachine):
         self.committed: dict[str, set[int]] = {"local": set(), "persistent": set()}
         self.damaged: dict[str, set[int]] = {"local": set(), "persistent": set()}
         self.corrupted_this_life = False
+        self.capacity: int | None = None
         self.restarts = 0
         # What happened, for the failure message: a failure that depends on background timing
         # cannot be replayed by Hypothesis, so the message has to carry the story itself.
@@ -89,6 +104,10 @@ class CrashMachine(RuleBasedStateMachine):
             FaultyTier.wrap(LocalTier(self.root / "node" / "blobs"), self.plan),
             FaultyTier.wrap(PersistentTier((self.root / "durable" / "job").as_uri()), self.plan),
         ]
+        if self.capacity is not None:
+            tiers[0] = FaultyTier.wrap(
+                LocalTier(self.root / "node" / "blobs", capacity=self.capacity), self.plan
+            )
         return SyncCheckpointer(
             "job",
             local_root=self.root / "node",
@@ -98,6 +117,14 @@ class CrashMachine(RuleBasedStateMachine):
             keep={"local": KEEP, "persistent": KEEP},
             threads=1,
         )
+
+    def _stored(self) -> dict[str, bytes]:
+        """Every blob and COMMIT record in both tiers, by path (what must survive a refusal)."""
+        return {
+            str(p.relative_to(self.root)): p.read_bytes()
+            for p in self.root.rglob("v*/*")
+            if p.is_file() and "quarantine" not in p.parts and not p.name.startswith(".")
+        }
 
     def _story(self) -> str:
         return "what happened:\n  " + "\n  ".join(self.history)
@@ -206,9 +233,37 @@ class CrashMachine(RuleBasedStateMachine):
         self._note(f"corrupted local blob of version {version} at byte {byte % size}")
 
     @precondition(lambda self: self.ckpt is not None)
-    @rule(node_lost=st.booleans(), let_finish=st.booleans())
-    def restart(self, node_lost: bool, let_finish: bool) -> None:
-        """The process dies (or the whole node is lost); a new one restores."""
+    @rule()
+    def second_writer(self) -> None:
+        """An operator starts the same job again on this node while it runs: refused."""
+        assert self.ckpt is not None
+        other = SyncCheckpointer(
+            "job",
+            local_root=self.root / "node",
+            persistent=(self.root / "durable").as_uri(),
+            keep={"local": KEEP, "persistent": KEEP},
+        )
+        with pytest.raises(JobLocked):
+            other.open()
+        self._note("a second writer was refused")
+
+    @precondition(lambda self: self.ckpt is not None)
+    @rule(
+        node_lost=st.booleans(),
+        let_finish=st.booleans(),
+        two_ranks_first=st.booleans(),
+        small_memory=st.booleans(),
+    )
+    def restart(
+        self, node_lost: bool, let_finish: bool, two_ranks_first: bool, small_memory: bool
+    ) -> None:
+        """The process dies (or the whole node is lost); a new one restores.
+
+        With ``two_ranks_first`` the operator first relaunches it with two ranks, which must be
+        refused without touching anything. With ``small_memory`` the next life's local tier
+        can hold less than one version (capacity exhaustion: it skips, the others still get
+        every version).
+        """
         assert self.ckpt is not None
         if let_finish and not self.plan.dead:
             self.ckpt.wait()
@@ -216,6 +271,9 @@ class CrashMachine(RuleBasedStateMachine):
         died = self.plan.dead
         self.plan.kill()
         self.ckpt._abandon()
+        if two_ranks_first:
+            self._refused_with_two_ranks()
+        self.capacity = 2048 if small_memory else None
         surviving = ["persistent"]
         if node_lost:
             shutil.rmtree(self.root / "node", ignore_errors=True)
@@ -234,7 +292,17 @@ class CrashMachine(RuleBasedStateMachine):
             f"committed={self.committed}, damaged={self.damaged}"
         )
         self.ckpt = self._open()
-        restored = self.ckpt.restore()
+        try:
+            restored = self.ckpt.restore()
+        except RestoreError as exc:
+            # Stored but not restorable: allowed only when nothing intact was committed in a
+            # tier that survived; then the operator, having read the report, starts over.
+            self._note(f"restart {self.restarts}: RestoreError: {exc}")
+            assert all(
+                not (set(sorted(self.committed[t])[-KEEP:]) - self.damaged[t]) for t in surviving
+            ), f"refused to restore although intact versions were committed; {self._story()}"
+            self._start_over()
+            return
         # Retention keeps the newest KEEP committed versions of each tier, damaged or not.
         floor = max(
             (
@@ -279,10 +347,97 @@ class CrashMachine(RuleBasedStateMachine):
         self.handles.clear()
         self.corrupted_this_life = False
 
+    def _refused_with_two_ranks(self) -> None:
+        """A relaunch with two ranks is refused on both, and nothing stored changes."""
+        before = self._stored()
+        group = LocalGroup(2, timeout=30)
+        errors: list[BaseException | None] = [None, None]
+
+        def rank(r: int) -> None:
+            ckpt = SyncCheckpointer(
+                "job",
+                rank=r,
+                world_size=2,
+                ranks_per_node=1,
+                coordinator=group.coordinator(r),
+                local_root=self.root / ("node" if r == 0 else "node-b"),
+                persistent=(self.root / "durable").as_uri(),
+                tiers=["local", "persistent"],
+            )
+            try:
+                ckpt.open()
+            except BaseException as exc:
+                errors[r] = exc
+            finally:
+                ckpt.close(flush=False)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(isinstance(e, WorldSizeMismatch) for e in errors), errors
+        assert self._stored() == before, "a refused relaunch changed stored data"
+        shutil.rmtree(self.root / "node-b", ignore_errors=True)
+        self._note("a relaunch with two ranks was refused")
+
+    def _start_over(self) -> None:
+        """The operator clears the job after a refused restore (every version was damaged)."""
+        assert self.ckpt is not None
+        self.ckpt.close(flush=False)
+        shutil.rmtree(self.root / "node", ignore_errors=True)
+        shutil.rmtree(self.root / "durable", ignore_errors=True)
+        self.ckpt = self._open()
+        assert self.ckpt.restore() is None
+        self.saved.clear()
+        self.next_version = 0
+        for t in self.committed:
+            self.committed[t].clear()
+            self.damaged[t].clear()
+        self.handles.clear()
+        self.corrupted_this_life = False
+
+    # --- invariants: checked after every step, against the files themselves ------------------
+
     @invariant()
-    def stalls_are_bounded(self) -> None:
-        if self.ckpt is not None and self.ckpt._engine is not None:
-            assert self.ckpt.stats.saves >= 0
+    def commit_records_are_whole(self) -> None:
+        """A COMMIT record never names a blob, or a base, that is gone.
+
+        Retention and truncation delete a version's COMMIT record before its blob, and deltas
+        before their bases, so this holds at every moment -- across crashes too. (Read twice
+        where a file is missing: a record removed meanwhile is no violation.)
+        """
+        folder = self.root / "durable" / "job"
+        commits = [Path(f) / "COMMIT" for f, _d, files in os.walk(folder) if "COMMIT" in files]
+        for commit in commits:
+            try:
+                record = CommitRecord.from_bytes(commit.read_bytes())
+            except FileNotFoundError:
+                continue
+            needed = [folder / e.key for e in record.entries]
+            needed += [
+                folder / f"v{e.base:012d}" / "COMMIT" for e in record.entries if e.base is not None
+            ]
+            for path in needed:
+                if not path.exists() and commit.exists():
+                    raise AssertionError(f"{commit} names {path}, which is gone; {self._story()}")
+
+    @invariant()
+    def local_memory_is_bounded(self) -> None:
+        versions = set()
+        # The pipeline prunes folders while this looks: tolerate them vanishing.
+        for folder, _dirs, files in os.walk(self.root / "node" / "blobs"):
+            where = Path(folder)
+            if (
+                any(f.startswith("r") for f in files)
+                and where.name.startswith("v")
+                and "quarantine" not in where.parts  # set-aside copies are not versions
+            ):
+                versions.add(where.name)
+        assert len(versions) <= LOCAL_BOUND, (
+            f"the local tier holds {len(versions)} versions ({sorted(versions)}), more than "
+            f"{LOCAL_BOUND}; {self._story()}"
+        )
 
 
 # The heart of the product's guarantees: more examples than the profile's default (a ~30 s run
