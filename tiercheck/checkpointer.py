@@ -1401,8 +1401,10 @@ class _Engine:
                 task.cancel()
         if not tasks:
             return
-        _, stuck = await asyncio.wait(tasks, timeout=self.cfg.close_timeout)
-        for task in stuck:  # only after a failed wait(): something still blocks
+        # Idle workers end at their sentinel within a turn of the loop; the grace only
+        # matters after a failed wait(), when something may still block.
+        _, stuck = await asyncio.wait(tasks, timeout=max(self.cfg.close_timeout, 1.0))
+        for task in stuck:
             task.cancel()
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
