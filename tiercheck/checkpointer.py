@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ import msgpack
 import torch
 
 from tiercheck._loop import LoopThread
+from tiercheck._threads import DaemonExecutor
 from tiercheck.codec import (
     BlobMeta,
     CodecOptions,
@@ -122,6 +124,7 @@ from tiercheck.tiers.base import (
     Reservation,
     SupportsPrepare,
     SupportsReserve,
+    SupportsStopServing,
     Tier,
 )
 from tiercheck.tiers.local import default_root
@@ -143,6 +146,11 @@ TierEncoding = Literal["full", "packed"]
 BusyPolicy = Literal["wait", "skip"]
 StalePolicy = Literal["error", "discard"]
 VersionSelector = Literal["all", "base"] | Callable[[int], bool]
+#: How a checkpointer closes: ``"collective"`` -- the normal end, every save finished and the
+#: ranks leaving the store and each other in order; ``"bounded"`` -- leaving on an exception,
+#: pending saves get at most ``close_timeout`` seconds, no agreement with other ranks;
+#: ``"now"`` -- no waiting for saves at all (``close(flush=False)``).
+CloseMode = Literal["collective", "bounded", "now"]
 
 DEFAULT_KEEP = {"local": 2, "peer": 2, "persistent": 3}
 DEFAULT_PERSISTENT_DIR = "tiercheck-checkpoints"
@@ -357,6 +365,7 @@ class _Config:
     threads: int
     storage_options: Mapping[str, Any]
     stale_memory: StalePolicy
+    close_timeout: float
 
 
 def _check_job_id(job_id: object) -> str:
@@ -440,7 +449,9 @@ class _Engine:
         self.pool = StagingPool()
         self.cpu = ThreadPoolExecutor(config.threads, thread_name_prefix="tiercheck-cpu")
         self.manifest_exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
-        self.channel_exec: dict[str, ThreadPoolExecutor] = {}
+        # One thread per channel keeps its exchanges in order; daemon threads, because an
+        # exchange may wait on a dead rank for minutes and must never delay the process's exit.
+        self.channel_exec: dict[str, DaemonExecutor] = {}
         self.lanes: dict[str, asyncio.Queue[tuple[_Job, list[Buffer], BlobMeta] | None]] = {}
         self.round_queues: dict[str, asyncio.Queue[_Job | None]] = {}
         # Set while a tier's round worker has nothing left to do (retention included).
@@ -477,6 +488,8 @@ class _Engine:
         # (tier, reason) pairs already logged as skips; cleared when the tier takes a version.
         self.skip_logged: set[tuple[str, str]] = set()
         self.manifest_failing = False
+        self.closing = False
+        self.close_warned = False
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -493,7 +506,7 @@ class _Engine:
             self.coordinator = await asyncio.to_thread(
                 TorchCoordinator, ["control", *names], timeout=cfg.peer_timeout
             )
-        self.channel_exec["control"] = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-sync")
+        self.channel_exec["control"] = DaemonExecutor(1, "tiercheck-sync-control")
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
         token = os.urandom(8).hex().encode()
@@ -526,9 +539,7 @@ class _Engine:
             self.round_queues[tier.name] = asyncio.Queue()
             self.idle[tier.name] = asyncio.Event()
             self.idle[tier.name].set()
-            self.channel_exec[tier.name] = ThreadPoolExecutor(
-                1, thread_name_prefix="tiercheck-sync"
-            )
+            self.channel_exec[tier.name] = DaemonExecutor(1, f"tiercheck-sync-{tier.name}")
             try:
                 self.own[tier.name] = await self._list_own(tier)
                 if self.writes_commit_records(tier):
@@ -1935,20 +1946,153 @@ class _Engine:
 
     # --- closing ------------------------------------------------------------------------------
 
-    async def aclose(self, flush: bool) -> None:
-        if self.closed:
+    async def aclose(self, how: CloseMode) -> None:
+        """Close, in one of three ways (see :data:`CloseMode`); never raises for a peer or a
+        store that is gone, and never waits on one beyond the configured bounds."""
+        if self.closed or self.closing:
             return
-        if flush:
+        self.closing = True
+        try:
+            if how == "collective" and self.opened:
+                await self._close_collectively()
+                return
+            if how == "bounded" and self.opened:
+                await self._flush_bounded()
+            await self._close_now()
+        finally:
+            self.closed = True
+
+    async def _close_collectively(self) -> None:
+        """The normal end: finish every save, then leave the store and the peers in order.
+
+        1. wait for every save in flight (its writes, commit rounds and retention may use the
+           store and other ranks);
+        2. agree on the "control" channel that every rank is done saving -- from then on no
+           rank sends requests to another's peer server;
+        3. stop this rank's peer server: the last store traffic (bounded);
+        4. agree that every rank has stopped serving -- from then on nothing touches the store
+           or another rank, so a rank may leave (and the store's host with it) at once;
+        5. release tiers, manifest and coordination groups locally.
+
+        A rank or store that is gone makes an agreement fail: logged once at WARNING, and the
+        close goes on without it.
+        """
+        try:
             await self.wait()
+            saved = True
+        except Exception:
+            logger.exception("tiercheck: finishing the saves in flight failed")
+            saved = False
         self.closed = True
+        await self._end_workers(cancel=False)
+        collective = self.coordinator.world_size > 1
+        if collective:
+            await self._agree("every rank is done saving", {"saved": saved})
+        stopped = await self._stop_serving()
+        if collective:
+            await self._agree("every rank has stopped serving", {"stopped": stopped})
+        await self._release(flush=True)
+
+    async def _flush_bounded(self) -> None:
+        """Leaving on an exception: give the saves in flight ``close_timeout`` seconds to
+        settle, memory tiers first (local, then peer, then the rest). No agreement with the
+        other ranks: they may be failing too. Once an exchange with the other ranks has
+        failed, no pending save can commit any more (a commit needs every rank): stop there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.close_timeout
+        for tier in self.tiers:  # fastest first: the order of survival scopes
+            futures = [
+                job.handle._futures[tier.name]
+                for job in list(self.jobs)
+                if tier.name in job.handle._futures
+            ]
+            settled = _when_all_done(futures)
+            while not settled.is_set():
+                broken = self.coordinator.broken
+                left = deadline - loop.time()
+                if broken is None and left > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(settled.wait(), min(0.1, left))
+                    continue
+                logger.warning(
+                    "tiercheck: leaving on an error; the saves still in flight in the %r tier "
+                    "and after it are abandoned: %s",
+                    tier.name,
+                    f"an exchange with the other ranks failed ({broken})"
+                    if broken is not None
+                    else f"still pending after close_timeout ({self.cfg.close_timeout:.0f}s)",
+                )
+                return
+
+    async def _close_now(self) -> None:
+        """Close without waiting for saves: cancel the pipeline, stop serving (bounded), release."""
+        self.closed = True
+        pending = list(self.jobs)  # cancelled round workers drop their jobs from the set
+        await self._end_workers(cancel=True)
+        for job in pending:  # whoever waits on their handles learns they never commit
+            for name, future in job.handle._futures.items():
+                if not future.done():
+                    self._fail(
+                        job,
+                        name,
+                        TierWriteFailed(
+                            f"version {job.version} was abandoned in the {name!r} tier: the "
+                            "checkpointer closed without waiting for it"
+                        ),
+                    )
+        self.jobs.clear()
+        await self._stop_serving()
+        await self._release(flush=False)
+
+    async def _end_workers(self, *, cancel: bool) -> None:
+        """End the lane and round workers (and, when cancelling, the pipelines), bounded."""
         for name in self.lanes:
             self.lanes[name].put_nowait(None)
             self.round_queues[name].put_nowait(None)
-        if flush:
-            await asyncio.gather(*self.workers, return_exceptions=True)
-        else:
-            for task in [*self.workers, *self.pipelines]:
+        tasks = [*self.workers, *self.pipelines] if cancel else list(self.workers)
+        if cancel:
+            for task in tasks:
                 task.cancel()
+        if not tasks:
+            return
+        # Idle workers end at their sentinel within a turn of the loop; the grace only
+        # matters after a failed wait(), when something may still block.
+        _, stuck = await asyncio.wait(tasks, timeout=max(self.cfg.close_timeout, 1.0))
+        for task in stuck:
+            task.cancel()
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                logger.error("tiercheck: a pipeline worker failed: %r", task.exception())
+
+    async def _stop_serving(self) -> bool:
+        """Stop every tier's server (the peer tier's), each for at most ``close_timeout``."""
+        stopped = True
+        for tier in self.tiers:
+            if isinstance(tier, SupportsStopServing):
+                try:
+                    stopped &= await tier.stop_serving(self.cfg.close_timeout)
+                except Exception as exc:
+                    logger.warning("tiercheck: stopping the %r tier's server: %r", tier.name, exc)
+                    stopped = False
+        return stopped
+
+    async def _agree(self, what: str, mine: Mapping[str, Any]) -> bool:
+        """One agreement of the close on the "control" channel; a failure is logged once."""
+        try:
+            everyone = await self._exchange("control", mine)
+        except Exception as exc:
+            if not self.close_warned:
+                self.close_warned = True
+                logger.warning(
+                    "tiercheck: closing without the other ranks: could not agree that %s (%s)",
+                    what,
+                    exc,
+                )
+            return False
+        return all(all(bool(v) for v in e.values()) for e in everyone)
+
+    async def _release(self, *, flush: bool) -> None:
+        """Release everything local. Touches neither the store nor another rank."""
         if self.base is not None:
             self.base.holder.drop()
             self.base = None
@@ -1957,15 +2101,41 @@ class _Engine:
                 await tier.aclose()
             except Exception:
                 logger.exception("tiercheck: closing the %r tier failed", tier.name)
-        self.manifest_exec.shutdown(wait=True)
+        self.manifest_exec.shutdown(wait=True)  # local appends only
         if self.manifest is not None:
             self.manifest.close()
         for ex in self.channel_exec.values():
-            ex.shutdown(wait=flush)
-        self.coordinator.close()
+            # An exchange still waiting on a dead rank stays on its daemon thread.
+            ex.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.coordinator.close()
+        except Exception:
+            logger.exception("tiercheck: closing the coordination groups failed")
         self.cpu.shutdown(wait=flush)
         self.pool.clear()
         self.lock.release()
+
+
+def _when_all_done(futures: Sequence[concurrent.futures.Future[Any]]) -> asyncio.Event:
+    """An event set once every future is done. The futures are neither awaited nor cancelled:
+    they belong to the caller's save handles."""
+    loop = asyncio.get_running_loop()
+    settled = asyncio.Event()
+    left = len(futures)
+    lock = threading.Lock()
+    if not futures:
+        settled.set()
+
+    def one_done(_: concurrent.futures.Future[Any]) -> None:
+        nonlocal left
+        with lock:
+            left -= 1
+            if left == 0:
+                loop.call_soon_threadsafe(settled.set)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return settled
 
 
 # --- the public face -------------------------------------------------------------------------
@@ -2003,6 +2173,7 @@ class _CheckpointerCore:
         threads: int = 0,
         storage_options: Mapping[str, Any] | None = None,
         stale_memory: StalePolicy = "error",
+        close_timeout: float = 30.0,
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -2046,6 +2217,12 @@ class _CheckpointerCore:
                 another run of the same ``job_id`` (another durable location, or a location
                 that was made anew): ``"error"`` (default) refuses to open with
                 :class:`~tiercheck.errors.StaleMemory`, ``"discard"`` deletes that memory.
+            close_timeout: seconds the close may spend on each step that can wait on something
+                it does not control: when leaving ``with``/``async with`` on an exception, the
+                wait for the saves in flight (memory tiers first; no agreement with other
+                ranks, which may be failing too), and stopping the peer tier's server. The
+                normal close waits for every save without this bound (each exchange with
+                another rank is bounded by ``peer_timeout``).
 
         Opening refuses, with a typed error and before anything is read or changed: a second
         live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a
@@ -2071,6 +2248,10 @@ class _CheckpointerCore:
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise ConfigError(
                 f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
+            )
+        if not isinstance(close_timeout, (int, float)) or not close_timeout >= 0:
+            raise ConfigError(
+                f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}"
             )
         topology = Topology.detect(rank, world_size, ranks_per_node)
         if coordinator is not None and (
@@ -2145,6 +2326,7 @@ class _CheckpointerCore:
             threads=threads or os.cpu_count() or 1,
             storage_options=dict(storage_options or {}),
             stale_memory=stale_memory,
+            close_timeout=float(close_timeout),
         )
         self._loop: LoopThread | None = None
         self._engine: _Engine | None = None
@@ -2230,7 +2412,7 @@ class Checkpointer(_CheckpointerCore):
         try:
             await loop.run(engine.open())
         except BaseException:
-            await self._shutdown(flush=False)
+            await self._shutdown("now")
             raise
         return self
 
@@ -2246,8 +2428,11 @@ class Checkpointer(_CheckpointerCore):
     async def __aenter__(self) -> Checkpointer:
         return await self.open()
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        # On an exception the other ranks may be failing too: no agreement, a bounded flush.
+        await self._shutdown("collective" if exc_type is None else "bounded")
 
     async def save(self, version: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` as ``version`` and return once training may modify it again."""
@@ -2294,16 +2479,25 @@ class Checkpointer(_CheckpointerCore):
         return await loop.run(engine.versions())
 
     async def aclose(self, *, flush: bool = True) -> None:
-        """Finish the saves in flight (unless ``flush=False``), then release everything."""
-        await self._shutdown(flush=flush)
+        """Finish the saves in flight, then release everything; every rank must call it.
 
-    async def _shutdown(self, *, flush: bool) -> None:
+        The normal end of a job, collective: once every rank's saves are done, the ranks
+        agree on it, stop their peer servers (the last use of the job's key-value store) and
+        agree again, so that no rank leaves while another still needs the store or a peer.
+        A rank or store that is gone is logged once and never makes this raise or hang
+        beyond ``peer_timeout`` per exchange and ``close_timeout`` per local step.
+        ``flush=False`` waits for nothing and agrees with no one: pending saves are abandoned
+        (leaving ``async with`` on an exception waits for them ``close_timeout`` at most).
+        """
+        await self._shutdown("collective" if flush else "now")
+
+    async def _shutdown(self, how: CloseMode) -> None:
         self._closed = True
         if self._loop is None or self._engine is None:
             return
         loop, engine = self._loop, self._engine
         try:
-            await loop.run(engine.aclose(flush))
+            await loop.run(engine.aclose(how))
         finally:
             loop.stop()
             self._loop = None

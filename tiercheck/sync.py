@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiercheck.checkpointer import Restored, SaveHandle, _CheckpointerCore
+from tiercheck.checkpointer import CloseMode, Restored, SaveHandle, _CheckpointerCore
 
 __all__ = ["SyncCheckpointer"]
 
@@ -34,7 +34,7 @@ class SyncCheckpointer(_CheckpointerCore):
             try:
                 loop.call(engine.open())
             except BaseException:
-                self.close(flush=False)
+                self._close("now")
                 raise
         return self
 
@@ -66,13 +66,17 @@ class SyncCheckpointer(_CheckpointerCore):
         return loop.call(engine.versions())
 
     def close(self, *, flush: bool = True) -> None:
-        """Finish the saves in flight (unless ``flush=False``), then release everything."""
+        """Finish the saves in flight, then release everything; see
+        :meth:`Checkpointer.aclose` (collective; ``flush=False`` waits for nothing)."""
+        self._close("collective" if flush else "now")
+
+    def _close(self, how: CloseMode) -> None:
         self._closed = True
         if self._loop is None or self._engine is None:
             return
         loop, engine = self._loop, self._engine
         try:
-            loop.call(engine.aclose(flush))
+            loop.call(engine.aclose(how))
         finally:
             loop.stop()
             self._loop = None
@@ -80,5 +84,8 @@ class SyncCheckpointer(_CheckpointerCore):
     def __enter__(self) -> SyncCheckpointer:
         return self.open()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        # On an exception the other ranks may be failing too: no agreement, a bounded flush.
+        self._close("collective" if exc_type is None else "bounded")

@@ -7,11 +7,10 @@ its own on the holder, so each starts from an empty tier.
 
 from __future__ import annotations
 
-import os
+import asyncio
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -144,31 +143,190 @@ def test_replicas_go_to_the_next_nodes_never_the_same_one() -> None:
         assert all(t.node_of(r) != t.node_index for r in t.replica_targets(3))
 
 
-def test_a_dead_holder_fails_fast_after_one_timeout(tmp_path: Path) -> None:
-    """A holder that never answers costs one timeout, then the tier fails at once."""
-    import asyncio
+# --- a holder that is gone: fail fast, logged once --------------------------------------------
 
+
+def _lonely_tier(tmp_path: Path, store: Any, **kw: Any) -> PeerTier:
+    """Rank 0 of a two-node job whose holder (rank 1) never answers: nobody serves rank 1."""
+    kw.setdefault("timeout", 0.3)
+    return PeerTier(
+        topology=Topology(0, 2, 1),
+        holder_root=tmp_path / "holder0",
+        store=store,
+        group=object(),  # never reached: no request is ever answered
+        serve=False,
+        session="lonely",
+        **kw,
+    )
+
+
+def _requests_to(store: Any, rank: int, session: str = "lonely") -> int:
+    """How many requests were numbered for ``rank``'s server (``add(k, 0)`` reads a counter)."""
+    return int(store.add(f"tiercheck/peer/{session}/seq/{rank}", 0))
+
+
+async def _every_operation(tier: PeerTier) -> list[tuple[str, BaseException | None]]:
+    """Run each Tier operation once; what each raised (None: it did not raise)."""
+
+    async def listing() -> None:
+        async for _ in tier.list("v"):
+            pass
+
+    calls: dict[str, Any] = {
+        "put": lambda: tier.put("k", b"data"),
+        "get": lambda: tier.get("k"),
+        "delete": lambda: tier.delete("k"),
+        "exists": lambda: tier.exists("k"),
+        "size": lambda: tier.get_size("k"),
+        "list": listing,
+    }
+    outcomes: list[tuple[str, BaseException | None]] = []
+    for name, call in calls.items():
+        try:
+            await call()
+        except Exception as exc:
+            outcomes.append((name, exc))
+        else:
+            outcomes.append((name, None))
+    return outcomes
+
+
+async def test_after_one_failure_every_operation_towards_the_holder_fails_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One unanswered request marks the holder down: put, get, delete, exists, size and list
+    then raise PeerUnavailable without sending a request (so without waiting), and the dead
+    holder is logged once, as one WARNING line without a traceback."""
     from tiercheck.errors import PeerUnavailable
 
     store = dist.HashStore()  # type: ignore[attr-defined]
-    tier = PeerTier(
+    tier = _lonely_tier(tmp_path, store)
+    caplog.set_level("WARNING", logger="tiercheck")
+    with pytest.raises(PeerUnavailable):
+        await tier.delete("k")  # the one that waits for `timeout`
+    assert tier.is_down(1)
+    sent = _requests_to(store, 1)
+    outcomes = await _every_operation(tier)
+    assert [(name, type(exc)) for name, exc in outcomes] == [
+        (name, PeerUnavailable) for name in ("put", "get", "delete", "exists", "size", "list")
+    ]
+    assert _requests_to(store, 1) == sent, "a down holder is not asked again"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "rank 1 is unreachable" in warnings[0].getMessage()
+    assert warnings[0].exc_info is None
+    await tier.aclose()
+
+
+async def test_mark_down_makes_the_tier_fail_fast_at_once(tmp_path: Path) -> None:
+    """The caller may mark a holder down on its own knowledge; nothing is then sent to it."""
+    from tiercheck.errors import PeerUnavailable
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    tier = _lonely_tier(tmp_path, store, timeout=300)  # a wait would be for 300 s
+    assert not tier.is_down(1)
+    tier.mark_down(1, "its node was lost")
+    assert tier.is_down(1)
+    outcomes = await _every_operation(tier)
+    assert all(isinstance(exc, PeerUnavailable) for _, exc in outcomes), outcomes
+    assert _requests_to(store, 1) == 0
+    await tier.aclose()
+
+
+async def test_a_down_holder_is_tried_again_after_retry_after(tmp_path: Path) -> None:
+    """Down is for a while: after ``retry_after`` seconds the holder is asked again."""
+    from tiercheck.errors import PeerUnavailable
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    tier = _lonely_tier(tmp_path, store, retry_after=0.2)
+    tier.mark_down(1)
+    with pytest.raises(PeerUnavailable):
+        await tier.exists("k")
+    assert _requests_to(store, 1) == 0
+    await asyncio.sleep(0.3)
+    assert not tier.is_down(1)
+    with pytest.raises(PeerUnavailable):
+        await tier.exists("k")  # asked, and unanswered again
+    assert _requests_to(store, 1) == 1
+    assert tier.is_down(1)
+    await tier.aclose()
+
+
+async def test_a_store_error_marks_the_holder_down_too(tmp_path: Path) -> None:
+    """Not only a timeout: a store that fails (its host is gone) marks the holder down, and
+    closing then neither raises nor waits on the store."""
+    from tiercheck.errors import PeerUnavailable
+
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))  # type: ignore[attr-defined]
+    # A short store timeout: reconnecting to a store that is gone retries for that long.
+    client = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", host.port, 1, False, timeout=timedelta(seconds=2)
+    )
+    tier = _lonely_tier(tmp_path, client, timeout=30)
+    del host  # the store's host leaves
+    with pytest.raises(PeerUnavailable):
+        await tier.put("k", b"data")
+    assert tier.is_down(1)
+    await tier.aclose()
+
+
+# --- stopping the server ----------------------------------------------------------------------
+
+
+def _serving_tier(tmp_path: Path, store: Any) -> PeerTier:
+    return PeerTier(
         topology=Topology(0, 2, 1),
-        holder_root=tmp_path,
+        holder_root=tmp_path / "holder0",
         store=store,
-        group=object(),  # never reached: the request itself goes unanswered
-        serve=False,
-        timeout=0.5,
+        group=object(),
+        serve=True,
+        session="serving",
+        timeout=30,
     )
 
-    async def scenario() -> float:
-        with pytest.raises(PeerUnavailable):
-            await tier.put("k", b"data")
-        started = time.monotonic()
-        with pytest.raises(PeerUnavailable):
-            await tier.put("k", b"data")
-        elapsed = time.monotonic() - started
-        await tier.aclose()
-        return elapsed
 
-    assert asyncio.run(scenario()) < 0.2
-    assert os.path.isdir(tmp_path)
+async def test_stop_serving_is_the_last_store_traffic(tmp_path: Path) -> None:
+    """``stop_serving`` stops the server thread; ``aclose`` afterwards does not use the store."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    tier = _serving_tier(tmp_path, store)
+    assert await tier.stop_serving(timeout=20)
+    assert tier._server is not None
+    assert not tier._server.is_alive()
+    numbered = _requests_to(store, 0, "serving")
+    assert await tier.stop_serving(timeout=20)  # idempotent
+    await tier.aclose()
+    assert _requests_to(store, 0, "serving") == numbered
+
+
+async def test_stop_serving_skips_the_request_of_a_requester_that_died(tmp_path: Path) -> None:
+    """A requester that died between numbering its request and sending it leaves a hole the
+    server would wait on for its whole idle wait (60 s); stopping fills the hole and returns
+    promptly, with the server stopped."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    tier = _serving_tier(tmp_path, store)
+    store.add("tiercheck/peer/serving/seq/0", 1)  # numbered, never sent: the sender died
+    assert await tier.stop_serving(timeout=20)
+    assert tier._server is not None
+    assert not tier._server.is_alive()
+    await tier.aclose()
+
+
+async def test_stop_serving_with_the_store_gone_reports_and_never_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's host may leave first: stopping returns False, logs one WARNING line, and
+    ``aclose`` neither raises nor touches the store again."""
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))  # type: ignore[attr-defined]
+    # A short store timeout: reconnecting to a store that is gone retries for that long.
+    client = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", host.port, 1, False, timeout=timedelta(seconds=2)
+    )
+    tier = _serving_tier(tmp_path, client)
+    caplog.set_level("WARNING", logger="tiercheck")
+    del host
+    assert not await tier.stop_serving(timeout=20)
+    await tier.aclose()
+    ours = [r for r in caplog.records if r.name == "tiercheck" and r.levelname == "WARNING"]
+    assert len(ours) == 1, [r.getMessage() for r in ours]
+    assert "not stopped cleanly" in ours[0].getMessage()
+    assert ours[0].exc_info is None

@@ -50,6 +50,7 @@ __all__ = [
     "Reservation",
     "SupportsPrepare",
     "SupportsReserve",
+    "SupportsStopServing",
     "Tier",
     "validate_key",
 ]
@@ -241,3 +242,16 @@ class SupportsPrepare(Protocol):
     """
 
     async def prepare(self, nbytes: int) -> bool: ...
+
+
+@runtime_checkable
+class SupportsStopServing(Protocol):
+    """A tier that answers other ranks' requests and can stop doing so before ``aclose``.
+
+    The peer tier does. Stopping is the tier's last use of shared infrastructure (the job's
+    key-value store); a closing job stops every rank's server, agrees that all have stopped,
+    and only then lets ranks leave. Bounded by ``timeout`` seconds; returns whether the server
+    stopped cleanly (a store or peer that is gone is logged, not raised).
+    """
+
+    async def stop_serving(self, timeout: float | None = None) -> bool: ...

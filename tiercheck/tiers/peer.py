@@ -16,17 +16,37 @@ Transport, on the engine the training job already runs: ``torch.distributed``.
 
 Every request is two-phase where data moves: the requester asks, the holder prepares (or
 refuses: full, missing key) and answers, and only then do the bytes flow, so a refused put
-never leaves a send hanging. A holder that does not answer within ``timeout`` makes the
-operation fail with :class:`~tiercheck.errors.PeerUnavailable`, and the peer tier is marked
-down towards it for a while, so a dead peer costs one timeout, not one per save.
+never leaves a send hanging.
+
+A dead holder costs one failure, not one per operation. *Any* failed exchange with a holder --
+no answer within ``timeout``, a gloo transfer that fails, a store operation that fails --
+marks it **down** (logged once, at WARNING, without a traceback), and from then on every
+operation that needs it (put, get, delete, exists, size, list) fails at once with
+:class:`~tiercheck.errors.PeerUnavailable` instead of waiting. A down holder is tried again
+after ``retry_after`` seconds (default: ``timeout``), so a holder that was only slow, or a
+restarted one, is used again later; :meth:`PeerTier.mark_down` lets the caller mark one down
+on its own knowledge. A refusal by a live holder (missing key, full memory) is an answer, not
+a failure: it marks nothing.
+
+Blocking work (store waits, transfers) runs on daemon threads of the tier's own
+(:class:`~tiercheck._threads.DaemonExecutor`), never on ``asyncio.to_thread``'s executor, so a
+call still waiting on a dead holder never keeps the process alive at exit.
 
 A holder stores the replicas it keeps for others in its own node's shared memory (a
 :class:`~tiercheck.tiers.local.LocalTier` under ``holder_root``), so they survive the holder
 process crashing too -- only the loss of the holder's node takes them.
 
 Lifecycle: every rank constructs its ``PeerTier`` at the same point of the program (creating the
-process group is a collective); ``aclose`` stops the server thread. The peer tier is usable
-while the holders' processes are alive and serving: during training and during restore.
+process group is a collective). The peer tier is usable while the holders' processes are alive
+and serving: during training and during restore. Closing has two steps, because the store may
+be gone soon after the job ends (its host leaves once its own workers are done):
+
+1. :meth:`PeerTier.stop_serving` -- the last store traffic of this rank: it queues a "stop"
+   request behind every earlier one and waits (bounded) for the server thread to finish. A
+   job calls it on every rank once every rank is done saving, and leaves only after every rank
+   has stopped serving (the checkpointer's close does exactly that).
+2. :meth:`PeerTier.aclose` -- releases local resources and touches neither the store nor
+   another rank when serving was stopped before; otherwise it stops serving first, bounded.
 """
 
 from __future__ import annotations
@@ -40,11 +60,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
 
+from tiercheck._threads import DaemonExecutor
 from tiercheck.errors import (
     BlobNotFound,
     ConfigError,
@@ -58,6 +79,8 @@ from tiercheck.tiers.local import LocalTier
 from tiercheck.topology import Topology
 
 __all__ = ["PeerTier"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("tiercheck")
 
@@ -126,8 +149,8 @@ def _as_tensor(view: memoryview) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-class _Down(Exception):
-    """A holder is known to be unreachable (fail fast instead of timing out again)."""
+#: Blocking calls the tier may have in flight at once (puts, retention, restore, the stop).
+_MAX_THREADS = 16
 
 
 class PeerTier(Tier):
@@ -153,6 +176,8 @@ class PeerTier(Tier):
         chunk_bytes: size of each point-to-point message; bounds no buffer (data is received in
             place) but lets a huge blob move as several transfers.
         name: the tier's name.
+        retry_after: seconds a holder stays marked down after a failed exchange before it is
+            tried again (default: ``timeout``).
     """
 
     survives = FailureScope.NODE
@@ -172,12 +197,14 @@ class PeerTier(Tier):
         serve: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK,
         name: str = "peer",
+        retry_after: float | None = None,
     ) -> None:
         import torch.distributed as dist
 
         self.name = name
         self.topology = topology
         self.timeout = float(timeout)
+        self.retry_after = self.timeout if retry_after is None else float(retry_after)
         if topology.num_nodes < 2:
             raise ConfigError(
                 "the peer tier needs at least two nodes (it keeps replicas on another node); "
@@ -215,8 +242,12 @@ class PeerTier(Tier):
         )
         self._holder = LocalTier(Path(holder_root), name=f"{name}-holder")
         self._local = threading.local()
+        self._down_lock = threading.Lock()
         self._down_until: dict[int, float] = {}
+        self._threads = DaemonExecutor(_MAX_THREADS, f"tiercheck-peer-r{topology.rank}")
         self._stop = threading.Event()
+        self._stopped: bool | None = None  # how stop_serving ended, once it ran
+        self._waiting_for: int | None = None  # the request the idle server waits for
         self._server: threading.Thread | None = None
         self._server_loop = asyncio.new_event_loop()
         if serve:
@@ -241,7 +272,7 @@ class PeerTier(Tier):
                 view = memoryview(bytearray(view))
             views.append(view)
         for dst in self.targets:
-            await asyncio.to_thread(self._put_sync, dst, key, views)
+            await self._run(dst, self._put_sync, dst, key, views)
 
     async def get(self, key: str) -> Buffer:
         """The blob under ``key`` from the first holder that has it."""
@@ -250,7 +281,7 @@ class PeerTier(Tier):
         errors: list[BaseException] = []
         for dst in self.targets:
             try:
-                return await asyncio.to_thread(self._get_sync, dst, key)
+                return await self._run(dst, self._get_sync, dst, key)
             except BlobNotFound as exc:
                 missing = exc
             except (PeerUnavailable, StorageError) as exc:
@@ -263,13 +294,13 @@ class PeerTier(Tier):
         """Delete ``key`` on every holder (idempotent)."""
         self._check_key(key)
         for dst in self.targets:
-            await asyncio.to_thread(self._call, dst, {"op": "delete", "key": key})
+            await self._run(dst, self._call, dst, {"op": "delete", "key": key})
 
     async def exists(self, key: str) -> bool:
         """Whether any holder has ``key``."""
         self._check_key(key)
         for dst in self.targets:
-            reply = await asyncio.to_thread(self._call, dst, {"op": "exists", "key": key})
+            reply = await self._run(dst, self._call, dst, {"op": "exists", "key": key})
             if reply["exists"]:
                 return True
         return False
@@ -278,51 +309,124 @@ class PeerTier(Tier):
         """Size of ``key`` on the first holder that has it."""
         self._check_key(key)
         for dst in self.targets:
-            reply = await asyncio.to_thread(self._call, dst, {"op": "size", "key": key})
+            reply = await self._run(dst, self._call, dst, {"op": "size", "key": key})
             if reply["size"] >= 0:
                 return int(reply["size"])
         raise BlobNotFound(f"no holder of rank {self.topology.rank} has {key!r}")
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:
-        """Keys held for this rank, by prefix (the union over holders)."""
+        """Keys held for this rank, by prefix: the union over the holders that answer.
+
+        A holder that is down or fails is left out (it was logged when it went down); when no
+        holder answers, :class:`~tiercheck.errors.PeerUnavailable` is raised rather than an
+        empty listing that would look like "nothing stored".
+        """
         self._check_open()
         seen: set[str] = set()
+        errors: list[PeerUnavailable] = []
         for dst in self.targets:
             try:
-                reply = await asyncio.to_thread(self._call, dst, {"op": "list", "key": prefix})
-            except PeerUnavailable:
+                reply = await self._run(dst, self._call, dst, {"op": "list", "key": prefix})
+            except PeerUnavailable as exc:
+                errors.append(exc)
                 continue
             for key in reply["keys"]:
                 if key not in seen:
                     seen.add(key)
                     yield key
+        if len(errors) == len(self.targets):
+            raise errors[0]
+
+    def mark_down(self, rank: int, reason: str = "") -> None:
+        """Treat holder ``rank`` as unreachable for ``retry_after`` seconds (fail fast).
+
+        For a caller that learned by other means that the rank is gone. Logged once per
+        transition to down, like a failure the tier sees itself.
+        """
+        self._went_down(rank, reason or "marked down by the caller")
+
+    def is_down(self, rank: int) -> bool:
+        """Whether operations towards holder ``rank`` currently fail fast."""
+        with self._down_lock:
+            return time.monotonic() < self._down_until.get(rank, 0.0)
+
+    async def stop_serving(self, timeout: float | None = None) -> bool:
+        """Stop answering other ranks' requests; the last store traffic of this rank.
+
+        Queues a "stop" request to this rank's own server behind every earlier request and
+        waits for the server to finish them and exit, for at most ``timeout`` seconds
+        (default: the tier's ``timeout``). Returns whether it stopped in time; a store that
+        cannot be reached, or a server still busy at the deadline, is logged once (WARNING) and
+        left behind on its daemon thread. Idempotent: later calls return the first outcome.
+        """
+        if self._stopped is not None:
+            return self._stopped
+        self._stop.set()
+        if self._server is None:
+            self._stopped = True
+            return True
+        bound = self.timeout if timeout is None else max(0.0, float(timeout))
+        deadline = time.monotonic() + bound
+        loop = asyncio.get_running_loop()
+        problem = ""
+        try:
+            # Bounded: a store whose host is unreachable could block a store call for minutes.
+            await asyncio.wait_for(
+                loop.run_in_executor(self._threads, self._wake_server), timeout=bound
+            )
+        except TimeoutError:
+            problem = f"the store did not take the stop request within {bound:.0f}s"
+        except Exception as exc:  # the store is gone: the server's own wait fails and it exits
+            problem = f"the store could not be reached ({exc})"
+        left = max(0.0, deadline - time.monotonic())
+        server = self._server
+        await loop.run_in_executor(self._threads, server.join, left)
+        if server.is_alive():
+            problem = problem or f"the server was still busy after {bound:.0f}s"
+        self._stopped = not problem
+        if problem:
+            logger.warning(
+                "tiercheck: the peer server of rank %s was not stopped cleanly: %s; "
+                "left to end with the process",
+                self.topology.rank,
+                problem,
+            )
+        return self._stopped
 
     async def aclose(self) -> None:
-        """Stop serving (replicas stay in shared memory for a restarted process)."""
+        """Release everything (replicas stay in shared memory for a restarted process).
+
+        Touches neither the store nor another rank if :meth:`stop_serving` ran before;
+        otherwise stops serving first, for at most ``timeout`` seconds.
+        """
         if self._closed:
             return
         await super().aclose()
-        self._stop.set()
-        if self._server is not None:
-            await asyncio.to_thread(self._wake_server)
-            await asyncio.to_thread(self._server.join, self.timeout)
-        else:
+        if self._stopped is None:
+            await self.stop_serving()
+        if self._server is None:
             self._server_loop.close()
         await self._holder.aclose()
+        # Calls still blocked on a dead holder stay on their daemon threads; nothing waits.
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _wake_server(self) -> None:
-        """Queue a "stop" request to this rank's own server, behind every earlier request."""
-        import torch.distributed as dist
+        """Queue a "stop" request to this rank's own server, behind every earlier request.
 
+        Requests are numbered first and sent second, so a requester that died in between
+        left a hole the server would wait on; the holes before the stop request are filled
+        with "skip" requests (only where no request is: ``compare_set`` never overwrites one).
+        """
         me = self.topology.rank
-        try:
-            store = self._store_here()
-            seq = int(store.add(f"seq/{me}", 1))
-            message = {"op": "stop", "src": me, "seq": seq}
-            store.set(f"req/{me}/{seq}", msgpack.packb(message, use_bin_type=True))
-        except dist.DistError:
-            # The store is gone (its host rank died): the server's wait fails and it exits.
-            logger.warning("tiercheck: could not reach the store to stop the peer server")
+        store = self._store_here()
+        seq = int(store.add(f"seq/{me}", 1))
+        message = {"op": "stop", "src": me, "seq": seq}
+        store.set(f"req/{me}/{seq}", msgpack.packb(message, use_bin_type=True))
+        waiting_for = self._waiting_for
+        if waiting_for is not None:
+            skip = msgpack.packb({"op": "skip", "src": me, "seq": 0}, use_bin_type=True)
+            for hole in range(waiting_for, seq):
+                store.compare_set(f"req/{me}/{hole}", b"", skip)
 
     def __repr__(self) -> str:
         return f"PeerTier(rank={self.topology.rank}, targets={self.targets})"
@@ -337,16 +441,54 @@ class PeerTier(Tier):
             self._local.store = store
         return store
 
+    async def _run(self, dst: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, an exchange with holder ``dst``, on a daemon thread; fails at once
+        (without using a thread) while ``dst`` is down."""
+        self._check_up(dst)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self._guarded, dst, fn, *args)
+
+    def _guarded(self, dst: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run one exchange with ``dst``; any failure of it (not a refusal) marks ``dst`` down."""
+        self._check_up(dst)  # it may have gone down while this call was queued
+        try:
+            return fn(*args)
+        except TiercheckError:
+            raise  # PeerUnavailable marked it already; other errors are the holder's answers
+        except (RuntimeError, OSError, ValueError) as exc:
+            # A store operation or gloo transfer failed (torch raises RuntimeError subclasses,
+            # sockets OSError), or the holder's answer was garbled.
+            raise self._went_down(dst, f"{type(exc).__name__}: {exc}") from exc
+
     def _check_up(self, dst: int) -> None:
-        until = self._down_until.get(dst, 0.0)
-        if time.monotonic() < until:
+        with self._down_lock:
+            left = self._down_until.get(dst, 0.0) - time.monotonic()
+        if left > 0:
             raise PeerUnavailable(
-                f"rank {dst} (holder of rank {self.topology.rank}'s replicas) did not answer "
-                f"recently; not trying again for {until - time.monotonic():.0f}s"
+                f"rank {dst} (holder of rank {self.topology.rank}'s replicas) is unreachable; "
+                f"not trying it again for {left:.0f}s"
             )
 
+    def _went_down(self, dst: int, reason: str) -> PeerUnavailable:
+        """Mark ``dst`` down (logging the transition once); the error to raise for it."""
+        now = time.monotonic()
+        with self._down_lock:
+            was_up = now >= self._down_until.get(dst, 0.0)
+            self._down_until[dst] = max(self._down_until.get(dst, 0.0), now + self.retry_after)
+        if was_up:
+            logger.warning(
+                "tiercheck: peer tier of rank %s: rank %s is unreachable (%s); operations "
+                "towards it fail at once for the next %.0fs",
+                self.topology.rank,
+                dst,
+                reason,
+                self.retry_after,
+            )
+        return PeerUnavailable(
+            f"rank {dst} (holder of rank {self.topology.rank}'s replicas) is unreachable: {reason}"
+        )
+
     def _send_request(self, dst: int, message: dict[str, Any]) -> int:
-        self._check_up(dst)
         store = self._store_here()
         seq = int(store.add(f"seq/{dst}", 1))
         message = {**message, "src": self.topology.rank, "seq": seq, "ns": self.namespace}
@@ -362,10 +504,8 @@ class PeerTier(Tier):
         try:
             store.wait([key], datetime.timedelta(seconds=self.timeout))
         except dist.DistError as exc:
-            self._down_until[dst] = time.monotonic() + self.timeout
-            raise PeerUnavailable(
-                f"rank {dst} did not answer rank {self.topology.rank}'s request within "
-                f"{self.timeout:.0f}s; its node may be gone ({exc})"
+            raise self._went_down(
+                dst, f"no answer within {self.timeout:.0f}s, its node may be gone ({exc})"
             ) from exc
         reply: dict[str, Any] = msgpack.unpackb(store.get(key), raw=False)
         store.delete_key(key)
@@ -417,9 +557,8 @@ class PeerTier(Tier):
             for work in works:
                 work.wait()  # exactly once per work: a second wait on gloo breaks the pair
         except RuntimeError as exc:
-            self._down_until[peer] = time.monotonic() + self.timeout
-            raise PeerUnavailable(
-                f"moving data between ranks {self.topology.rank} and {peer} failed: {exc}"
+            raise self._went_down(
+                peer, f"moving data between ranks {self.topology.rank} and {peer} failed: {exc}"
             ) from exc
 
     # --- holder side: the server thread -------------------------------------------------------
@@ -434,6 +573,7 @@ class PeerTier(Tier):
             store = self._store.clone()
             for seq in itertools.count(1):
                 key = f"req/{me}/{seq}"
+                self._waiting_for = seq
                 while True:
                     try:
                         store.wait([key], _IDLE_WAIT)
@@ -441,17 +581,34 @@ class PeerTier(Tier):
                     except dist.DistStoreError:  # nothing yet: waiting again is safe
                         if self._stop.is_set():
                             return
+                        if store.check([f"req/{me}/{seq + 1}"]):
+                            break  # a hole: its requester died between numbering and asking
+                self._waiting_for = None
+                if not store.check([key]):
+                    logger.warning(
+                        "tiercheck: the peer server of rank %s skips request %s: its sender "
+                        "never sent it (it died while asking)",
+                        me,
+                        seq,
+                    )
+                    continue
                 message = msgpack.unpackb(store.get(key), raw=False)
                 store.delete_key(key)
                 if message["op"] == "stop":
                     return
+                if message["op"] == "skip":
+                    continue
                 try:
                     self._handle(store, message)
                 except Exception:
                     logger.exception("tiercheck: the peer server of rank %s failed a request", me)
-        except dist.DistError:
-            if not self._stop.is_set():
-                logger.exception("tiercheck: the peer server of rank %s lost the store", me)
+        except dist.DistError as exc:
+            if self._stop.is_set():  # closing, and the store left first: nothing is lost
+                logger.debug("tiercheck: the peer server of rank %s stopped: %s", me, exc)
+            else:
+                logger.warning(
+                    "tiercheck: the peer server of rank %s lost the store and stopped: %s", me, exc
+                )
         finally:
             self._server_loop.run_until_complete(self._server_loop.shutdown_default_executor())
             self._server_loop.close()
