@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import Checkpointer, ConfigError, SyncCheckpointer, TierWriteFailed
+from tiercheck import BlobNotFound, Checkpointer, ConfigError, SyncCheckpointer, TierWriteFailed
 from tiercheck.tiers import FailureScope, LocalTier
 from tiercheck.tiers.base import Buffer, Tier
 
@@ -45,7 +45,10 @@ class _StuckTier(Tier):
         self.blobs[key] = bytes(data)
 
     async def get(self, key: str) -> Buffer:
-        return self.blobs[key]
+        try:
+            return self.blobs[key]
+        except KeyError:
+            raise BlobNotFound(key) from None
 
     async def delete(self, key: str) -> None:
         self.blobs.pop(key, None)
@@ -90,8 +93,8 @@ async def test_leaving_on_an_exception_flushes_memory_then_gives_up(tmp_path: Pa
     assert stats.committed.get("local") == 1, "the memory tier's pending save was flushed"
     assert stats.committed.get("stuck", 0) == 0
     assert stuck.puts_cancelled == stuck.puts_started, "a stuck write is abandoned, not awaited"
-    # The flushed version restores.
-    async with _ckpt(tmp_path, _StuckTier()) as again:
+    # The flushed version restores (with the same durable tier: the memory is its job's).
+    async with _ckpt(tmp_path, stuck) as again:
         restored = await again.restore()
     assert restored is not None
     assert restored.version == 0

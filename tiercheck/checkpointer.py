@@ -490,6 +490,8 @@ class _Engine:
         self.manifest_failing = False
         self.closing = False
         self.close_warned = False
+        # Tiers whose trouble with another rank was logged (once per spell, see _peer_trouble).
+        self.peer_warned: set[str] = set()
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -497,22 +499,23 @@ class _Engine:
         cfg = self.cfg
         # Coordination first: creating process groups is a collective, and every rank must
         # create them in the same order (the coordinator's, then the peer tier's).
+        self.channel_exec["control"] = DaemonExecutor(1, "tiercheck-sync-control")
+        loop = asyncio.get_running_loop()
         if cfg.coordinator is not None:
             self.coordinator = cfg.coordinator
         elif self.topo.world_size > 1:
             from tiercheck.consistency.coordinator import TorchCoordinator
 
             names = [t.name if isinstance(t, Tier) else t for t in cfg.tiers]
-            self.coordinator = await asyncio.to_thread(
-                TorchCoordinator, ["control", *names], timeout=cfg.peer_timeout
+            # Creating groups waits on every rank: on a daemon thread, like every exchange.
+            self.coordinator = await loop.run_in_executor(
+                self.channel_exec["control"],
+                lambda: TorchCoordinator(["control", *names], timeout=cfg.peer_timeout),
             )
-        self.channel_exec["control"] = DaemonExecutor(1, "tiercheck-sync-control")
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
-        token = os.urandom(8).hex().encode()
-        self.session = (await asyncio.to_thread(self.coordinator.all_gather, "control", token))[
-            0
-        ].decode()
+        token = os.urandom(8).hex()
+        self.session = str((await self._exchange("control", {"token": token}))[0]["token"])
         # Every tier but the peer tier: constructing that one is a collective, so it waits
         # until every rank has passed the checks below (which fail on every rank alike).
         for spec in cfg.tiers:
@@ -1246,7 +1249,9 @@ class _Engine:
                     await self._check_fence(tier)
                 await tier.putv(key, parts)
             except Exception as exc:
-                if not isinstance(exc, Superseded):
+                if isinstance(exc, PeerUnavailable):
+                    self._peer_trouble(tier.name, f"writing {key}", exc)
+                elif not isinstance(exc, Superseded):
                     logger.warning(
                         "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
                     )
@@ -1267,6 +1272,20 @@ class _Engine:
                     job.holder.drop()
                 # Do not keep the last blob alive while waiting for the next one.
                 del item, parts
+
+    def _peer_trouble(self, tier: str, what: str, exc: BaseException) -> None:
+        """Another rank is gone or silent: one WARNING line per tier and spell, then DEBUG."""
+        if tier in self.peer_warned:
+            logger.debug("tiercheck: %s in %r: %s", what, tier, exc)
+            return
+        self.peer_warned.add(tier)
+        logger.warning(
+            "tiercheck: %s in the %r tier failed: %s (further failures of this kind are logged "
+            "at DEBUG until the tier works again)",
+            what,
+            tier,
+            exc,
+        )
 
     async def _check_fence(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""
@@ -1306,9 +1325,7 @@ class _Engine:
                 await self._round(tier, job)
             except PeerUnavailable as exc:  # expected when a rank dies: one line, no traceback
                 peers_gone = True
-                logger.warning(
-                    "tiercheck: version %s not committed in %r: %s", job.version, tier.name, exc
-                )
+                self._peer_trouble(tier.name, f"committing version {job.version}", exc)
                 self._fail(
                     job,
                     tier.name,
@@ -1340,8 +1357,12 @@ class _Engine:
             if not peers_gone:
                 try:
                     await self._retain(tier)
+                except PeerUnavailable as exc:
+                    self._peer_trouble(tier.name, "retention", exc)
                 except Exception:
                     logger.exception("tiercheck: retention in the %r tier failed", tier.name)
+                else:
+                    self.peer_warned.discard(tier.name)
             if isinstance(tier, SupportsPrepare) and self.reserve_size and queue.empty():
                 # Retention just freed memory to recycle: ready the next snapshot's, so the
                 # next save's reserve costs a rename instead of sizing and mapping pages.
@@ -1425,6 +1446,7 @@ class _Engine:
         self.committed[name].add(job.version)
         self._log(Commit(job.version, name))
         self.skip_logged = {c for c in self.skip_logged if c[0] != name}
+        self.peer_warned.discard(name)
         stats = job.handle.stats.tiers[name]
         stats.state = "committed"
         stats.seconds = time.perf_counter() - job.started

@@ -75,7 +75,8 @@ async def train(args: argparse.Namespace, events: Events) -> None:
     )
     try:
         async with ckpt:
-            restored = await ckpt.restore(state(-1))
+            # strict=False: a fresh optimizer has no moments yet; the version's are added.
+            restored = await ckpt.restore(state(-1), strict=False)
             start = 0
             if restored is not None:
                 opt.load_state_dict(restored.state["optim"])
