@@ -12,8 +12,8 @@ restarted one resumes.
 Gradients are all-reduced one parameter at a time (``ddp_bucket_cap_mb=0`` with
 ``ddp_find_unused_parameters=True``): a DDP wrapper otherwise reduces its first step in one
 bucket and later steps in rebuilt buckets, so the wrapper created at a resume would reduce that
-step in other groups than the uninterrupted run did, and could round the sums differently
-whatever the checkpoint holds (see ``lightning_ddp_train.py``).
+step in other groups than the uninterrupted run did, which with more than two ranks can round
+the sums differently whatever the checkpoint holds (see ``lightning_ddp_train.py``).
 
 Events go to ``<out>/events-r<rank>.jsonl`` (see ``_events.py``); the final weights to
 ``<out>/final-r<rank>.safetensors``.

@@ -10,10 +10,13 @@ tiny MLP of ``lightning_train.py`` (dropout, AdamW, a per-step LR schedule) with
 Gradients are all-reduced one parameter at a time. A DDP wrapper reduces its first step in one
 bucket holding every gradient and later steps in buckets rebuilt from the order gradients
 became ready, so a wrapper created at a resume reduces that step in other groups than the
-uninterrupted run did, and the sums may round differently whatever the checkpoint holds.
-``bucket_cap_mb=0`` with ``find_unused_parameters=True`` (which keeps DDP from starting with one
-bucket) gives every parameter a bucket of its own from the first step on, so the reduction is
-the same at every step and the resumed run must match the uninterrupted one bit for bit.
+uninterrupted run did. With two ranks that cannot change a sum (a + b is b + a, bit for bit);
+with more, the all-reduce adds in an order that depends on the grouping and may round
+differently whatever the checkpoint holds. ``bucket_cap_mb=0`` with
+``find_unused_parameters=True`` (which keeps DDP from starting with one bucket) gives every
+parameter a bucket of its own from the first step on, so the reduction is the same at every
+step for any number of ranks, and the comparison with the uninterrupted run is exact by
+construction, not by the luck of two ranks.
 
 Events go to ``<out>/events-r<rank>.jsonl`` (see ``_events.py``); the final weights to
 ``<out>/final-r<rank>.safetensors``.
