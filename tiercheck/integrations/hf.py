@@ -172,7 +172,8 @@ class TiercheckTrainerMixin:
 
     @property
     def tiercheck_checkpointer(self) -> SyncCheckpointer:
-        """The underlying checkpointer (opened on first use, closed at the end of ``train``)."""
+        """The underlying checkpointer (opened on first use, closed at the end of ``train``;
+        under DDP opening is collective, so touch it on every rank)."""
         return self._tiercheck.checkpointer
 
     @property

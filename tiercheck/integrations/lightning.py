@@ -166,7 +166,8 @@ class TiercheckCheckpointIO(CheckpointIO):
 
     @property
     def checkpointer(self) -> SyncCheckpointer:
-        """The underlying checkpointer (opened on first use)."""
+        """The underlying checkpointer (opened on first use; under DDP opening is collective,
+        so touch it on every rank, after the process group exists)."""
         return self._session.checkpointer
 
     @property
@@ -461,8 +462,8 @@ def _check_ddp(strategy: DDPStrategy) -> None:
         )
     start = getattr(strategy, "_start_method", "popen")
     if start != "popen":
-        # The processes fit runs in are forks or spawns of the one that called fit: what they
-        # restore and save stays there, and resume_path() ran in a process that trains not.
+        # There fit trains in processes forked or spawned by the one that called it, and what
+        # they restore and save never reaches that one; neither path is tested, so refused.
         raise ConfigError(
             f"{_COVERED}; DDP started by {start!r} (ddp_spawn, ddp_fork, ddp_notebook) is not "
             "covered: use strategy='ddp' and launch with torchrun, or let Lightning start the "
