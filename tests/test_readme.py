@@ -7,6 +7,7 @@ share storage with each other or with a user's own runs.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -58,3 +59,60 @@ def test_the_use_example_runs_and_resumes(tmp_path: Path) -> None:
     assert "starting at step 200" in outputs[1]  # the second run found the first one's work
     for out in outputs:
         assert "newest durable version: 190" in out  # bases every 10 steps are durable
+
+
+def _script(tmp_path: Path, name: str, job: str) -> tuple[Path, str]:
+    """The example ``name`` written to ``tmp_path``, storing under a fresh job name there."""
+    code = example(name)
+    assert '"file:///tmp/tiercheck-demo"' in code
+    assert f'"{job}"' in code
+    fresh = f"readme-{uuid.uuid4().hex[:8]}"
+    code = code.replace('"file:///tmp/tiercheck-demo"', repr((tmp_path / "ckpt").as_uri()))
+    code = code.replace(f'"{job}"', repr(fresh))
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    return script, fresh
+
+
+def _run(command: list[str], cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=cwd, env=env, check=False
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_lightning_ddp_example_resumes_under_either_launcher(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the example needs the 'lightning' extra")
+    script, job = _script(tmp_path, "lightning-ddp", "lightning-ddp-demo")
+    try:
+        # Lightning starts the second process itself, then torchrun starts both.
+        first = _run([sys.executable, str(script)], tmp_path)
+        second = _run([*TORCHRUN, str(script)], tmp_path)
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    assert "started from scratch" in first
+    assert "started from step 200 (local tier)" in second  # the newest version, max_steps
+    assert (tmp_path / "final.pt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_hf_example_resumes_under_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the example needs the 'hf' extra")
+    pytest.importorskip("accelerate", reason="the example needs the 'hf' extra")
+    script, job = _script(tmp_path, "hf", "gpt2-demo")
+    try:
+        first = _run([*TORCHRUN, str(script)], tmp_path)
+        second = _run([*TORCHRUN, str(script)], tmp_path)
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    assert "started from scratch" in first
+    assert "started from step 60 (local tier)" in second
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()

@@ -60,24 +60,28 @@ class Batches:
     """Batches of a fixed generated dataset, in an order drawn per epoch from its own seed.
 
     Resumable: ``state_dict`` records the epoch and how many batches of it were handed out, and
-    iteration after ``load_state_dict`` continues from there.
+    iteration after ``load_state_dict`` continues from there. With ``world > 1`` it serves rank
+    ``rank``'s share of each epoch's order (every ``world``-th sample), as a distributed sampler
+    would.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
         gen = torch.Generator().manual_seed(1234)
         self.x = torch.randn(BATCHES * BATCH, WIDTH, generator=gen)
         self.y = torch.randn(BATCHES * BATCH, 1, generator=gen)
+        self.rank, self.world = rank, world
         self.epoch = 0
         self.served = 0
 
     def __len__(self) -> int:
-        return math.ceil(len(self.x) / BATCH)
+        return math.ceil(len(self.x) / self.world / BATCH)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.served >= len(self):  # the previous epoch was finished
             self.epoch += 1
             self.served = 0
         order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.epoch))
+        order = order[self.rank :: self.world]
         while self.served < len(self):
             idx = order[self.served * BATCH : (self.served + 1) * BATCH]
             self.served += 1

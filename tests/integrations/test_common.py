@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tiercheck import ConfigError, RestoreError, VersionError
-from tiercheck.integrations import LATEST, parse_name, version_name
+from tiercheck.integrations import LATEST, RESUME, parse_name, version_name
 from tiercheck.integrations._common import Session, capture_rng, restore_rng
 
 FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
@@ -110,3 +111,41 @@ def test_newest_only_restore_drops_nothing(tmp_path: Path) -> None:
 def test_session_needs_a_job_id() -> None:
     with pytest.raises(ConfigError):
         Session("", {})
+
+
+def test_resume_name() -> None:
+    assert parse_name(RESUME) == "resume"
+    assert RESUME not in (LATEST, version_name(0))
+
+
+def _options(tmp_path: Path, **more: object) -> dict[str, object]:
+    return {"local_root": tmp_path / "shm", "persistent": (tmp_path / "durable").as_uri(), **more}
+
+
+def test_holds_anything_looks_without_opening(tmp_path: Path) -> None:
+    session = Session("peek", _options(tmp_path))
+    assert session.holds_anything() is False
+    # Looking created nothing: no job record, no lock, no folder.
+    assert not (tmp_path / "durable").exists()
+    assert not (tmp_path / "shm").exists()
+
+    # Opening writes the job record, before any save.
+    assert session.checkpointer.job_id == "peek"
+    session.close()
+    assert Session("peek", _options(tmp_path)).holds_anything() is True
+    assert Session("other", _options(tmp_path)).holds_anything() is False
+
+
+def test_holds_anything_sees_the_nodes_memory(tmp_path: Path) -> None:
+    session = Session("mem", _options(tmp_path))
+    handle = session.save(1, lambda: {"w": torch.ones(2)})
+    assert handle is not None
+    session.close()
+    # The durable folder was emptied (an operator's mistake); the node's memory still has it.
+    shutil.rmtree(tmp_path / "durable")
+    assert Session("mem", _options(tmp_path)).holds_anything() is True
+
+
+def test_holds_anything_cannot_tell_without_the_persistent_tier(tmp_path: Path) -> None:
+    # Nothing is stored, but only the persistent tier can tell every rank so alike.
+    assert Session("solo", _options(tmp_path, tiers=["local"])).holds_anything() is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ pytest.importorskip("transformers", reason="the Trainer integration needs the 'h
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (the 'hf' extra)")
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -18,9 +20,10 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+from transformers.training_args import ParallelMode
 
 from tiercheck import ConfigError, RestoreError
-from tiercheck.integrations.hf import LATEST, TiercheckTrainer
+from tiercheck.integrations.hf import LATEST, RESUME, TiercheckTrainer, TiercheckTrainerMixin
 
 from .hf_train import SEQ, VOCAB, Tokens
 
@@ -113,7 +116,7 @@ def test_resume_true_is_the_newest_whole_version(tmp_path: Path) -> None:
 
 
 def test_resume_on_a_fresh_job_starts_fresh(tmp_path: Path) -> None:
-    for job, value in (("a", True), ("b", LATEST)):
+    for job, value in (("a", True), ("b", LATEST), ("c", RESUME)):
         trainer, start = _trainer(tmp_path, job=job, max_steps=3)
         trainer.train(resume_from_checkpoint=value)
         assert start.steps == [0]
@@ -180,3 +183,43 @@ def test_save_total_limit_bounds_what_is_stored(tmp_path: Path) -> None:
 def test_configurations_not_covered_are_refused(tmp_path: Path, overrides: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         _trainer(tmp_path, **overrides)
+
+
+def _covered(
+    backend: str = "NO", mode: str = "not_parallel", parallelism: object = None
+) -> SimpleNamespace:
+    """What ``_check_covered`` reads of a Trainer, for a configuration that cannot run here."""
+    args = SimpleNamespace(
+        parallel_mode=ParallelMode(mode), load_best_model_at_end=False, save_only_model=False
+    )
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType(backend), parallelism_config=parallelism
+    )
+    return SimpleNamespace(
+        args=args, accelerator=accelerator, is_deepspeed_enabled=False, is_fsdp_enabled=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [("NO", "not_parallel"), ("NO", "not_distributed"), ("MULTI_CPU", "distributed"),
+     ("MULTI_GPU", "distributed")],
+)  # fmt: skip
+def test_one_process_and_ddp_are_covered(backend: str, mode: str) -> None:
+    TiercheckTrainerMixin._check_covered(_covered(backend, mode))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        _covered("XLA", "tpu"),
+        _covered("MEGATRON_LM", "distributed"),
+        _covered("MULTI_XPU", "distributed"),
+        _covered("NO", "sagemaker_model_parallel"),
+        _covered("MULTI_GPU", "distributed", parallelism=object()),
+    ],
+    ids=["xla", "megatron", "xpu", "sagemaker_mp", "parallelism_config"],
+)
+def test_other_parallelism_is_refused_naming_what_is_covered(trainer: SimpleNamespace) -> None:
+    with pytest.raises(ConfigError, match="it covers one process, and DDP"):
+        TiercheckTrainerMixin._check_covered(trainer)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ pytest.importorskip("lightning", reason="the Lightning integration needs the 'li
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from tiercheck import ConfigError, RestoreError
 from tiercheck.integrations.lightning import (
     LATEST,
+    RESUME,
     TiercheckCallback,
     TiercheckCheckpointIO,
 )
@@ -257,3 +260,110 @@ def test_a_pointer_of_another_job_is_refused(tmp_path: Path) -> None:
 def test_every_n_train_steps_must_be_positive(every: Any) -> None:
     with pytest.raises(ConfigError):
         TiercheckCallback(every_n_train_steps=every)
+
+
+def test_resume_path_resumes_the_newest_version(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    trainer = _trainer(4, [io], [TiercheckCallback(every_n_train_steps=2)])
+    trainer.fit(Net(), train_dataloaders=Batches())
+
+    again = _io(tmp_path)
+    path = again.resume_path()
+    assert path == RESUME  # decided when fit loads it, by every rank together
+    assert again.restored is None
+    start = StartStep()
+    resumed = _trainer(8, [again], [TiercheckCallback(every_n_train_steps=2), start])
+    resumed.fit(Net(), train_dataloaders=Batches(), ckpt_path=path)
+    assert start.steps == [4]
+    assert again.restored is not None
+    assert again.restored.version == 4
+
+
+def _fresh_weights(root: Path, resume: bool) -> dict[str, torch.Tensor]:
+    L.seed_everything(0, verbose=False)
+    model = Net()
+    io = _io(root)
+    start = StartStep()
+    trainer = _trainer(4, [io], [TiercheckCallback(every_n_train_steps=2), start])
+    trainer.fit(model, train_dataloaders=Batches(), ckpt_path=RESUME if resume else None)
+    assert start.steps == [0]
+    assert io.restored is None
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_resume_with_nothing_restorable_starts_fresh(tmp_path: Path) -> None:
+    # A job opened once (so it has a job record) that never saved: killed before its first save.
+    opened = _io(tmp_path / "opened")
+    assert opened.checkpointer.versions()["local"] == []
+    opened.teardown()
+    assert opened.resume_path() == RESUME
+
+    resumed = _fresh_weights(tmp_path / "opened", resume=True)
+    fresh = _fresh_weights(tmp_path / "new", resume=False)
+    assert set(resumed) == set(fresh)
+    for name, value in resumed.items():  # exactly as ckpt_path=None
+        assert torch.equal(value, fresh[name]), name
+
+
+def _setup(strategy: Any, tmp_path: Path) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        plugins=[_io(tmp_path)],
+    )
+    TiercheckCallback().setup(trainer, Net(), "fit")
+    return trainer
+
+
+def test_ddp_saves_on_every_rank(tmp_path: Path) -> None:
+    trainer = _setup("ddp", tmp_path)
+    strategy = trainer.strategy
+    assert isinstance(strategy, DDPStrategy)
+    # Lightning's own save_checkpoint calls the CheckpointIO on global rank zero only.
+    assert "save_checkpoint" in vars(strategy)
+    calls: list[Any] = []
+    io = strategy.checkpoint_io
+    io.save_checkpoint = lambda *args, **kwargs: calls.append(args)  # type: ignore[method-assign]
+    with patch.object(DDPStrategy, "is_global_zero", new=False):
+        strategy.save_checkpoint({"global_step": 3}, "tiercheck:3")
+    assert calls == [({"global_step": 3}, "tiercheck:3")]
+
+
+class OwnCheckpoints(DDPStrategy):
+    """A DDP strategy writing checkpoints its own way, as DeepSpeed's does."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp_spawn", "ddp_fork", ModelParallelStrategy(), OwnCheckpoints()],
+    ids=["ddp_spawn", "ddp_fork", "model_parallel", "ddp_subclass"],
+)
+def test_strategies_not_covered_are_refused_naming_what_is(strategy: Any, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"covers SingleDeviceStrategy .* and DDPStrategy"):
+        _setup(strategy, tmp_path)
+
+
+class ShardedAdamW(torch.optim.AdamW):
+    """An optimizer that, like ZeroRedundancyOptimizer, keeps its state across ranks."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers the state on rank ``to`` (Lightning calls it before every checkpoint)."""
+
+
+class ShardedNet(Net):
+    def configure_optimizers(self) -> Any:
+        return ShardedAdamW(self.parameters(), lr=1e-2)
+
+
+def test_optimizers_that_shard_their_state_are_refused(tmp_path: Path) -> None:
+    trainer = _trainer(2, [_io(tmp_path)], [TiercheckCallback(every_n_train_steps=2)])
+    with pytest.raises(ConfigError, match="ShardedAdamW shards its state"):
+        trainer.fit(ShardedNet(), train_dataloaders=Batches())

@@ -13,6 +13,6 @@ directly: :data:`LATEST` (``"tiercheck:latest"``, the newest version every rank 
 
 from __future__ import annotations
 
-from tiercheck.integrations._common import LATEST, parse_name, version_name
+from tiercheck.integrations._common import LATEST, RESUME, parse_name, version_name
 
-__all__ = ["LATEST", "parse_name", "version_name"]
+__all__ = ["LATEST", "RESUME", "parse_name", "version_name"]

@@ -1,26 +1,37 @@
 """What both trainer integrations share: checkpoint names, RNG states, the lazy checkpointer.
 
 Nothing here imports Lightning or transformers.
+
+Several processes: a :class:`Session` opens its checkpointer on first use, and opening, saving
+and restoring are collective (every rank, in the same order, after ``torch.distributed`` is
+initialized). The integrations therefore make every rank save and load, and decide before the
+process group exists only what every rank can decide alike: :meth:`Session.holds_anything`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.checkpointer import DEFAULT_PERSISTENT_DIR, Restored, SaveHandle
+from tiercheck.consistency.identity import JOB_KEY
 from tiercheck.errors import ConfigError, RestoreError
+from tiercheck.guard import node_holds_data
 from tiercheck.sync import SyncCheckpointer
 
 __all__ = [
     "LATEST",
     "PREFIX",
+    "RESUME",
     "Session",
     "Target",
     "capture_rng",
@@ -35,10 +46,15 @@ PREFIX = "tiercheck:"
 #: The name of "the newest version every rank can rebuild, from the fastest tier holding it".
 LATEST = "tiercheck:latest"
 
+#: The name of "the newest version every rank can rebuild, or a fresh start when there is none":
+#: :data:`LATEST`, except that finding nothing restorable is not an error. It is decided when
+#: loaded, by every rank together, so it can be handed out before the process group exists.
+RESUME = "tiercheck:resume"
+
 _VERSION = re.compile(r"^tiercheck:(\d+)$")
 
-#: What a checkpoint name asks for: one version, or the newest restorable one.
-Target = int | Literal["latest"]
+#: What a checkpoint name asks for: one version, the newest restorable one, or that or nothing.
+Target = int | Literal["latest", "resume"]
 
 
 def version_name(version: int) -> str:
@@ -49,10 +65,12 @@ def version_name(version: int) -> str:
 
 
 def parse_name(name: object) -> Target | None:
-    """The version a ``tiercheck:`` name addresses, ``"latest"``, or ``None`` for other names.
+    """The version a ``tiercheck:`` name addresses, ``"latest"``, ``"resume"``, or ``None`` for
+    other names.
 
-    Raises :class:`~tiercheck.errors.ConfigError` for a ``tiercheck:`` name that is neither
-    ``tiercheck:latest`` nor ``tiercheck:<step>``, so that a typo never reads as a file path.
+    Raises :class:`~tiercheck.errors.ConfigError` for a ``tiercheck:`` name that is none of
+    ``tiercheck:latest``, ``tiercheck:resume`` and ``tiercheck:<step>``, so that a typo never
+    reads as a file path.
     """
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
@@ -60,10 +78,13 @@ def parse_name(name: object) -> Target | None:
         return None
     if name == LATEST:
         return "latest"
+    if name == RESUME:
+        return "resume"
     match = _VERSION.match(name)
     if match is None:
         raise ConfigError(
-            f"{name!r} is not a tiercheck checkpoint name; use {LATEST!r} or 'tiercheck:<step>'"
+            f"{name!r} is not a tiercheck checkpoint name; use {LATEST!r}, {RESUME!r} or "
+            "'tiercheck:<step>'"
         )
     return int(match.group(1))
 
@@ -151,7 +172,8 @@ class Session:
         return handle
 
     def restore(self, target: Target, *, newest_only: bool = False) -> Restored | None:
-        """Restore ``target``; ``None`` when ``"latest"`` finds nothing restorable.
+        """Restore ``target``; ``None`` when ``"latest"`` or ``"resume"`` finds nothing
+        restorable. Collective: every rank calls it.
 
         Restoring an older version drops every newer one (the run continues from there, see
         :meth:`~tiercheck.Checkpointer.restore`). With ``newest_only``, ``target`` must be the
@@ -159,7 +181,7 @@ class Session:
         otherwise :class:`~tiercheck.errors.RestoreError`.
         """
         ckpt = self.checkpointer
-        if target == "latest":
+        if isinstance(target, str):  # "latest" or "resume"
             restored = ckpt.restore()
         elif newest_only:
             restored = ckpt.restore()
@@ -182,3 +204,46 @@ class Session:
         ckpt, self._ckpt = self._ckpt, None
         if ckpt is not None:
             ckpt.close()
+
+    def holds_anything(self) -> bool:
+        """Whether anything of the job may be stored, judged without the other ranks.
+
+        Opens nothing, takes no lock, writes nothing, and needs no process group: it looks at
+        the job's folder in the persistent tier (the same for every rank) and at this node's
+        memory (the same for every rank of the node). ``False`` only when both are empty, and
+        only when the persistent tier is the built-in one (other durable tiers cannot be read
+        before the checkpointer opens): then the job has never been opened there, and the
+        ranks of a job all come to the same answer. Raises what the persistent tier raises
+        when it cannot be read (:class:`~tiercheck.errors.StorageError`,
+        :class:`~tiercheck.errors.ConfigError`).
+        """
+        # Configuring opens nothing; it validates the options and places this rank's node.
+        ckpt = SyncCheckpointer(self.job_id, **self.options)
+        tiers = self.options.get("tiers")
+        if tiers is not None and "persistent" not in [t for t in tiers if isinstance(t, str)]:
+            return True
+        if node_holds_data(ckpt.node_root):
+            return True
+        url = self.options.get("persistent") or Path(DEFAULT_PERSISTENT_DIR).resolve().as_uri()
+        # The job's folder as the checkpointer names it (tiercheck.checkpointer, _make_tier).
+        folder = str(url).rstrip("/") + "/" + self.job_id
+        options = self.options.get("storage_options")
+        # A thread of its own: the caller may be running an event loop.
+        with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-peek") as pool:
+            return pool.submit(asyncio.run, _durable_holds(folder, options)).result()
+
+
+async def _durable_holds(folder: str, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether the persistent job folder holds a job record, or anything else at all."""
+    from tiercheck.tiers.persistent import PersistentTier
+
+    tier = PersistentTier(folder, storage_options=storage_options)
+    try:
+        if await tier.exists(JOB_KEY):
+            return True
+        # Jobs saved before job records existed have only versions.
+        async for _key in tier.list():
+            return True
+        return False
+    finally:
+        await tier.aclose()

@@ -18,10 +18,10 @@ is copied to host memory and the tiers are written in the background.
 
 ``resume_from_checkpoint`` values:
 
-* ``True`` or ``"tiercheck:latest"`` -- the newest version every rank can rebuild, from the
-  fastest tier holding it; versions torn by a crash or corrupt on every tier are never chosen.
-  Unlike stock ``Trainer``, a job with nothing restorable starts fresh (logged), so one script
-  serves the first launch and every restart.
+* ``True``, ``"tiercheck:latest"`` or ``"tiercheck:resume"`` -- the newest version every rank
+  can rebuild, from the fastest tier holding it; versions torn by a crash or corrupt on every
+  tier are never chosen. Unlike stock ``Trainer``, a job with nothing restorable starts fresh
+  (logged), so one script serves the first launch and every restart.
 * ``"tiercheck:<step>"`` or a path ending in ``checkpoint-<step>`` (the folder need not exist)
   -- exactly version ``<step>``; newer versions are dropped, as the run continues from there.
 * a real checkpoint folder written by stock ``Trainer`` (it holds ``trainer_state.json``) --
@@ -32,10 +32,23 @@ when to save; ``save_total_limit`` becomes the number of versions each tier keep
 ``tiercheck_options`` sets ``keep``); ``ignore_data_skip=False`` (the default) replays the data
 order exactly, so a resumed run ends bit-identical to an uninterrupted one.
 
-Covered: single-process training on one device. Not covered (refused with
-:class:`~tiercheck.errors.ConfigError`): several processes (DDP), DeepSpeed, FSDP,
-``load_best_model_at_end``, ``save_only_model``, hyperparameter search. Checkpoints are not
-pushed to the Hub (``trainer.push_to_hub()`` after training still works).
+Several processes (``torchrun`` or ``accelerate launch``, DDP): ``Trainer`` calls
+``_save_checkpoint`` on every rank, and so every rank stores its own part of each version: its
+RNG states and its copy of the replicated model, optimizer and scheduler (stock ``Trainer``
+writes the weights and optimizer from the main process only, the RNG file per process). A save
+and a restore are collective; ``accelerate`` has initialized the process group by the time the
+``Trainer`` exists, so the checkpointer opens with every rank, and ``resume_from_checkpoint``
+resolves to one version that every rank restores (each rank reads its own copy, from the
+fastest tier holding it). The data order is replayed by ``Trainer`` itself (its seeded sampler,
+sharded per rank, and the batches of the resumed epoch skipped).
+
+Covered: one process on one device (or several GPUs through ``DataParallel``), and DDP over
+several processes on CPUs (gloo) or CUDA GPUs. Not covered (refused with
+:class:`~tiercheck.errors.ConfigError`): DeepSpeed, FSDP, tensor/context parallelism
+(``parallelism_config``), other accelerate backends (XLA/TPU, Megatron-LM, SageMaker model
+parallel, other accelerators' DDP), ``load_best_model_at_end``, ``save_only_model``,
+hyperparameter search. Checkpoints are not pushed to the Hub (``trainer.push_to_hub()`` after
+training still works).
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.errors import ConfigError, FormatError
 from tiercheck.integrations._common import (
     LATEST,
+    RESUME,
     Session,
     Target,
     capture_rng,
@@ -70,7 +84,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "tiercheck.integrations.hf needs transformers and accelerate: pip install 'tiercheck[hf]'"
     ) from exc
 
-__all__ = ["LATEST", "TiercheckTrainer", "TiercheckTrainerMixin", "version_name"]
+__all__ = ["LATEST", "RESUME", "TiercheckTrainer", "TiercheckTrainerMixin", "version_name"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -79,6 +93,10 @@ _TRAINER_STATE_NAME = "trainer_state.json"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _NO_HP_SEARCH = "tiercheck's Trainer integration does not cover hyperparameter search"
 _STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state")
+# accelerate's DistributedType values for one process (NO) and plain DDP on CPUs or CUDA GPUs.
+_COVERED_BACKENDS = frozenset({"NO", "MULTI_CPU", "MULTI_GPU"})
+# TrainingArguments.parallel_mode values: one device, DataParallel in one process, DDP.
+_COVERED_MODES = frozenset({"not_parallel", "not_distributed", "distributed"})
 
 
 class TiercheckTrainerMixin:
@@ -127,22 +145,35 @@ class TiercheckTrainerMixin:
 
     def _check_covered(self) -> None:
         args = self.args
+        kind = getattr(self.accelerator, "distributed_type", "NO")
+        backend = str(getattr(kind, "value", kind))
+        mode = str(getattr(args.parallel_mode, "value", args.parallel_mode))
         refused = {
-            "several processes (DDP)": args.world_size > 1,
             "DeepSpeed": self.is_deepspeed_enabled,
             "FSDP": self.is_fsdp_enabled,
+            "tensor or context parallelism (parallelism_config)": (
+                getattr(self.accelerator, "parallelism_config", None) is not None
+            ),
+            f"accelerate's {backend} backend": not self.is_deepspeed_enabled
+            and not self.is_fsdp_enabled
+            and backend not in _COVERED_BACKENDS,
+            f"parallel mode {mode!r}": mode not in _COVERED_MODES,
             "load_best_model_at_end": args.load_best_model_at_end,
             "save_only_model": args.save_only_model,
         }
         bad = [name for name, on in refused.items() if on]
         if bad:
-            raise ConfigError(f"tiercheck's Trainer integration does not cover {', '.join(bad)}")
+            raise ConfigError(
+                f"tiercheck's Trainer integration does not cover {', '.join(bad)}; it covers one "
+                "process, and DDP over several processes on CPUs or CUDA GPUs (torchrun)"
+            )
 
     # --- public extras ----------------------------------------------------------------------
 
     @property
     def tiercheck_checkpointer(self) -> SyncCheckpointer:
-        """The underlying checkpointer (opened on first use, closed at the end of ``train``)."""
+        """The underlying checkpointer (opened on first use, closed at the end of ``train``;
+        under DDP opening is collective, so touch it on every rank)."""
         return self._tiercheck.checkpointer
 
     @property

@@ -12,12 +12,15 @@ Two objects, both required::
   load is resolved to a version and restored.
 * :class:`TiercheckCallback` links the trainer to the plugin, adds the global RNG states to each
   checkpoint and restores them when training starts (Lightning itself saves none), and
-  optionally saves every N optimizer steps.
+  optionally saves every N optimizer steps. Under DDP it also makes every rank save (below).
 
 Checkpoint names (``filepath`` when saving, ``ckpt_path`` when loading):
 
 * ``"tiercheck:latest"`` (:data:`LATEST`) -- load the newest version every rank can rebuild.
   Torn versions (a process killed mid-save, a corrupt blob) are never chosen.
+* ``"tiercheck:resume"`` (:data:`RESUME`, what :meth:`TiercheckCheckpointIO.resume_path`
+  returns) -- the same, or nothing at all when nothing is restorable: the trainer then starts
+  fresh, as with ``ckpt_path=None``.
 * ``"tiercheck:<step>"`` -- exactly that version. Saving under such a name writes no file.
 * any other path -- saving stores the version and writes a small *pointer file* at the path
   (JSON naming the job and the version; atomic on local filesystems) so that Lightning's
@@ -38,11 +41,27 @@ Since the pointer is written before ``save_checkpoint`` returns and the blobs ar
 by ``remove_checkpoint``, removal cannot race an in-flight save. A pointer whose version
 retention has since evicted fails to load with :class:`~tiercheck.errors.RestoreError`.
 
-Covered: single-process training (``SingleDeviceStrategy``: one CPU, GPU or other device).
-Not covered: multi-process strategies (DDP writes from rank 0 only, and FSDP, DeepSpeed and
-ModelParallel bypass ``CheckpointIO``), ``AsyncCheckpointIO`` wrapping (the plugin is already
-non-blocking), weights-only checkpoints (they cannot be resumed from), ``storage_options``, and
-the standalone ``pytorch_lightning`` package (this is built on ``lightning``).
+Several processes (``strategy="ddp"``): a tiercheck save and restore are collective, every rank
+storing its own part (its RNG states, its loader position, and its copy of the replicated model
+and optimizers), while Lightning hands a checkpoint to the ``CheckpointIO`` on global rank zero
+only. So at ``setup`` the callback makes the DDP strategy hand each checkpoint to the plugin on
+every rank (``trainer.save_checkpoint`` and ``ModelCheckpoint`` already run on every rank);
+pointer files are written, and removed, by global rank zero only, so ``ModelCheckpoint`` paths
+must be on storage every rank can read, as Lightning requires for its own checkpoints. Loading
+is collective the same way: every rank restores the one version they agree on. The checkpointer
+opens on first use, inside ``fit`` (after the process group exists); :meth:`resume_path` opens
+nothing and can be called before.
+
+Covered: single-process training (``SingleDeviceStrategy``: one CPU, GPU or other device) and
+``DDPStrategy`` (``strategy="ddp"``) started by ``torchrun`` (or another launcher that starts
+every process) or by Lightning itself, on CPUs (gloo) or GPUs. Not covered, refused with
+:class:`~tiercheck.errors.ConfigError` at ``setup``: strategies that write their own
+checkpoints (FSDP, ``ModelParallelStrategy``, DeepSpeed, XLA; a ``DDPStrategy`` subclass that
+overrides a checkpoint hook), DDP started by ``spawn``/``fork`` (``"ddp_spawn"``,
+``"ddp_notebook"``...), optimizers that shard their state (``ZeroRedundancyOptimizer``);
+also ``AsyncCheckpointIO`` wrapping (the plugin is already non-blocking), weights-only
+checkpoints (they cannot be resumed from), ``storage_options``, and the standalone
+``pytorch_lightning`` package (this is built on ``lightning``).
 """
 
 from __future__ import annotations
@@ -60,6 +79,7 @@ from tiercheck.codec import own_copy
 from tiercheck.errors import ConfigError, FormatError, RestoreError
 from tiercheck.integrations._common import (
     LATEST,
+    RESUME,
     Session,
     Target,
     capture_rng,
@@ -71,10 +91,11 @@ from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers._atomic import atomic_write
 
 try:
+    import lightning
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
     from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -84,7 +105,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
 
-__all__ = ["LATEST", "TiercheckCallback", "TiercheckCheckpointIO", "version_name"]
+__all__ = ["LATEST", "RESUME", "TiercheckCallback", "TiercheckCheckpointIO", "version_name"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -94,6 +115,21 @@ POINTER_FORMAT = "tiercheck.lightning-pointer/1"
 _BULK = frozenset({"state_dict", "optimizer_states"})
 # A pointer is a few dozen bytes; anything larger is an ordinary checkpoint, not read as JSON.
 _POINTER_MAX_BYTES = 4096
+# The strategy methods through which checkpoints are made, written and read. A strategy class
+# that overrides any of them (FSDP, DeepSpeed, XLA...) writes its own kind of checkpoint.
+_CHECKPOINT_HOOKS = (
+    "save_checkpoint",
+    "load_checkpoint",
+    "remove_checkpoint",
+    "lightning_module_state_dict",
+    "optimizer_state",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+)
+_COVERED = (
+    "tiercheck's Lightning integration covers SingleDeviceStrategy (one process) and "
+    "DDPStrategy (strategy='ddp', started by torchrun or by Lightning)"
+)
 
 
 class TiercheckCheckpointIO(CheckpointIO):
@@ -120,7 +156,6 @@ class TiercheckCheckpointIO(CheckpointIO):
         super().__init__()
         self._session = Session(job_id, options)
         self._trainer: weakref.ref[pl.Trainer] | None = None
-        self._cached: Restored | None = None
 
     # --- public extras ----------------------------------------------------------------------
 
@@ -131,7 +166,8 @@ class TiercheckCheckpointIO(CheckpointIO):
 
     @property
     def checkpointer(self) -> SyncCheckpointer:
-        """The underlying checkpointer (opened on first use)."""
+        """The underlying checkpointer (opened on first use; under DDP opening is collective,
+        so touch it on every rank, after the process group exists)."""
         return self._session.checkpointer
 
     @property
@@ -145,16 +181,18 @@ class TiercheckCheckpointIO(CheckpointIO):
         return self._session.restored
 
     def resume_path(self) -> str | None:
-        """Restore the newest restorable version now; return the ``ckpt_path`` that resumes it.
+        """The ``ckpt_path`` that resumes this job: :data:`RESUME`, or ``None`` when nothing of
+        the job is stored, so that one training script serves the first launch and every
+        restart: ``trainer.fit(model, ckpt_path=io.resume_path())``.
 
-        Returns ``"tiercheck:<step>"``, or ``None`` when nothing is restorable, so that one
-        training script serves the first launch and every restart:
-        ``trainer.fit(model, ckpt_path=io.resume_path())``. The restored state is kept until
-        the trainer loads it (no second read).
+        Opens nothing and needs no process group, so it can be called before ``fit`` under
+        ``torchrun`` or Lightning's own launcher: it only looks whether the job's persistent
+        folder or this node's memory holds anything (see
+        :meth:`~tiercheck.integrations._common.Session.holds_anything`). The version is chosen
+        when ``fit`` loads :data:`RESUME`, by every rank together: the newest version every
+        rank can rebuild, or a fresh start when none is restorable.
         """
-        restored = self._session.restore("latest")
-        self._cached = restored
-        return None if restored is None else version_name(restored.version)
+        return RESUME if self._session.holds_anything() else None
 
     # --- CheckpointIO -----------------------------------------------------------------------
 
@@ -178,17 +216,28 @@ class TiercheckCheckpointIO(CheckpointIO):
                 "weights-only checkpoints cannot be resumed from and are not stored in tiercheck; "
                 "save them with Lightning's default CheckpointIO (or export a version later)"
             )
+        sharded = [
+            type(opt).__name__
+            for opt in trainer.optimizers
+            if hasattr(getattr(opt, "_optimizer", opt), "consolidate_state_dict")
+        ]
+        if sharded:
+            raise ConfigError(
+                f"{_COVERED}, with optimizers whose state each rank holds whole; "
+                f"{', '.join(sharded)} shards its state across ranks"
+            )
         version = checkpoint["global_step"]
         named = parse_name(path)
-        if named == "latest":
-            raise ConfigError(f"{LATEST!r} names what to load; save under 'tiercheck:<step>'")
+        if named in ("latest", "resume"):
+            raise ConfigError(f"{path!r} names what to load; save under 'tiercheck:<step>'")
         if named is not None and named != version:
             raise ConfigError(
                 f"{path!r} names version {named}, but the trainer is at step {version}"
             )
         if self._session.save(version, lambda: checkpoint) is None:
             logger.debug("tiercheck: step %s is stored already; %s points to it", version, path)
-        if named is None:
+        # One pointer per checkpoint, as Lightning writes one file: global rank zero's.
+        if named is None and trainer.is_global_zero:
             self._write_pointer(path, version)
         if trainer.state.status != TrainerStatus.RUNNING:
             # No teardown will follow to finish this save: finish it now.
@@ -198,6 +247,10 @@ class TiercheckCheckpointIO(CheckpointIO):
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Restore the version ``path`` names (see the module docstring) and return it.
+
+        Collective under DDP: Lightning loads on every rank, and every rank restores the same
+        version (pointer files are read by every rank). For :data:`RESUME` with nothing
+        restorable it returns an empty checkpoint, which Lightning loads as nothing at all.
 
         Tensors come back on the CPU, whatever ``map_location`` says: Lightning copies them into
         the model's and optimizers' own tensors on their devices. ``weights_only`` needs no
@@ -213,6 +266,9 @@ class TiercheckCheckpointIO(CheckpointIO):
                 )
                 return loaded
         restored = self._restore(target)
+        if restored is None and target == "resume":
+            logger.info("tiercheck: job %r has nothing to resume; starting fresh", self.job_id)
+            return _nothing_to_resume()
         if restored is None:
             raise RestoreError(
                 f"job {self.job_id!r} has no restorable version for {path!r}; for a script that "
@@ -241,7 +297,6 @@ class TiercheckCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Finish every save in flight (every tier) and close the checkpointer."""
-        self._cached = None
         self._session.close()
 
     # --- internals --------------------------------------------------------------------------
@@ -262,9 +317,6 @@ class TiercheckCheckpointIO(CheckpointIO):
         )
 
     def _restore(self, target: Target) -> Restored | None:
-        cached, self._cached = self._cached, None
-        if cached is not None and target in ("latest", cached.version):
-            return cached
         # Outside fit (or without a trainer) nothing newer may be dropped.
         return self._session.restore(target, newest_only=not self._fitting())
 
@@ -309,10 +361,11 @@ class TiercheckCallback(pl.Callback):
 
     * At ``setup`` it finds the plugin in the trainer's strategy and links the two (the plugin
       needs the trainer to tell a resume from an evaluation load); it refuses strategies the
-      plugin does not cover.
-    * Its checkpoint state is the global RNG states (Python, numpy, torch, CUDA), taken when
-      each checkpoint is written; after a resume they are set again at ``on_train_start``,
-      after the sanity check and just before the first training batch.
+      plugin does not cover, and makes a DDP strategy hand checkpoints to the plugin on every
+      rank (see the module docstring).
+    * Its checkpoint state is the global RNG states (Python, numpy, torch, CUDA) of the rank,
+      taken when each checkpoint is written; after a resume they are set again at
+      ``on_train_start``, after the sanity check and just before the first training batch.
     * With ``every_n_train_steps=N`` it saves every N optimizer steps as ``tiercheck:<step>``
       (no file written; the save returns after the copy to host memory).
 
@@ -336,18 +389,28 @@ class TiercheckCallback(pl.Callback):
         self._pending_rng: dict[str, Any] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Link the trainer to its :class:`TiercheckCheckpointIO`; refuse what is not covered."""
+        """Link the trainer to its :class:`TiercheckCheckpointIO`; refuse what is not covered;
+        under DDP, make every rank save."""
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, TiercheckCheckpointIO):
             raise ConfigError(
                 "TiercheckCallback needs Trainer(plugins=[TiercheckCheckpointIO(...)]) and no "
                 f"wrapper around it; the strategy's CheckpointIO is {type(io).__name__}"
             )
-        if not isinstance(trainer.strategy, SingleDeviceStrategy) or trainer.world_size != 1:
+        strategy = trainer.strategy
+        if isinstance(strategy, SingleDeviceStrategy) and trainer.world_size == 1:
+            pass
+        elif isinstance(strategy, DDPStrategy):
+            _check_ddp(strategy)
+            _save_on_every_rank(strategy)
+        else:
             raise ConfigError(
-                "tiercheck's Lightning integration covers single-process training "
-                f"(SingleDeviceStrategy); got {type(trainer.strategy).__name__} with "
-                f"world_size={trainer.world_size}"
+                f"{_COVERED}; got {type(strategy).__name__} with world_size={trainer.world_size}"
+                + (
+                    ", which writes its own sharded checkpoints"
+                    if _overridden_hooks(strategy, Strategy)
+                    else ""
+                )
             )
         io._link(trainer)
 
@@ -381,3 +444,67 @@ class TiercheckCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep the RNG states of a loaded checkpoint for ``on_train_start``."""
         self._pending_rng = state_dict.get("rng")
+
+
+def _overridden_hooks(strategy: Strategy, base: type) -> list[str]:
+    """The checkpoint hooks that ``strategy``'s class implements differently from ``base``."""
+    cls = type(strategy)
+    return [name for name in _CHECKPOINT_HOOKS if getattr(cls, name) is not getattr(base, name)]
+
+
+def _check_ddp(strategy: DDPStrategy) -> None:
+    """Refuse DDP variants whose checkpoints or processes the integration does not cover."""
+    overridden = _overridden_hooks(strategy, DDPStrategy)
+    if overridden:
+        raise ConfigError(
+            f"{_COVERED}; {type(strategy).__name__} makes or reads checkpoints its own way "
+            f"({', '.join(overridden)})"
+        )
+    start = getattr(strategy, "_start_method", "popen")
+    if start != "popen":
+        # There fit trains in processes forked or spawned by the one that called it, and what
+        # they restore and save never reaches that one; neither path is tested, so refused.
+        raise ConfigError(
+            f"{_COVERED}; DDP started by {start!r} (ddp_spawn, ddp_fork, ddp_notebook) is not "
+            "covered: use strategy='ddp' and launch with torchrun, or let Lightning start the "
+            "processes"
+        )
+
+
+def _save_on_every_rank(strategy: DDPStrategy) -> None:
+    """Make ``strategy`` hand each checkpoint to its ``CheckpointIO`` on every rank.
+
+    ``Strategy.save_checkpoint`` calls the ``CheckpointIO`` on global rank zero only (the other
+    ranks hold the same replicated state); a tiercheck save is collective and each rank stores
+    its own part. ``trainer.save_checkpoint`` already runs on every rank and ends with a barrier.
+    """
+    if "save_checkpoint" in vars(strategy):
+        return  # done at an earlier setup of this trainer
+
+    def save_checkpoint(
+        checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        strategy.checkpoint_io.save_checkpoint(
+            checkpoint, filepath, storage_options=storage_options
+        )
+
+    # On the instance: this strategy object belongs to the trainer being set up.
+    vars(strategy)["save_checkpoint"] = save_checkpoint
+
+
+class _NothingToResume(dict[str, Any]):
+    """An empty checkpoint: what loading :data:`RESUME` gives when nothing is restorable.
+
+    Lightning reads one key of a loaded checkpoint unconditionally (its version, to migrate old
+    checkpoints) and then restores each part only if the checkpoint is truthy: this one holds
+    the version and is falsy, so nothing is restored and training starts fresh, exactly as
+    with ``ckpt_path=None``. (The decision can only be made while loading: it needs every
+    rank, and the ranks exist together only inside ``fit``.)
+    """
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def _nothing_to_resume() -> dict[str, Any]:
+    return _NothingToResume({"pytorch-lightning_version": lightning.__version__})

@@ -1,0 +1,72 @@
+"""Hugging Face Trainer with DDP under torchrun (2 CPU processes, gloo), killed and resumed
+through tiercheck.
+
+``hf_ddp_train.py`` trains a tiny GPT-2 with ``TiercheckTrainer``, accelerate sharding the data
+between the ranks, each rank with its own dropout stream, every rank saving every 3 steps. The
+final weights of an uninterrupted run are the reference. A run is SIGKILLed at random moments:
+first one rank (torchrun restarts the group, which resumes from the local tier), then the whole
+job, after which the node's memory is wiped (the relaunch resumes from the persistent tier). It
+must end with the reference's weights, bit for bit, on both ranks, the data order replayed by
+Trainer. Gradients are reduced one parameter per bucket, so that a DDP wrapper created at a
+resume reduces its first step as the uninterrupted run did (see the script's docstring).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the Trainer integration needs the 'hf' extra")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (the 'hf' extra)")
+pytest.importorskip("safetensors", reason="the runs write their weights with safetensors")
+
+from ._runs import Torchrun, assert_bit_equal, kill_rank_then_job, weights
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("hf_ddp_train.py")
+STEPS, EVERY = 30, 3  # as in hf_ddp_train.py
+
+
+def _args(root: Path, job: str, delay: float = 0.0) -> list[str]:
+    return [
+        "--job",
+        job,
+        "--memory",
+        str(root / "memory"),
+        "--durable",
+        (root / "durable").as_uri(),
+        "--delay",
+        str(delay),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of an uninterrupted run."""
+    root = tmp_path_factory.mktemp("hf-ddp-reference")
+    run = Torchrun(SCRIPT, _args(root, "ref"), root / "out", "ref")
+    run.finish()
+    resumed = run.resumed(0)
+    assert sorted(resumed) == [0, 1]
+    assert {r["version"] for r in resumed.values()} == {None}  # a fresh job starts fresh
+    assert run.committed("local") == list(range(EVERY, STEPS + 1, EVERY))
+    assert_bit_equal(
+        weights(root / "out/final-r0.safetensors"), weights(root / "out/final-r1.safetensors")
+    )
+    return root / "out"
+
+
+def test_one_rank_then_the_job_killed_resumes_bit_exact(tmp_path: Path, reference: Path) -> None:
+    kill_rank_then_job(
+        SCRIPT,
+        _args(tmp_path, "run", delay=0.1),
+        tmp_path / "out",
+        tmp_path / "memory",
+        seed=20261213,
+        linger=0.3,
+    )
+    for rank in (0, 1):
+        final = f"final-r{rank}.safetensors"
+        assert_bit_equal(weights(tmp_path / "out" / final), weights(reference / final))
