@@ -131,6 +131,18 @@ def test_the_sync_checkpointer_leaves_an_exception_the_same_way(tmp_path: Path) 
     assert stuck.puts_cancelled == stuck.puts_started
 
 
+def test_close_failed_is_the_bounded_close_of_an_error(tmp_path: Path) -> None:
+    """What integrations call when the trainer failed (they have no ``with`` to leave)."""
+    stuck = _StuckTier()
+    ckpt = _ckpt(tmp_path, stuck, cls=SyncCheckpointer, close_timeout=1.0)
+    handle = ckpt.save(0, {"w": torch.arange(64.0)})
+    assert stuck.entered.wait(GUARD_S)
+    ckpt.close(failed=True)  # a collective close would wait for the stuck write for ever
+    assert handle.committed("local")
+    assert not handle.committed("stuck")
+    assert stuck.puts_cancelled == stuck.puts_started == 1
+
+
 async def test_a_normal_end_waits_for_every_save(tmp_path: Path) -> None:
     """Without an exception nothing is abandoned: a slow (not stuck) tier is waited for."""
 

@@ -2500,7 +2500,7 @@ class Checkpointer(_CheckpointerCore):
         loop, engine = await self._ensure_open()
         return await loop.run(engine.versions())
 
-    async def aclose(self, *, flush: bool = True) -> None:
+    async def aclose(self, *, flush: bool = True, failed: bool = False) -> None:
         """Finish the saves in flight, then release everything; every rank must call it.
 
         The normal end of a job, collective: once every rank's saves are done, the ranks
@@ -2508,10 +2508,12 @@ class Checkpointer(_CheckpointerCore):
         agree again, so that no rank leaves while another still needs the store or a peer.
         A rank or store that is gone is logged once and never makes this raise or hang
         beyond ``peer_timeout`` per exchange and ``close_timeout`` per local step.
-        ``flush=False`` waits for nothing and agrees with no one: pending saves are abandoned
-        (leaving ``async with`` on an exception waits for them ``close_timeout`` at most).
+        ``flush=False`` waits for nothing and agrees with no one: pending saves are abandoned.
+        ``failed=True`` is the close of a rank leaving because of an error, as when it leaves
+        ``async with`` on an exception: no agreement (the other ranks may be failing too), the
+        saves in flight get ``close_timeout`` seconds, memory tiers first.
         """
-        await self._shutdown("collective" if flush else "now")
+        await self._shutdown("now" if not flush else "bounded" if failed else "collective")
 
     async def _shutdown(self, how: CloseMode) -> None:
         self._closed = True

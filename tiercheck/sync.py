@@ -65,10 +65,11 @@ class SyncCheckpointer(_CheckpointerCore):
         loop, engine = self.open()._start()
         return loop.call(engine.versions())
 
-    def close(self, *, flush: bool = True) -> None:
+    def close(self, *, flush: bool = True, failed: bool = False) -> None:
         """Finish the saves in flight, then release everything; see
-        :meth:`Checkpointer.aclose` (collective; ``flush=False`` waits for nothing)."""
-        self._close("collective" if flush else "now")
+        :meth:`Checkpointer.aclose` (collective; ``flush=False`` waits for nothing;
+        ``failed=True`` for a rank leaving on an error: bounded, no agreement)."""
+        self._close("now" if not flush else "bounded" if failed else "collective")
 
     def _close(self, how: CloseMode) -> None:
         self._closed = True

@@ -145,6 +145,8 @@ class Session:
         self.job_id = job_id
         self.options = dict(options)
         self._ckpt: SyncCheckpointer | None = None
+        #: Set when the trainer failed: the next :meth:`close` is the bounded one of an error.
+        self.failed = False
         #: The newest version saved or restored through this session.
         self.last_version: int | None = None
         #: The handle of the newest save (``None`` before the first).
@@ -199,11 +201,17 @@ class Session:
         self.restored = restored
         return restored
 
-    def close(self) -> None:
-        """Finish every save in flight in every tier, then release the checkpointer."""
+    def close(self, *, failed: bool = False) -> None:
+        """Finish every save in flight in every tier, then release the checkpointer.
+
+        ``failed=True`` (or :attr:`failed` set earlier): the trainer is leaving on an error, so
+        the close is bounded and waits for no other rank (see ``SyncCheckpointer.close``).
+        """
         ckpt, self._ckpt = self._ckpt, None
+        failed = failed or self.failed
+        self.failed = False
         if ckpt is not None:
-            ckpt.close()
+            ckpt.close(failed=failed)
 
     def holds_anything(self) -> bool:
         """Whether anything of the job may be stored, judged without the other ranks.

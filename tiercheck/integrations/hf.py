@@ -238,6 +238,10 @@ class TiercheckTrainerMixin:
                     ignore_keys_for_eval=ignore_keys_for_eval,
                     **kwargs,
                 )
+        except BaseException:
+            # Leaving on an error: the other ranks may be failing too; wait for no one.
+            self._tiercheck.failed = True
+            raise
         finally:
             self._tiercheck_state = None
             self._tiercheck.close()

@@ -431,6 +431,14 @@ class TiercheckCallback(pl.Callback):
         self._last_saved_step = step
         trainer.save_checkpoint(version_name(step))
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Training failed: the teardown that follows closes without waiting for other ranks."""
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, TiercheckCheckpointIO):
+            io._session.failed = True
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a resume, set the RNG states saved with the checkpoint."""
         if self._pending_rng is not None:
