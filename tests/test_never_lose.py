@@ -39,6 +39,10 @@ from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX
 from tiercheck.testing import LocalGroup
 
 from .helpers import TinyTrainer, assert_state_equal, clone_state
+from .tiers import conftest as tier_fixtures
+from .tiers.conftest import S3Server
+
+s3_server = tier_fixtures.s3_server  # a real S3-protocol server (moto) on loopback
 
 T = TypeVar("T")
 
@@ -526,3 +530,44 @@ def test_a_fresh_optimizer_is_restored_with_strict_false(tmp_path: Path) -> None
     fresh.opt.load_state_dict(restored.state["optim"])
     assert_state_equal(fresh.opt.state_dict()["state"], trainer.opt.state_dict()["state"])
     assert_state_equal(fresh.model.state_dict(), trainer.model.state_dict())
+
+
+# --- S3-compatible storage through storage_options ----------------------------------------------
+
+
+def test_s3_through_storage_options_and_a_wrong_endpoint_fails_at_open(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    url = s3_server.url()  # a real S3-protocol server (moto) on 127.0.0.1
+    options = s3_server.storage_options  # key, secret, client_kwargs={"endpoint_url": ...}
+    ckpt = SyncCheckpointer(
+        "job",
+        local_root=tmp_path / "s3-node",
+        persistent=url,
+        storage_options=options,
+        base_every=1,
+    )
+    with ckpt:
+        for v in range(3):
+            ckpt.save(v, state_of(v))
+        assert ckpt.wait()["persistent"] == 2
+    # Nothing of the node survives; the bucket does.
+    with SyncCheckpointer(
+        "job", local_root=tmp_path / "s3-other", persistent=url, storage_options=options
+    ) as again:
+        restored = again.restore()
+    assert restored is not None
+    assert (restored.version, restored.source_tier) == (2, "persistent")
+    assert_state_equal(restored.state, state_of(2))
+    # An endpoint nothing listens on: refused when the job opens, not days later.
+    wrong = {
+        **options,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+    }
+    with pytest.raises(StorageError, match="cannot be used"):
+        SyncCheckpointer(
+            "job",
+            local_root=tmp_path / "s3-third",
+            persistent=url,
+            storage_options={**wrong, "config_kwargs": {"retries": {"max_attempts": 1}}},
+        ).open()
