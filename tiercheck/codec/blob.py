@@ -58,7 +58,7 @@ import xxhash
 from tiercheck.codec.delta import match_base
 from tiercheck.codec.digest import DIGEST_CHUNK, tree_digest, tree_root
 from tiercheck.codec.digest import raw_digest as _raw_digest
-from tiercheck.codec.dtypes import dtype_from_name, dtype_name
+from tiercheck.codec.dtypes import dtype_from_name
 from tiercheck.codec.flatten import ALIGNMENT, Layout, flatten, unflatten, write_payload
 from tiercheck.codec.frames import (
     DecodeSettings,
@@ -255,13 +255,19 @@ def _pack(obj: Any) -> bytes:
     return data
 
 
-def _layout_obj(layout: Layout) -> list[Any]:
+_PACKER = msgpack.Packer(use_bin_type=True)
+_ARRAY_OF_2 = _PACKER.pack_array_header(2)
+
+
+def _layout_bytes(layout: Layout) -> bytes:
+    """The msgpack encoding of ``[skeleton, [[path, dtype name, shape], ...]]``.
+
+    Built from the layout's cached tensor table (:attr:`Layout.packed_entries`): the table of a
+    state with thousands of tensors is encoded once, not at every save.
+    """
     if not layout.is_canonical():
         raise ValueError("layout offsets are not the canonical ones (build layouts with flatten)")
-    return [
-        layout.skeleton,
-        [[s.path, dtype_name(s.dtype), list(s.shape)] for s in layout.specs],
-    ]
+    return _ARRAY_OF_2 + _pack(layout.skeleton) + layout.packed_entries
 
 
 def _layout_from_obj(obj: Any) -> Layout:
@@ -293,6 +299,23 @@ def _layout_from_obj(obj: Any) -> Layout:
     return layout
 
 
+#: Stands for the layout among the fields of a header (see :func:`_pack_header`).
+_LAYOUT = object()
+
+
+def _pack_header(fields: dict[str, Any], layout: Layout) -> bytes:
+    """``_pack(fields)`` where the value :data:`_LAYOUT` stands for the layout's encoding.
+
+    A msgpack map is its header followed by each key and value encoded on their own, so the
+    result is byte for byte what packing the whole dictionary gives.
+    """
+    out = [_PACKER.pack_map_header(len(fields))]
+    for key, value in fields.items():
+        out.append(_pack(key))
+        out.append(_layout_bytes(layout) if value is _LAYOUT else _pack(value))
+    return b"".join(out)
+
+
 def _seal(head: bytes, header_region: Buffer, raw: int, body: int) -> bytes:
     """The 64-byte preamble for ``head`` (bytes 0..32), given the header region and digests."""
     hasher = xxhash.xxh3_64(head)
@@ -309,13 +332,14 @@ def _header_region(header: bytes) -> bytes:
 
 def _full_header(layout: Layout, version: int, rank: int) -> bytes:
     stage = FlattenStage()
-    return _pack(
+    return _pack_header(
         {
             "version": version,
             "rank": rank,
             "stages": [[stage.name, stage.params()]],
-            "layout": _layout_obj(layout),
-        }
+            "layout": _LAYOUT,
+        },
+        layout,
     )
 
 
@@ -450,7 +474,7 @@ def encode_packed(
     """
     _check_ints(state.version, rank)
     layout = state.layout
-    layout_obj = _layout_obj(layout)
+    _layout_bytes(layout)  # refuses a non-canonical layout before any work
     device = state.payload.device
     stages: list[Stage] = [FlattenStage()]
     matches: list[int] | None = None
@@ -500,14 +524,14 @@ def encode_packed(
         "version": state.version,
         "rank": rank,
         "stages": [[s.name, s.params()] for s in stages],
-        "layout": layout_obj,
+        "layout": _LAYOUT,
         "frame_bytes": options.frame_bytes,
         "table": np.asarray(table, dtype="<u8").tobytes(),
         "digests": np.asarray(leaves, dtype="<u8").tobytes(),
     }
     if matches is not None:
         header_obj["delta"] = np.asarray(matches, dtype="<i8").tobytes()
-    header = _pack(header_obj)
+    header = _pack_header(header_obj, layout)
     region = _header_region(header)
     body_digest = tree_root(leaves, body_nbytes)
     head = _HEAD.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, _KIND_PACKED, len(header), body_nbytes)
