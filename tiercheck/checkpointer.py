@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +59,6 @@ from tiercheck.codec import (
     encode_full,
     encode_packed,
     finalize_full_blob,
-    flatten,
     full_blob_size,
     load_into,
     raw_digest,
@@ -66,6 +66,7 @@ from tiercheck.codec import (
     unflatten,
     write_full_blob,
 )
+from tiercheck.codec.plan import Flat, Planner
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
 from tiercheck.consistency.identity import JobRecord, NodeIdentity, quarantine_key
@@ -91,6 +92,7 @@ from tiercheck.errors import (
     RestoreError,
     SaveSkipped,
     StaleMemory,
+    StateChanged,
     StateMismatch,
     StorageError,
     Superseded,
@@ -115,7 +117,7 @@ from tiercheck.guard import (
     write_identity,
     write_job_record,
 )
-from tiercheck.staging import StagingBuffer, StagingPool, snapshot
+from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool, caller_marks
 from tiercheck.tiers.base import (
     Buffer,
     FailureScope,
@@ -207,8 +209,11 @@ class SaveStats:
 
     version: int
     kind: Literal["base", "delta", "skipped"]
-    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy).
+    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy; with
+    #: ``overlap=True`` the copy is not included).
     stall_s: float = 0.0
+    #: Seconds from the start of ``save`` until the snapshot was copied (staged), once it is.
+    staged_s: float | None = None
     #: Bytes of the raw payload (every tensor, laid out flat).
     raw_bytes: int = 0
     tiers: dict[str, TierSaveStats] = field(default_factory=dict)
@@ -265,6 +270,12 @@ class Restored:
     rejected: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
 
+def _resolved() -> concurrent.futures.Future[None]:
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
 class SaveHandle:
     """What ``save`` returns: a way to wait for the version to be committed in each tier.
 
@@ -273,6 +284,9 @@ class SaveHandle:
     the version does not go to raises :class:`~tiercheck.errors.TierNotTargeted` at once; a
     version that could not be committed raises :class:`~tiercheck.errors.TierWriteFailed`;
     a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
+
+    With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
+    ``await handle.staged_async()``) is the fence to pass before changing the state.
     """
 
     def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:
@@ -283,8 +297,31 @@ class SaveHandle:
         self._futures: dict[str, concurrent.futures.Future[None]] = {
             t: concurrent.futures.Future() for t in tiers
         }
+        # Resolved once the snapshot is copied (at once for a blocking or skipped save).
+        self._staged: concurrent.futures.Future[None] = _resolved()
         for t in tiers:
             stats.tiers[t] = TierSaveStats()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is done: from then on the state may change.
+
+        The fence of an overlapped save (``Checkpointer(..., overlap=True)``); returns at once
+        for a blocking save. It never raises the copy's own failure (that failure, such as
+        :class:`~tiercheck.errors.StateChanged`, is raised by :meth:`done` for every tier); only
+        :class:`TimeoutError` when ``timeout`` passes first -- the state must then not change.
+        """
+        concurrent.futures.wait([self._staged], timeout)
+        if not self._staged.done():
+            raise TimeoutError(f"version {self.version} was not staged within {timeout} s")
+
+    async def staged_async(self) -> None:
+        """Wait, without blocking the event loop, until the snapshot copy is done."""
+        await asyncio.wait([asyncio.wrap_future(self._staged)])
+
+    @property
+    def is_staged(self) -> bool:
+        """Whether the snapshot copy is done (never blocks)."""
+        return self._staged.done()
 
     @property
     def skipped(self) -> bool:
@@ -339,6 +376,7 @@ class SaveHandle:
 @dataclass(frozen=True)
 class _Config:
     job_id: str
+    overlap: bool
     topology: Topology
     node_root: Path
     tiers: tuple[str | Tier, ...]
@@ -405,6 +443,8 @@ class _Job:
     started: float
     layout: Layout | None = None
     payload: torch.Tensor | None = None
+    # The snapshot copy still running after save returned (overlapped saves only).
+    copy: SnapshotCopy | None = None
     holder: _Holder | None = None
     reservation: Reservation | None = None
     previous: _Job | None = None
@@ -438,6 +478,11 @@ class _Engine:
         self.manifest: Manifest | None = None
         self.coordinator: Coordinator = SoloCoordinator()
         self.pool = StagingPool()
+        # The previous save's structure: a repeating state is not walked and encoded anew.
+        self.planner = Planner(allow_pickle=config.allow_pickle)
+        # Overlapped snapshot copies not done yet; read by fence() from the caller's thread.
+        self.copies: set[SnapshotCopy] = set()
+        self.copies_lock = threading.Lock()
         self.cpu = ThreadPoolExecutor(config.threads, thread_name_prefix="tiercheck-cpu")
         self.manifest_exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
         self.channel_exec: dict[str, ThreadPoolExecutor] = {}
@@ -875,12 +920,24 @@ class _Engine:
         if self.closed:
             raise TierClosed("this checkpointer is closed")
 
-    async def save(self, version: int, state: Any) -> SaveHandle:
+    async def save(
+        self, version: int, state: Any, marks: dict[int, Any] | None = None
+    ) -> SaveHandle:
         # One save at a time: the schedule (version, base or delta) is decided in call order.
         async with self.save_lock:
-            return await self._save(version, state)
+            return await self._save(version, state, marks)
 
-    async def _save(self, version: int, state: Any) -> SaveHandle:
+    def fence(self, timeout: float | None) -> None:
+        """Block (any thread) until every overlapped snapshot started so far is staged."""
+        with self.copies_lock:
+            copies = list(self.copies)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for copy in copies:
+            copy.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    async def _save(
+        self, version: int, state: Any, marks: dict[int, Any] | None = None
+    ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
         if (
@@ -894,8 +951,10 @@ class _Engine:
                 f"versions must increase: version {version} after {self.last_version}; "
                 "after restoring v, save versions greater than v"
             )
-        # Inline: pure Python walking the state, shorter than a hop to a thread and back.
-        layout, tensors = flatten(state, allow_pickle=self.cfg.allow_pickle)
+        # Inline: pure Python walking the state, shorter than a hop to a thread and back. A
+        # state shaped like the previous one reuses its layout (see tiercheck.codec.plan).
+        flat = self.planner.flatten(state)
+        layout = flat.layout
         if not self.session_started:
             await self._check_fresh_start(version)
         scheduled_base = self.count % self.cfg.base_every == 0
@@ -927,11 +986,13 @@ class _Engine:
             started=started,
             layout=layout,
         )
-        await self._stage(job, tensors)  # a failure here leaves the version unused
+        await self._stage(job, flat, marks)  # a failure here leaves the version unused
         self._consume(version)
         if kind == "base":
             self.planned_base = version
         stats.stall_s = time.perf_counter() - started
+        if job.copy is None:
+            stats.staged_s = stats.stall_s
         self.stats.stall_s_total += stats.stall_s
         self._launch(job)
         return handle
@@ -958,12 +1019,14 @@ class _Engine:
         self._launch(job, pipeline=False)
         return handle
 
-    async def _stage(self, job: _Job, tensors: Sequence[torch.Tensor]) -> None:
+    async def _stage(self, job: _Job, flat: Flat, marks: dict[int, Any] | None) -> None:
         """Copy the state into host memory: the local tier's own memory where possible.
 
         A local tier that cannot take the version (full, or failing) is skipped for it, and the
         snapshot goes to a staging buffer instead, so the other tiers still get it: storage
-        trouble never reaches the caller.
+        trouble never reaches the caller. Tensors on a GPU go to a pinned staging buffer (a
+        device-to-host copy into shared memory could not be asynchronous); the local tier then
+        gets a copy of it like any other tier.
         """
         layout = job.layout
         assert layout is not None
@@ -972,6 +1035,7 @@ class _Engine:
             local is not None
             and job.targets.get("local") == "full"
             and isinstance(local, SupportsReserve)
+            and (flat.on_host or not self.pool.pin)
         ):
             size, offset = full_blob_size(layout, version=job.version, rank=self.rank)
             self.reserve_size = size
@@ -985,7 +1049,8 @@ class _Engine:
                     write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
                     whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
                     payload = whole[offset : offset + layout.payload_nbytes]
-                    await asyncio.to_thread(snapshot, layout, tensors, payload)
+                    copy = SnapshotCopy(flat, payload, marks=marks, watch=self.cfg.overlap)
+                    await self._copy(job, copy)
                 except BaseException:
                     await reservation.abort()
                     raise
@@ -995,12 +1060,38 @@ class _Engine:
                 return
         lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
         try:
-            await asyncio.to_thread(snapshot, layout, tensors, lent.data)
+            copy = SnapshotCopy(
+                flat, lent.data, cache=lent.cache, marks=marks, watch=self.cfg.overlap
+            )
+            await self._copy(job, copy)
         except BaseException:
             self.pool.release(lent)
             raise
         job.payload = lent.data
         job.holder = _Holder(lambda: self.pool.release(lent))
+
+    async def _copy(self, job: _Job, copy: SnapshotCopy) -> None:
+        """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
+        with the handle's fence set to it (overlapped saves; the pipeline awaits it)."""
+        if not self.cfg.overlap:
+            await asyncio.to_thread(copy.run)
+            copy.done.result()  # the copy's error, if any, is the caller's: save raises it
+            return
+        job.copy = copy
+        handle = job.handle
+        handle._staged = copy.done
+        started = job.started
+
+        def staged(fut: concurrent.futures.Future[None]) -> None:
+            handle.stats.staged_s = time.perf_counter() - started
+            with self.copies_lock:
+                self.copies.discard(copy)
+
+        with self.copies_lock:
+            self.copies.add(copy)
+        copy.done.add_done_callback(staged)
+        # Never awaited: run() reports through copy.done, which the pipeline awaits.
+        asyncio.get_running_loop().run_in_executor(None, copy.run)
 
     async def _reserve(self, tier: Tier, key: str, size: int) -> Reservation:
         """Reserve ``size`` bytes in ``tier``; when full, let pending retention free room first."""
@@ -1068,10 +1159,16 @@ class _Engine:
         assert job.layout is not None
         assert job.payload is not None
         assert job.holder is not None
+        doing = "staging"
         try:
             if job.previous is not None:
                 await job.previous.encoded.wait()
                 job.previous = None  # a chain of finished jobs would keep their memory alive
+            if job.copy is not None:
+                # An overlapped snapshot: nothing reads the payload before it is staged.
+                await asyncio.wrap_future(job.copy.done)
+                job.copy = None
+            doing = "encoding"
             self._log(
                 Begin(
                     job.version,
@@ -1124,8 +1221,11 @@ class _Engine:
                 if old is not None:
                     old.holder.drop()
         except Exception as exc:
-            logger.exception("tiercheck: encoding version %s failed", job.version)
-            self._log(Abort(job.version, self.rank, f"encoding failed: {exc!r}"))
+            if isinstance(exc, StateChanged):
+                logger.warning("tiercheck: version %s is not stored: %s", job.version, exc)
+            else:
+                logger.exception("tiercheck: %s version %s failed", doing, job.version)
+            self._log(Abort(job.version, self.rank, f"{doing} failed: {exc!r}"))
             if (
                 job.reservation is not None
                 and "local" in job.results
@@ -1138,7 +1238,10 @@ class _Engine:
                     job,
                     name,
                     None,
-                    TierWriteFailed(f"version {job.version} could not be encoded: {exc!r}"),
+                    TierWriteFailed(
+                        f"version {job.version} could not be "
+                        f"{'staged' if doing == 'staging' else 'encoded'}: {exc!r}"
+                    ),
                     cause=exc,
                 )
             if job.kind == "base" and self.planned_base == job.version:
@@ -1808,7 +1911,9 @@ class _Engine:
         assert source is not None
         # The version is whole on every rank: from here on, the run continues from it.
         if state is not None:
-            rebuilt = load_into(state, rebuilt, strict=strict)
+            # _rebuild checked this state against this version, and the caller is waiting for
+            # restore to return: copy without walking it a second time.
+            rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
         self._adopt_whole(everyone, upto=chosen)
         for tier in self._durable_tiers():
@@ -1989,6 +2094,7 @@ class _CheckpointerCore:
         policies: Mapping[str, TierPolicy] | None = None,
         on_busy: BusyPolicy = "wait",
         max_pending: int = 1,
+        overlap: bool = False,
         tier_queue: int = 4,
         codec: CodecOptions | None = None,
         allow_pickle: bool = False,
@@ -2025,6 +2131,14 @@ class _CheckpointerCore:
             policies: full :class:`TierPolicy` objects by tier name (override the three above).
             on_busy: ``"wait"`` (default) or ``"skip"`` when the previous save is still encoding.
             max_pending: how many saves may be encoding at once before ``on_busy`` applies.
+            overlap: ``save`` returns before the snapshot is copied; the copy runs on a worker
+                thread (and, for GPU tensors, a side stream) while training computes. The state
+                must not change until the copy is done: pass the fence first --
+                ``handle.staged()``, ``ckpt.fence()``, or install it once with
+                :func:`~tiercheck.fence_before_step` (an optimizer step pre-hook) or
+                :func:`~tiercheck.fence_before_forward`. A change made before the fence that
+                torch's version counters show makes the version fail
+                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy.
             tier_queue: how many encoded versions may wait for one tier before newer ones are
                 dropped for that tier (a slow remote store never blocks training).
             codec: compression options for packed blobs.
@@ -2064,6 +2178,8 @@ class _CheckpointerCore:
             raise ConfigError(f"base_every must be a positive int, got {base_every!r}")
         if on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap must be True or False, got {overlap!r}")
         if max_pending < 1 or tier_queue < 1:
             raise ConfigError("max_pending and tier_queue must be at least 1")
         if stale_memory not in ("error", "discard"):
@@ -2127,6 +2243,7 @@ class _CheckpointerCore:
         )
         self._config = _Config(
             job_id=job_id,
+            overlap=overlap,
             topology=topology,
             node_root=root,
             tiers=tuple(tiers),
@@ -2185,6 +2302,18 @@ class _CheckpointerCore:
         if self._engine is None:
             return CheckpointerStats()
         return replace(self._engine.stats)
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Block until every snapshot this checkpointer is still copying is staged.
+
+        The fence of overlapped saves (``overlap=True``), for every save at once; returns at
+        once when none is in flight (always, for blocking saves). Callable from any thread,
+        including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
+        failure, only :class:`TimeoutError` when ``timeout`` passes first.
+        """
+        engine = self._engine
+        if engine is not None:
+            engine.fence(timeout)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -2250,9 +2379,11 @@ class Checkpointer(_CheckpointerCore):
         await self.aclose()
 
     async def save(self, version: int, state: Any) -> SaveHandle:
-        """Snapshot ``state`` as ``version`` and return once training may modify it again."""
+        """Snapshot ``state`` as ``version`` and return once training may modify it again
+        (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
+        marks = caller_marks()
         loop, engine = await self._ensure_open()
-        return await loop.run(engine.save(version, state))
+        return await loop.run(engine.save(version, state, marks))
 
     async def restore(
         self, state: Any = None, *, version: int | None = None, strict: bool = True
