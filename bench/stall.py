@@ -21,8 +21,8 @@ counted. Measured, all in one process, ratios taken round by round:
   ``DefaultStager`` reused (its best CPU setup): the time until the call returns;
 * restore: ``copy_back`` (``copy_`` from the preallocated buffers into the state's tensors: the
   floor of an in-place restore) against ``SyncCheckpointer.restore(state)`` from the local tier
-  by a checkpointer opened beforehand (it reads the blob, verifies its checksum, checks the
-  state's structure, copies in place).
+  by a checkpointer opened (and listed, so its worker threads exist) beforehand: it reads the
+  blob, verifies its checksum, checks the state's structure, copies in place.
 
 Usage::
 
@@ -224,6 +224,7 @@ class Run:
     def restore(self) -> dict[str, float]:
         state = self.state()
         ckpt = self.open("blocking", overlap=False)
+        ckpt.versions()  # its worker threads exist, as in a job that lists before restoring
         try:
             with Clock() as c:
                 restored = ckpt.restore(state)

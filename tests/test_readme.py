@@ -58,3 +58,29 @@ def test_the_use_example_runs_and_resumes(tmp_path: Path) -> None:
     assert "starting at step 200" in outputs[1]  # the second run found the first one's work
     for out in outputs:
         assert "newest durable version: 190" in out  # bases every 10 steps are durable
+
+
+@pytest.mark.multiprocess
+def test_the_overlap_example_runs(tmp_path: Path) -> None:
+    code = example("overlap")
+    job = f"readme-{uuid.uuid4().hex[:8]}"
+    assert '"file:///tmp/tiercheck-ckpt"' in code
+    assert '"run-2"' in code
+    code = code.replace('"file:///tmp/tiercheck-ckpt"', repr((tmp_path / "ckpt").as_uri()))
+    code = code.replace('"run-2"', repr(job))
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "newest durable version: 90" in run.stdout
+    assert "StateChanged" not in run.stderr  # the fence kept every snapshot whole

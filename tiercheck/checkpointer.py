@@ -3,11 +3,14 @@
 Lifecycle of one save (the order things happen in)
 --------------------------------------------------
 1. ``await ckpt.save(version, state)`` -- on the caller's side, the only blocking part:
-   the state is flattened (no pickle) and its tensors are copied into host memory -- straight
+   the state is flattened (no pickle; a state shaped like the previous one reuses its layout,
+   see :mod:`tiercheck.codec.plan`) and its tensors are copied into host memory -- straight
    into the local tier's shared memory where that tier can hand it out, else into a reused
    staging buffer. If the previous save is still being encoded, the ``on_busy`` policy decides:
    ``"wait"`` for it, or ``"skip"`` this one (counted). It returns a :class:`SaveHandle`;
-   training may change its tensors at once.
+   training may change its tensors at once. With ``overlap=True`` it returns once the copy is
+   started, and the state may change once the copy is done (:meth:`SaveHandle.staged`, the
+   fence; see :mod:`tiercheck.staging`).
 2. Background, in save order: the raw payload is hashed; the local blob is published; the
    state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
 3. Background, per tier, in version order: the blob is written; the manifest logs it durable.
@@ -1939,7 +1942,13 @@ class _Engine:
 
     def _rebuild(self, raw: RawState, state: Any, strict: bool) -> Any:
         """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
-        tensors = raw.tensors()
+        if state is not None:
+            # Views only read from, to be copied into the state (and cloned where strict=False
+            # adds a key): inference tensors, which cost less to make than tracked views.
+            with torch.inference_mode():
+                tensors = raw.tensors()
+        else:
+            tensors = raw.tensors()
         if state is None:
             # Small tensors get storage of their own: some consumers read a tensor from the
             # start of its storage, ignoring the offset of a view (torch.set_rng_state does).

@@ -270,6 +270,9 @@ def _layout_bytes(layout: Layout) -> bytes:
     return _ARRAY_OF_2 + _pack(layout.skeleton) + layout.packed_entries
 
 
+_INT_ONLY = {int}
+
+
 def _layout_from_obj(obj: Any) -> Layout:
     if not isinstance(obj, list) or len(obj) != 2 or type(obj[0]) is not bytes:
         raise FormatError("malformed layout in blob header")
@@ -277,21 +280,26 @@ def _layout_from_obj(obj: Any) -> Layout:
     if not isinstance(specs, list):
         raise FormatError("malformed layout in blob header")
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    dtypes: dict[str, torch.dtype] = {}
     for entry in specs:
         if (
-            not isinstance(entry, list)
+            type(entry) is not list
             or len(entry) != 3
             or type(entry[0]) is not str
             or type(entry[1]) is not str
-            or not isinstance(entry[2], list)
-            or not all(type(d) is int and d >= 0 for d in entry[2])
+            or type(entry[2]) is not list
+            # set(map(type, ...)): the element check without a Python-level loop
+            or (entry[2] and (not _INT_ONLY.issuperset(map(type, entry[2])) or min(entry[2]) < 0))
         ):
             raise FormatError(f"malformed tensor entry {entry!r} in blob header")
-        dtype = dtype_from_name(entry[1])
+        dtype = dtypes.get(entry[1])
         if dtype is None:
-            raise UnsupportedFormat(
-                f"blob holds a tensor of dtype {entry[1]!r}, which this build of torch lacks"
-            )
+            dtype = dtype_from_name(entry[1])
+            if dtype is None:
+                raise UnsupportedFormat(
+                    f"blob holds a tensor of dtype {entry[1]!r}, which this build of torch lacks"
+                )
+            dtypes[entry[1]] = dtype
         entries.append((entry[0], dtype, tuple(entry[2])))
     layout = Layout.build(skeleton, entries)
     if len(layout.index) != len(layout.specs):

@@ -41,6 +41,7 @@ in a ``state_dict``). Restoring with :func:`unflatten` gives independent tensors
 from __future__ import annotations
 
 import collections
+import operator
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -464,6 +465,13 @@ class _Unflattener:
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == _EXT_TENSOR:
+            # The index is a msgpack int; the one-byte form (positive fixint, index < 128) and
+            # the uint16 form cover most states without a nested unpack.
+            first = data[0] if data else 0xC1
+            if len(data) == 1 and first < 0x80:
+                return self.tensor(first)
+            if len(data) == 3 and first == 0xCD:
+                return self.tensor(int.from_bytes(data[1:], "big"))
             return self.tensor(self.unpack(data))
         if code == _EXT_TUPLE:
             return tuple(self.unpack(data))
@@ -625,60 +633,94 @@ def _describe(obj: Any) -> str:
     return _an(f"{type(obj).__qualname__} value")
 
 
-def _check(target: Any, source: Any, path: str, strict: bool, out: list[str]) -> None:
-    where = f"state{path}"
+# A path in the state as nested pairs ``(parent, key)`` (``()`` is the root), formatted only
+# when a mismatch is reported: building a string per visited node would cost more than the
+# check itself in a state of thousands of tensors.
+_Path = tuple[Any, ...]
+
+
+def _where(path: _Path) -> str:
+    keys = []
+    while path:
+        path, key = path
+        keys.append(f"[{key!r}]")
+    return "state" + "".join(reversed(keys))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) -> None:
+    if type(source) is torch.Tensor and type(target) in _PLAIN_TENSORS:
+        # The common case, first (a restored tensor into a live one): same test as below.
+        if target.shape != source.shape or target.dtype != source.dtype:
+            out.append(
+                f"{_where(path)}: the target holds {_typed_shape(target)}, "
+                f"the version {_typed_shape(source)}"
+            )
+        elif target.is_inference() and not torch.is_inference_mode_enabled():
+            out.append(
+                f"{_where(path)}: the target holds an inference tensor "
+                f"{_typed_shape(target)}, which cannot be written outside "
+                "torch.inference_mode()"
+            )
+        return
     tk, sk = _kind(target), _kind(source)
     if tk != sk:
         # Two values of different types are not structure: the version's value replaces the
         # target's. Anything else (a tensor where the version holds an int...) is.
         if tk != "leaf" or sk != "leaf":
             out.append(
-                f"{where}: the target holds {_describe(target)}, the version {_describe(source)}"
+                f"{_where(path)}: the target holds {_describe(target)}, "
+                f"the version {_describe(source)}"
             )
         return
     if tk == "tensor":
         # The device is not compared: copying across devices is how a restore reaches a GPU.
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
-                f"{where}: the target holds {_typed_shape(target)}, "
+                f"{_where(path)}: the target holds {_typed_shape(target)}, "
                 f"the version {_typed_shape(source)}"
             )
         elif target.is_inference() and not torch.is_inference_mode_enabled():
             out.append(
-                f"{where}: the target holds an inference tensor {_typed_shape(target)}, which "
-                "cannot be written outside torch.inference_mode()"
+                f"{_where(path)}: the target holds an inference tensor "
+                f"{_typed_shape(target)}, which cannot be written outside "
+                "torch.inference_mode()"
             )
     elif tk == "array":
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
-                f"{where}: the target holds {_typed_shape(target)}, "
+                f"{_where(path)}: the target holds {_typed_shape(target)}, "
                 f"the version {_typed_shape(source)}"
             )
         elif not target.flags.writeable and not np.shares_memory(target, source):
             out.append(
-                f"{where}: the target holds a read-only numpy array {_typed_shape(target)}, "
+                f"{_where(path)}: the target holds a read-only numpy array {_typed_shape(target)}, "
                 "which cannot be restored in place"
             )
     elif tk == "mapping":
         for key, value in source.items():
             if key in target:
-                _check(target[key], value, f"{path}[{key!r}]", strict, out)
+                _check(target[key], value, (path, key), strict, out)
             elif strict:
-                out.append(f"{where}: the version holds key {key!r} that the target lacks")
+                out.append(f"{_where(path)}: the version holds key {key!r} that the target lacks")
         if strict:
             out.extend(
-                f"{where}: the target holds key {key!r} that the version lacks"
+                f"{_where(path)}: the target holds key {key!r} that the version lacks"
                 for key in target
                 if key not in source
             )
     elif tk in ("list", "tuple"):
         if len(target) != len(source):
             out.append(
-                f"{where}: the target holds {_describe(target)}, the version {_describe(source)}"
+                f"{_where(path)}: the target holds {_describe(target)}, "
+                f"the version {_describe(source)}"
             )
             return
         for i, (t, s) in enumerate(zip(target, source, strict=True)):
-            _check(t, s, f"{path}[{i}]", strict, out)
+            _check(t, s, (path, i), strict, out)
 
 
 def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
@@ -705,7 +747,7 @@ def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
     version's replaces the target's whatever the two types, so they never mismatch each other.
     """
     out: list[str] = []
-    _check(target, source, "", strict, out)
+    _check(target, source, (), strict, out)
     return out
 
 
@@ -715,6 +757,10 @@ def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torc
     Tensor copies are not made here but listed in ``copies`` (targets, sources), in the order
     of the walk, for :func:`_copy_all` to make in few calls.
     """
+    if type(target) in _PLAIN_TENSORS and type(source) is torch.Tensor:
+        copies[0].append(target)
+        copies[1].append(source)
+        return target
     kind = _kind(target)
     if kind == "tensor" and isinstance(source, torch.Tensor):
         copies[0].append(target)
@@ -760,8 +806,7 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     if not targets:
         return
     with torch.no_grad():
-        devices = {(t.device, s.device) for t, s in zip(targets, sources, strict=True)}
-        if len(devices) == 1:
+        if False not in map(_IS_CPU, targets) and False not in map(_IS_CPU, sources):
             torch._foreach_copy_(targets, sources)
             return
         # Across devices, one call per pair of devices (the order within each is kept; tensors
