@@ -281,6 +281,18 @@ def paired(
     return {"ratio_of_medians": med_num / med_den, "per_round": summary(ratios)}
 
 
+def across(
+    rows: list[dict[str, dict[str, float]]],
+    num: tuple[str, str],
+    others: list[dict[str, dict[str, float]]],
+    den: tuple[str, str],
+) -> dict[str, Any]:
+    """Ratio of medians of two sets of rounds (not paired), spread over the numerator's."""
+    med_den = summary([r[den[0]][den[1]] for r in others])["median"]
+    values = [r[num[0]][num[1]] / med_den for r in rows]
+    return {"ratio_of_medians": summary(values)["median"], "per_round": summary(values)}
+
+
 def bench_count(
     n: int, args: argparse.Namespace, shm: Path, log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -323,6 +335,9 @@ def bench_count(
             "restore_over_copy_back": paired(
                 restores, ("restore", "restore"), ("copy_back", "restore")
             ),
+            # The same bytes copied the other way, in the save rounds: a steadier denominator
+            # where the copy back has outliers (on a loaded machine it had, up to 100x).
+            "restore_over_copy": across(restores, ("restore", "restore"), saves, ("copy", "block")),
         },
         "seconds": round(time.perf_counter() - started, 1),
         "load_after": load_snapshot(),

@@ -302,6 +302,7 @@ def test_cuda_snapshot_is_the_state_at_save_time(tmp_path: Path, overlap: bool) 
 def test_cuda_snapshot_waits_for_work_queued_on_the_callers_stream(tmp_path: Path) -> None:
     x = torch.zeros(1 << 22, device="cuda")
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x is made on the default stream
     with _ckpt(tmp_path, overlap=True) as ckpt:
         with torch.cuda.stream(side):
             x.fill_(3.0)  # queued on the caller's (non-default) stream

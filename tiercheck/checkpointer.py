@@ -1786,7 +1786,7 @@ class _Engine:
                 raise FormatError(f"{key} is a delta, but deltas are read only against a base")
             base = await self._read(tier, meta.base.version, as_base=True)
         try:
-            return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu)
+            return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu, meta=meta)
         except (ChecksumMismatch, FormatError) as exc:
             await self._quarantine(tier, key, blob, exc)
             raise

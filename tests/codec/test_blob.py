@@ -413,3 +413,34 @@ def test_large_payload_spanning_digest_chunks_round_trips() -> None:
         decoded = decode(data, base=ref)
         assert decoded.raw_digest == raw.raw_digest
         assert torch.equal(decoded.payload, raw.payload)
+
+
+def test_decode_reuses_a_meta_read_before_and_still_verifies_the_body() -> None:
+    raw = snapshot(sample_state(1), version=3)
+    blob = bytearray(join(encode_full(raw, rank=0)[0]))
+    meta = read_meta(blob)
+    again = decode(blob, meta=meta)
+    assert again.layout == raw.layout
+    assert again.payload.numpy().tobytes() == raw.payload.numpy().tobytes()
+    blob[-1] ^= 0x01  # a body byte: the meta read before cannot vouch for it
+    with pytest.raises(ChecksumMismatch):
+        decode(blob, meta=meta)
+
+
+def test_blob_header_is_byte_for_byte_a_packed_dict() -> None:
+    """Headers are spliced from cached parts; they must equal packing the whole mapping."""
+    layout, _ = flatten(sample_state(2))
+    header = blob_module._full_header(layout, 7, 1)
+    expected = msgpack.packb(
+        {
+            "version": 7,
+            "rank": 1,
+            "stages": [["tiercheck.flatten/1", {}]],
+            "layout": [
+                layout.skeleton,
+                [[s.path, str(s.dtype)[6:], list(s.shape)] for s in layout.specs],
+            ],
+        },
+        use_bin_type=True,
+    )
+    assert header == expected

@@ -787,6 +787,7 @@ def decode(
     executor: Executor | None = None,
     out: torch.Tensor | None = None,
     threads: int = 0,
+    meta: BlobMeta | None = None,
 ) -> RawState:
     """Decode a blob into a :class:`RawState`, verified end to end.
 
@@ -805,9 +806,14 @@ def decode(
     blob (``bytes``) is copied once. Packed frames decode in parallel on ``executor`` (or a pool
     of ``threads`` threads, ``0`` = ``os.cpu_count()``). When decoding fails after the checks
     on the header, ``out`` may hold partly written bytes.
+
+    ``meta``: what :func:`read_meta` returned for this very blob, if the caller has it (its
+    header is then not parsed a second time -- thousands of tensor entries); the body is still
+    verified here as always.
     """
     view = _byte_view(blob)
-    meta = _parse(view, len(view))
+    if meta is None or meta.nbytes != len(view):
+        meta = _parse(view, len(view))
     _check_base(meta, base)
     layout = meta.layout
     n = layout.payload_nbytes
