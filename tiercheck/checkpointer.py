@@ -69,7 +69,7 @@ from tiercheck.codec import (
     unflatten,
     write_full_blob,
 )
-from tiercheck.codec.plan import Flat, Planner
+from tiercheck.codec.plan import Flat, Planner, paused_gc
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
 from tiercheck.consistency.identity import JobRecord, NodeIdentity, quarantine_key
@@ -1265,8 +1265,13 @@ class _Engine:
         reservation = job.reservation
         assert reservation is not None
         try:
+            assert job.layout is not None
             meta = await asyncio.to_thread(
-                finalize_full_blob, reservation.buffer, raw_digest=digest, executor=self.cpu
+                finalize_full_blob,
+                reservation.buffer,
+                raw_digest=digest,
+                executor=self.cpu,
+                known=(job.layout, job.version, self.rank),
             )
             await reservation.commit()
         except Exception as exc:
@@ -1873,7 +1878,8 @@ class _Engine:
             refusal: list[str] | None = None
             if raw is not None:
                 try:
-                    rebuilt = self._rebuild(raw, state, strict)
+                    with paused_gc():  # tens of thousands of short-lived objects: see there
+                        rebuilt = self._rebuild(raw, state, strict)
                 except StateMismatch as exc:
                     refusal = ["StateMismatch", str(exc)]
                 except UnsupportedObject as exc:
@@ -1916,7 +1922,8 @@ class _Engine:
         if state is not None:
             # _rebuild checked this state against this version, and the caller is waiting for
             # restore to return: copy without walking it a second time.
-            rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
+            with paused_gc():
+                rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
         self._adopt_whole(everyone, upto=chosen)
         for tier in self._durable_tiers():

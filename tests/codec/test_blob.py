@@ -444,3 +444,20 @@ def test_blob_header_is_byte_for_byte_a_packed_dict() -> None:
         use_bin_type=True,
     )
     assert header == expected
+
+
+def test_a_known_header_is_not_decoded_again_and_describes_the_blob_the_same() -> None:
+    raw = snapshot(sample_state(3), version=9)
+    parts, meta = encode_full(raw, rank=2)  # described from what it was built of
+    blob = bytearray(join(parts))
+    assert meta == read_meta(blob)  # decoded from the bytes
+    # finalize_full_blob with the layout it was written with, and with a wrong one.
+    size, offset = full_blob_size(raw.layout, version=9, rank=2)
+    dest = bytearray(size)
+    write_full_blob(dest, raw.layout, version=9, rank=2)
+    dest[offset:] = raw.payload.numpy().tobytes()
+    sealed = finalize_full_blob(dest, raw_digest=raw.raw_digest, known=(raw.layout, 9, 2))
+    assert sealed == read_meta(dest)
+    other, _ = flatten(sample_state(4, scale=2))
+    assert finalize_full_blob(dest, known=(other, 9, 2)) == read_meta(dest)
+    assert finalize_full_blob(dest, known=(raw.layout, 10, 2)).version == 9

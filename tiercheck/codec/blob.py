@@ -400,7 +400,11 @@ def write_full_blob(
 
 
 def finalize_full_blob(
-    dest: memoryview | bytearray, *, raw_digest: int | None = None, executor: Executor | None = None
+    dest: memoryview | bytearray,
+    *,
+    raw_digest: int | None = None,
+    executor: Executor | None = None,
+    known: tuple[Layout, int, int] | None = None,
 ) -> BlobMeta:
     """Seal a full blob once its payload is written: digest fields, then the checksum.
 
@@ -419,7 +423,9 @@ def finalize_full_blob(
         raise FormatError(f"blob holds {len(view)} bytes; its header says {offset + body_nbytes}")
     digest = raw_digest if raw_digest is not None else tree_digest(view[offset:], executor=executor)
     view[:PREAMBLE_NBYTES] = _seal(head, view[PREAMBLE_NBYTES:offset], digest, digest)
-    return read_meta(view)
+    # ``known``: (layout, version, rank) the blob was written with (write_full_blob), so the
+    # header need not be decoded again to describe it.
+    return _parse(view, len(view), known)
 
 
 def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
@@ -440,7 +446,8 @@ def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
     prefix = _seal(head, region, state.raw_digest, state.raw_digest) + region
     body = state.payload.numpy().data if layout.payload_nbytes else memoryview(b"")
     parts: list[Part] = [prefix, body]
-    return parts, _parse(_byte_view(prefix), len(prefix) + layout.payload_nbytes)
+    total = len(prefix) + layout.payload_nbytes
+    return parts, _parse(_byte_view(prefix), total, (layout, state.version, rank))
 
 
 # --- packed blobs ----------------------------------------------------------------------------
@@ -565,9 +572,15 @@ def _read_head(view: memoryview) -> tuple[bytes, int, int, int]:
     return head, header_nbytes, body_nbytes, kind
 
 
-def _parse(view: memoryview, total: int) -> BlobMeta:
+def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None = None) -> BlobMeta:
     """Parse and check preamble and header; ``total`` is the full blob size (body may be absent
-    from ``view``)."""
+    from ``view``).
+
+    ``known`` is ``(layout, version, rank)`` of a full blob the caller has just written: when
+    the header holds exactly the bytes :func:`_full_header` makes of them, it is not decoded
+    again (a header of thousands of tensor entries, at every save). Every digest is checked
+    all the same.
+    """
     head, header_nbytes, body_nbytes, kind = _read_head(view)
     raw, body_digest, header_digest, checksum = _DIGESTS.unpack(bytes(view[32:64]))
     if xxhash.xxh3_64_intdigest(view[:56]) != checksum:
@@ -587,6 +600,29 @@ def _parse(view: memoryview, total: int) -> BlobMeta:
     hasher.update(view[PREAMBLE_NBYTES:offset])
     if hasher.intdigest() != header_digest:
         raise ChecksumMismatch("blob header does not match its digest: the blob is corrupt")
+    if known is not None and kind == _KIND_FULL:
+        known_layout, known_version, known_rank = known
+        if (
+            view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes]
+            == _full_header(known_layout, known_version, known_rank)
+            and raw == body_digest
+            and body_nbytes == known_layout.payload_nbytes
+        ):
+            stage = FlattenStage()
+            return BlobMeta(
+                kind="full",
+                version=known_version,
+                rank=known_rank,
+                base=None,
+                raw_digest=raw,
+                checksum=checksum,
+                stages=(stage.name,),
+                nbytes=total,
+                layout=known_layout,
+                body_offset=offset,
+                body_digest=body_digest,
+                stage_objects=(stage,),
+            )
     try:
         header = msgpack.unpackb(view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes], raw=False)
     except (msgpack.UnpackException, ValueError) as exc:

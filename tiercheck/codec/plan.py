@@ -34,10 +34,12 @@ full at every save, as before.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import gc
 import logging
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +63,7 @@ from tiercheck.codec.flatten import (
     write_payload,
 )
 
-__all__ = ["CopyProgram", "Flat", "Planner", "StatePlan", "groupable"]
+__all__ = ["CopyProgram", "Flat", "Planner", "StatePlan", "groupable", "paused_gc"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -92,6 +94,24 @@ _LEAF_WALKER = _Flattener(allow_pickle=False)
 _TYPE = type
 # What a tensor must keep for the plan to hold, read in one pass (one cache miss per tensor).
 _META = operator.attrgetter("dtype", "shape", "device", "layout")
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (it is enabled again after, if it was).
+
+    Matching a state of thousands of tensors, or rebuilding one, creates tens of thousands of
+    short-lived objects; the allocations trigger the collector, and a full collection walks
+    every object of the training process (measured: 150 ms every other save of a 12,000-tensor
+    state, against 10 ms of work). The objects made here die by reference counting anyway.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Miss(Exception):
@@ -457,7 +477,8 @@ class Planner:
         """
         plan = self.plan
         if plan is not None:
-            matched = plan.match(state)
+            with paused_gc():
+                matched = plan.match(state)
             if matched is not None:
                 self.hits += 1
                 layout, tensors = matched
