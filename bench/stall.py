@@ -24,9 +24,13 @@ counted. Measured, all in one process, ratios taken round by round:
   by a checkpointer opened (and listed, so its worker threads exist) beforehand: it reads the
   blob, verifies its checksum, checks the state's structure, copies in place.
 
+With ``--device cuda`` the state lives on the GPU: the floors copy into pinned host buffers
+(``non_blocking``, then synchronize), and the compute between an overlapped save and its fence
+runs on the GPU.
+
 Usage::
 
-    python bench/stall.py [--tensors 16 3000 12000] [--mb 200] [--repeats 7]
+    python bench/stall.py [--tensors 16 3000 12000] [--mb 200] [--repeats 7] [--device cuda]
 
 Results: ``bench/results/stall.json`` (medians, spread, raw values, environment, load) and
 ``bench/results/stall.png``; a markdown table on stdout.
@@ -102,9 +106,12 @@ class Model(nn.Module):
 class Run:
     """Everything measured for one tensor count."""
 
-    def __init__(self, n_tensors: int, mb: float, shm: Path, compute: float) -> None:
+    def __init__(
+        self, n_tensors: int, mb: float, shm: Path, compute: float, device: str = "cpu"
+    ) -> None:
         torch.manual_seed(0)
-        self.model = Model(n_tensors // 4, mb)
+        self.device = torch.device(device)
+        self.model = Model(n_tensors // 4, mb).to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         for p in self.model.parameters():
             p.grad = torch.randn_like(p)
@@ -114,7 +121,9 @@ class Run:
         self.n_tensors = len(tensors(state))
         self.nbytes = tree_nbytes(state)
         self.src = tensors(state)
-        self.dst = [torch.empty_like(t) for t in self.src]
+        # The floor's buffers are host memory, pinned for a GPU state (as tiercheck's are).
+        pin = self.device.type == "cuda"
+        self.dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self.src]
         for d, s in zip(self.dst, self.src, strict=True):
             d.copy_(s)
         self.shm = shm / f"n{n_tensors}"
@@ -124,7 +133,7 @@ class Run:
         self.copy_s = float("nan")
         self.ckpt = self.open("blocking", overlap=False)
         self.ckpt_overlap = self.open("overlap", overlap=True)
-        self.matrix = torch.randn(256, 256)
+        self.matrix = torch.randn(256, 256, device=self.device)
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step}
@@ -148,20 +157,30 @@ class Run:
 
     # --- saves: each returns {metric: seconds} ---------------------------------------------
 
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def copy(self) -> dict[str, float]:
+        self.sync()
+        non_blocking = self.device.type == "cuda"
         with Clock() as c:
             for d, s in zip(self.dst, self.src, strict=True):
-                d.copy_(s)
+                d.copy_(s, non_blocking=non_blocking)
+            self.sync()
         self.copy_s = c.s
         return {"block": c.s}
 
     def copy_foreach(self) -> dict[str, float]:
+        self.sync()
         with Clock() as c:
-            torch._foreach_copy_(self.dst, self.src)
+            torch._foreach_copy_(self.dst, self.src, non_blocking=self.device.type == "cuda")
+            self.sync()
         return {"block": c.s}
 
     def tiercheck(self) -> dict[str, float]:
         state = self.state()
+        self.sync()
         with Clock() as c:
             handle = self.ckpt.save(self.step * 10 + 1, state)
         self.ckpt.wait()
@@ -175,10 +194,12 @@ class Run:
         m = self.matrix
         while time.perf_counter() - t0 < seconds:
             m = torch.tanh(m @ self.matrix)
+            self.sync()  # on a GPU, compute for that long, not just queue it
         return time.perf_counter() - t0
 
     def overlap(self) -> dict[str, float]:
         state = self.state()
+        self.sync()
         with Clock() as call:
             handle = self.ckpt_overlap.save(self.step * 10 + 2, state)
         compute = self.busy(self.compute_factor * self.copy_s)
@@ -197,6 +218,7 @@ class Run:
 
     def torch_save(self) -> dict[str, float]:
         path = self.shm / "torch.pt"
+        self.sync()
         with Clock() as c:
             torch.save(self.state(), path)
         path.unlink()
@@ -216,9 +238,11 @@ class Run:
     # --- restores ---------------------------------------------------------------------------
 
     def copy_back(self) -> dict[str, float]:
+        self.sync()
         with Clock() as c, torch.no_grad():
             for d, s in zip(self.dst, self.src, strict=True):
-                s.copy_(d)
+                s.copy_(d, non_blocking=self.device.type == "cuda")
+            self.sync()
         return {"restore": c.s}
 
     def restore(self) -> dict[str, float]:
@@ -228,6 +252,7 @@ class Run:
         try:
             with Clock() as c:
                 restored = ckpt.restore(state)
+                self.sync()
         finally:
             ckpt.close()
         if restored is None or restored.source_tier != "local":
@@ -298,7 +323,7 @@ def bench_count(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     log(f"== {n} tensors: building the state")
-    run = Run(n, args.mb, shm, args.compute)
+    run = Run(n, args.mb, shm, args.compute, args.device)
     log(f"   {run.n_tensors} tensors, {run.nbytes / 1e6:.0f} MB")
     try:
         saves = rounds(run, SAVE_METHODS, args.warmup + args.repeats, log, run.perturb)
@@ -458,6 +483,9 @@ def main() -> None:
         help="compute between an overlapped save and its fence, in copy floors (default 3)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the state lives: cpu (default) or cuda"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "stall.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "stall.png")
     args = parser.parse_args()
@@ -471,6 +499,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "environment": environment(),
         "setup": {
+            "device": args.device,
             "mb": args.mb,
             "repeats": args.repeats,
             "warmup_rounds": args.warmup,
