@@ -216,7 +216,11 @@ class CrashMachine(RuleBasedStateMachine):
         if not self.plan.dead:
             self.ckpt.wait()
         self._harvest()
-        blobs = sorted((self.root / "node" / "blobs").rglob("r00000.full"))
+        blobs = sorted(
+            p
+            for p in (self.root / "node" / "blobs").rglob("r00000.full")
+            if "quarantine" not in p.parts
+        )
         if not blobs:
             return
         path = blobs[pick % len(blobs)]
@@ -283,8 +287,11 @@ class CrashMachine(RuleBasedStateMachine):
             surviving.insert(0, "local")
             # A local put is atomic and there is one rank: a blob there is a whole version,
             # committed even if the process died before its handle could say so.
+            # (Blobs set aside under quarantine/ are copies for inspection, not versions.)
             self.committed["local"] |= {
-                int(p.parent.name[1:]) for p in (self.root / "node" / "blobs").rglob("r00000.*")
+                int(p.parent.name[1:])
+                for p in (self.root / "node" / "blobs").rglob("r00000.*")
+                if "quarantine" not in p.parts
             }
         self.restarts += 1
         self._note(

@@ -116,3 +116,29 @@ def test_the_hf_example_resumes_under_torchrun(tmp_path: Path) -> None:
     assert "started from scratch" in first
     assert "started from step 60 (local tier)" in second
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.multiprocess
+def test_the_overlap_example_runs(tmp_path: Path) -> None:
+    code = example("overlap")
+    job = f"readme-{uuid.uuid4().hex[:8]}"
+    assert '"file:///tmp/tiercheck-ckpt"' in code
+    assert '"run-2"' in code
+    code = code.replace('"file:///tmp/tiercheck-ckpt"', repr((tmp_path / "ckpt").as_uri()))
+    code = code.replace('"run-2"', repr(job))
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "newest durable version: 90" in run.stdout
+    assert "StateChanged" not in run.stderr  # the fence kept every snapshot whole

@@ -33,6 +33,7 @@ from tiercheck.errors import (
     RestoreError,
     SaveSkipped,
     StaleMemory,
+    StateChanged,
     StateMismatch,
     StorageError,
     Superseded,
@@ -47,6 +48,7 @@ from tiercheck.errors import (
     VersionError,
     WorldSizeMismatch,
 )
+from tiercheck.staging import fence_before_forward, fence_before_step
 from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers import LocalTier, PersistentTier
 from tiercheck.tiers.base import FailureScope, Tier
@@ -76,6 +78,7 @@ __all__ = [
     "SaveSkipped",
     "SaveStats",
     "StaleMemory",
+    "StateChanged",
     "StateMismatch",
     "StorageError",
     "Superseded",
@@ -93,4 +96,6 @@ __all__ = [
     "VersionError",
     "WorldSizeMismatch",
     "__version__",
+    "fence_before_forward",
+    "fence_before_step",
 ]

@@ -3,11 +3,14 @@
 Lifecycle of one save (the order things happen in)
 --------------------------------------------------
 1. ``await ckpt.save(version, state)`` -- on the caller's side, the only blocking part:
-   the state is flattened (no pickle) and its tensors are copied into host memory -- straight
+   the state is flattened (no pickle; a state shaped like the previous one reuses its layout,
+   see :mod:`tiercheck.codec.plan`) and its tensors are copied into host memory -- straight
    into the local tier's shared memory where that tier can hand it out, else into a reused
    staging buffer. If the previous save is still being encoded, the ``on_busy`` policy decides:
    ``"wait"`` for it, or ``"skip"`` this one (counted). It returns a :class:`SaveHandle`;
-   training may change its tensors at once.
+   training may change its tensors at once. With ``overlap=True`` it returns once the copy is
+   started, and the state may change once the copy is done (:meth:`SaveHandle.staged`, the
+   fence; see :mod:`tiercheck.staging`).
 2. Background, in save order: the raw payload is hashed; the local blob is published; the
    state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
 3. Background, per tier, in version order: the blob is written; the manifest logs it durable.
@@ -60,7 +63,6 @@ from tiercheck.codec import (
     encode_full,
     encode_packed,
     finalize_full_blob,
-    flatten,
     full_blob_size,
     load_into,
     raw_digest,
@@ -68,6 +70,7 @@ from tiercheck.codec import (
     unflatten,
     write_full_blob,
 )
+from tiercheck.codec.plan import Flat, Planner, paused_gc
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
 from tiercheck.consistency.identity import JobRecord, NodeIdentity, quarantine_key
@@ -93,6 +96,7 @@ from tiercheck.errors import (
     RestoreError,
     SaveSkipped,
     StaleMemory,
+    StateChanged,
     StateMismatch,
     StorageError,
     Superseded,
@@ -117,7 +121,7 @@ from tiercheck.guard import (
     write_identity,
     write_job_record,
 )
-from tiercheck.staging import StagingBuffer, StagingPool, snapshot
+from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool, caller_marks
 from tiercheck.tiers.base import (
     Buffer,
     FailureScope,
@@ -215,8 +219,11 @@ class SaveStats:
 
     version: int
     kind: Literal["base", "delta", "skipped"]
-    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy).
+    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy; with
+    #: ``overlap=True`` the copy is not included).
     stall_s: float = 0.0
+    #: Seconds from the start of ``save`` until the snapshot was copied (staged), once it is.
+    staged_s: float | None = None
     #: Bytes of the raw payload (every tensor, laid out flat).
     raw_bytes: int = 0
     tiers: dict[str, TierSaveStats] = field(default_factory=dict)
@@ -273,6 +280,12 @@ class Restored:
     rejected: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
 
+def _resolved() -> concurrent.futures.Future[None]:
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
 class SaveHandle:
     """What ``save`` returns: a way to wait for the version to be committed in each tier.
 
@@ -281,6 +294,9 @@ class SaveHandle:
     the version does not go to raises :class:`~tiercheck.errors.TierNotTargeted` at once; a
     version that could not be committed raises :class:`~tiercheck.errors.TierWriteFailed`;
     a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
+
+    With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
+    ``await handle.staged_async()``) is the fence to pass before changing the state.
     """
 
     def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:
@@ -291,8 +307,31 @@ class SaveHandle:
         self._futures: dict[str, concurrent.futures.Future[None]] = {
             t: concurrent.futures.Future() for t in tiers
         }
+        # Resolved once the snapshot is copied (at once for a blocking or skipped save).
+        self._staged: concurrent.futures.Future[None] = _resolved()
         for t in tiers:
             stats.tiers[t] = TierSaveStats()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is done: from then on the state may change.
+
+        The fence of an overlapped save (``Checkpointer(..., overlap=True)``); returns at once
+        for a blocking save. It never raises the copy's own failure (that failure, such as
+        :class:`~tiercheck.errors.StateChanged`, is raised by :meth:`done` for every tier); only
+        :class:`TimeoutError` when ``timeout`` passes first -- the state must then not change.
+        """
+        concurrent.futures.wait([self._staged], timeout)
+        if not self._staged.done():
+            raise TimeoutError(f"version {self.version} was not staged within {timeout} s")
+
+    async def staged_async(self) -> None:
+        """Wait, without blocking the event loop, until the snapshot copy is done."""
+        await asyncio.wait([asyncio.wrap_future(self._staged)])
+
+    @property
+    def is_staged(self) -> bool:
+        """Whether the snapshot copy is done (never blocks)."""
+        return self._staged.done()
 
     @property
     def skipped(self) -> bool:
@@ -347,6 +386,7 @@ class SaveHandle:
 @dataclass(frozen=True)
 class _Config:
     job_id: str
+    overlap: bool
     topology: Topology
     node_root: Path
     tiers: tuple[str | Tier, ...]
@@ -414,6 +454,8 @@ class _Job:
     started: float
     layout: Layout | None = None
     payload: torch.Tensor | None = None
+    # The snapshot copy still running after save returned (overlapped saves only).
+    copy: SnapshotCopy | None = None
     holder: _Holder | None = None
     reservation: Reservation | None = None
     previous: _Job | None = None
@@ -447,6 +489,11 @@ class _Engine:
         self.manifest: Manifest | None = None
         self.coordinator: Coordinator = SoloCoordinator()
         self.pool = StagingPool()
+        # The previous save's structure: a repeating state is not walked and encoded anew.
+        self.planner = Planner(allow_pickle=config.allow_pickle)
+        # Overlapped snapshot copies not done yet; read by fence() from the caller's thread.
+        self.copies: set[SnapshotCopy] = set()
+        self.copies_lock = threading.Lock()
         self.cpu = ThreadPoolExecutor(config.threads, thread_name_prefix="tiercheck-cpu")
         self.manifest_exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
         # One thread per channel keeps its exchanges in order; daemon threads, because an
@@ -889,12 +936,24 @@ class _Engine:
         if self.closed:
             raise TierClosed("this checkpointer is closed")
 
-    async def save(self, version: int, state: Any) -> SaveHandle:
+    async def save(
+        self, version: int, state: Any, marks: dict[int, Any] | None = None
+    ) -> SaveHandle:
         # One save at a time: the schedule (version, base or delta) is decided in call order.
         async with self.save_lock:
-            return await self._save(version, state)
+            return await self._save(version, state, marks)
 
-    async def _save(self, version: int, state: Any) -> SaveHandle:
+    def fence(self, timeout: float | None) -> None:
+        """Block (any thread) until every overlapped snapshot started so far is staged."""
+        with self.copies_lock:
+            copies = list(self.copies)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for copy in copies:
+            copy.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    async def _save(
+        self, version: int, state: Any, marks: dict[int, Any] | None = None
+    ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
         if (
@@ -908,8 +967,10 @@ class _Engine:
                 f"versions must increase: version {version} after {self.last_version}; "
                 "after restoring v, save versions greater than v"
             )
-        # Inline: pure Python walking the state, shorter than a hop to a thread and back.
-        layout, tensors = flatten(state, allow_pickle=self.cfg.allow_pickle)
+        # Inline: pure Python walking the state, shorter than a hop to a thread and back. A
+        # state shaped like the previous one reuses its layout (see tiercheck.codec.plan).
+        flat = self.planner.flatten(state)
+        layout = flat.layout
         if not self.session_started:
             await self._check_fresh_start(version)
         scheduled_base = self.count % self.cfg.base_every == 0
@@ -941,11 +1002,13 @@ class _Engine:
             started=started,
             layout=layout,
         )
-        await self._stage(job, tensors)  # a failure here leaves the version unused
+        await self._stage(job, flat, marks)  # a failure here leaves the version unused
         self._consume(version)
         if kind == "base":
             self.planned_base = version
         stats.stall_s = time.perf_counter() - started
+        if job.copy is None:
+            stats.staged_s = stats.stall_s
         self.stats.stall_s_total += stats.stall_s
         self._launch(job)
         return handle
@@ -972,12 +1035,14 @@ class _Engine:
         self._launch(job, pipeline=False)
         return handle
 
-    async def _stage(self, job: _Job, tensors: Sequence[torch.Tensor]) -> None:
+    async def _stage(self, job: _Job, flat: Flat, marks: dict[int, Any] | None) -> None:
         """Copy the state into host memory: the local tier's own memory where possible.
 
         A local tier that cannot take the version (full, or failing) is skipped for it, and the
         snapshot goes to a staging buffer instead, so the other tiers still get it: storage
-        trouble never reaches the caller.
+        trouble never reaches the caller. Tensors on a GPU go to a pinned staging buffer (a
+        device-to-host copy into shared memory could not be asynchronous); the local tier then
+        gets a copy of it like any other tier.
         """
         layout = job.layout
         assert layout is not None
@@ -986,6 +1051,7 @@ class _Engine:
             local is not None
             and job.targets.get("local") == "full"
             and isinstance(local, SupportsReserve)
+            and (flat.on_host or not self.pool.pin)
         ):
             size, offset = full_blob_size(layout, version=job.version, rank=self.rank)
             self.reserve_size = size
@@ -999,7 +1065,8 @@ class _Engine:
                     write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
                     whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
                     payload = whole[offset : offset + layout.payload_nbytes]
-                    await asyncio.to_thread(snapshot, layout, tensors, payload)
+                    copy = SnapshotCopy(flat, payload, marks=marks, watch=self.cfg.overlap)
+                    await self._copy(job, copy)
                 except BaseException:
                     await reservation.abort()
                     raise
@@ -1009,12 +1076,38 @@ class _Engine:
                 return
         lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
         try:
-            await asyncio.to_thread(snapshot, layout, tensors, lent.data)
+            copy = SnapshotCopy(
+                flat, lent.data, cache=lent.cache, marks=marks, watch=self.cfg.overlap
+            )
+            await self._copy(job, copy)
         except BaseException:
             self.pool.release(lent)
             raise
         job.payload = lent.data
         job.holder = _Holder(lambda: self.pool.release(lent))
+
+    async def _copy(self, job: _Job, copy: SnapshotCopy) -> None:
+        """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
+        with the handle's fence set to it (overlapped saves; the pipeline awaits it)."""
+        if not self.cfg.overlap:
+            await asyncio.to_thread(copy.run)
+            copy.done.result()  # the copy's error, if any, is the caller's: save raises it
+            return
+        job.copy = copy
+        handle = job.handle
+        handle._staged = copy.done
+        started = job.started
+
+        def staged(fut: concurrent.futures.Future[None]) -> None:
+            handle.stats.staged_s = time.perf_counter() - started
+            with self.copies_lock:
+                self.copies.discard(copy)
+
+        with self.copies_lock:
+            self.copies.add(copy)
+        copy.done.add_done_callback(staged)
+        # Never awaited: run() reports through copy.done, which the pipeline awaits.
+        asyncio.get_running_loop().run_in_executor(None, copy.run)
 
     async def _reserve(self, tier: Tier, key: str, size: int) -> Reservation:
         """Reserve ``size`` bytes in ``tier``; when full, let pending retention free room first."""
@@ -1082,10 +1175,16 @@ class _Engine:
         assert job.layout is not None
         assert job.payload is not None
         assert job.holder is not None
+        doing = "staging"
         try:
             if job.previous is not None:
                 await job.previous.encoded.wait()
                 job.previous = None  # a chain of finished jobs would keep their memory alive
+            if job.copy is not None:
+                # An overlapped snapshot: nothing reads the payload before it is staged.
+                await asyncio.wrap_future(job.copy.done)
+                job.copy = None
+            doing = "encoding"
             self._log(
                 Begin(
                     job.version,
@@ -1138,8 +1237,11 @@ class _Engine:
                 if old is not None:
                     old.holder.drop()
         except Exception as exc:
-            logger.exception("tiercheck: encoding version %s failed", job.version)
-            self._log(Abort(job.version, self.rank, f"encoding failed: {exc!r}"))
+            if isinstance(exc, StateChanged):
+                logger.warning("tiercheck: version %s is not stored: %s", job.version, exc)
+            else:
+                logger.exception("tiercheck: %s version %s failed", doing, job.version)
+            self._log(Abort(job.version, self.rank, f"{doing} failed: {exc!r}"))
             if (
                 job.reservation is not None
                 and "local" in job.results
@@ -1152,7 +1254,10 @@ class _Engine:
                     job,
                     name,
                     None,
-                    TierWriteFailed(f"version {job.version} could not be encoded: {exc!r}"),
+                    TierWriteFailed(
+                        f"version {job.version} could not be "
+                        f"{'staged' if doing == 'staging' else 'encoded'}: {exc!r}"
+                    ),
                     cause=exc,
                 )
             if job.kind == "base" and self.planned_base == job.version:
@@ -1173,8 +1278,13 @@ class _Engine:
         reservation = job.reservation
         assert reservation is not None
         try:
+            assert job.layout is not None
             meta = await asyncio.to_thread(
-                finalize_full_blob, reservation.buffer, raw_digest=digest, executor=self.cpu
+                finalize_full_blob,
+                reservation.buffer,
+                raw_digest=digest,
+                executor=self.cpu,
+                known=(job.layout, job.version, self.rank),
             )
             await reservation.commit()
         except Exception as exc:
@@ -1713,7 +1823,7 @@ class _Engine:
                 raise FormatError(f"{key} is a delta, but deltas are read only against a base")
             base = await self._read(tier, meta.base.version, as_base=True)
         try:
-            return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu)
+            return await asyncio.to_thread(decode, blob, base=base, executor=self.cpu, meta=meta)
         except (ChecksumMismatch, FormatError) as exc:
             await self._quarantine(tier, key, blob, exc)
             raise
@@ -1800,7 +1910,8 @@ class _Engine:
             refusal: list[str] | None = None
             if raw is not None:
                 try:
-                    rebuilt = self._rebuild(raw, state, strict)
+                    with paused_gc():  # tens of thousands of short-lived objects: see there
+                        rebuilt = self._rebuild(raw, state, strict)
                 except StateMismatch as exc:
                     refusal = ["StateMismatch", str(exc)]
                 except UnsupportedObject as exc:
@@ -1841,7 +1952,10 @@ class _Engine:
         assert source is not None
         # The version is whole on every rank: from here on, the run continues from it.
         if state is not None:
-            rebuilt = load_into(state, rebuilt, strict=strict)
+            # _rebuild checked this state against this version, and the caller is waiting for
+            # restore to return: copy without walking it a second time.
+            with paused_gc():
+                rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
         self._adopt_whole(everyone, upto=chosen)
         for tier in self._durable_tiers():
@@ -1867,7 +1981,13 @@ class _Engine:
 
     def _rebuild(self, raw: RawState, state: Any, strict: bool) -> Any:
         """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
-        tensors = raw.tensors()
+        if state is not None:
+            # Views only read from, to be copied into the state (and cloned where strict=False
+            # adds a key): inference tensors, which cost less to make than tracked views.
+            with torch.inference_mode():
+                tensors = raw.tensors()
+        else:
+            tensors = raw.tensors()
         if state is None:
             # Small tensors get storage of their own: some consumers read a tensor from the
             # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
@@ -2181,6 +2301,7 @@ class _CheckpointerCore:
         policies: Mapping[str, TierPolicy] | None = None,
         on_busy: BusyPolicy = "wait",
         max_pending: int = 1,
+        overlap: bool = False,
         tier_queue: int = 4,
         codec: CodecOptions | None = None,
         allow_pickle: bool = False,
@@ -2218,6 +2339,14 @@ class _CheckpointerCore:
             policies: full :class:`TierPolicy` objects by tier name (override the three above).
             on_busy: ``"wait"`` (default) or ``"skip"`` when the previous save is still encoding.
             max_pending: how many saves may be encoding at once before ``on_busy`` applies.
+            overlap: ``save`` returns before the snapshot is copied; the copy runs on a worker
+                thread (and, for GPU tensors, a side stream) while training computes. The state
+                must not change until the copy is done: pass the fence first --
+                ``handle.staged()``, ``ckpt.fence()``, or install it once with
+                :func:`~tiercheck.fence_before_step` (an optimizer step pre-hook) or
+                :func:`~tiercheck.fence_before_forward`. A change made before the fence that
+                torch's version counters show makes the version fail
+                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy.
             tier_queue: how many encoded versions may wait for one tier before newer ones are
                 dropped for that tier (a slow remote store never blocks training).
             codec: compression options for packed blobs.
@@ -2263,6 +2392,8 @@ class _CheckpointerCore:
             raise ConfigError(f"base_every must be a positive int, got {base_every!r}")
         if on_busy not in ("wait", "skip"):
             raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap must be True or False, got {overlap!r}")
         if max_pending < 1 or tier_queue < 1:
             raise ConfigError("max_pending and tier_queue must be at least 1")
         if stale_memory not in ("error", "discard"):
@@ -2330,6 +2461,7 @@ class _CheckpointerCore:
         )
         self._config = _Config(
             job_id=job_id,
+            overlap=overlap,
             topology=topology,
             node_root=root,
             tiers=tuple(tiers),
@@ -2389,6 +2521,18 @@ class _CheckpointerCore:
         if self._engine is None:
             return CheckpointerStats()
         return replace(self._engine.stats)
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Block until every snapshot this checkpointer is still copying is staged.
+
+        The fence of overlapped saves (``overlap=True``), for every save at once; returns at
+        once when none is in flight (always, for blocking saves). Callable from any thread,
+        including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
+        failure, only :class:`TimeoutError` when ``timeout`` passes first.
+        """
+        engine = self._engine
+        if engine is not None:
+            engine.fence(timeout)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -2457,9 +2601,11 @@ class Checkpointer(_CheckpointerCore):
         await self._shutdown("collective" if exc_type is None else "bounded")
 
     async def save(self, version: int, state: Any) -> SaveHandle:
-        """Snapshot ``state`` as ``version`` and return once training may modify it again."""
+        """Snapshot ``state`` as ``version`` and return once training may modify it again
+        (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
+        marks = caller_marks()
         loop, engine = await self._ensure_open()
-        return await loop.run(engine.save(version, state))
+        return await loop.run(engine.save(version, state, marks))
 
     async def restore(
         self, state: Any = None, *, version: int | None = None, strict: bool = True

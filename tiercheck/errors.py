@@ -22,6 +22,7 @@ __all__ = [
     "RestoreError",
     "SaveSkipped",
     "StaleMemory",
+    "StateChanged",
     "StateMismatch",
     "StorageError",
     "Superseded",
@@ -113,6 +114,10 @@ class TierNotTargeted(TiercheckError, LookupError):
 
 class TierWriteFailed(TiercheckError, RuntimeError):
     """A version could not be committed in a tier (the cause is chained)."""
+
+
+class StateChanged(TiercheckError, RuntimeError):
+    """An overlapped snapshot saw the state change before it was staged; nothing was stored."""
 
 
 class SaveSkipped(TiercheckError, RuntimeError):

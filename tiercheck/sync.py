@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiercheck.checkpointer import CloseMode, Restored, SaveHandle, _CheckpointerCore
+from tiercheck.staging import caller_marks
 
 __all__ = ["SyncCheckpointer"]
 
@@ -39,9 +40,11 @@ class SyncCheckpointer(_CheckpointerCore):
         return self
 
     def save(self, version: int, state: Any) -> SaveHandle:
-        """Snapshot ``state`` as ``version``; returns once training may modify it again."""
+        """Snapshot ``state`` as ``version``; returns once training may modify it again
+        (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
+        marks = caller_marks()
         loop, engine = self.open()._start()
-        return loop.call(engine.save(version, state))
+        return loop.call(engine.save(version, state, marks))
 
     def restore(
         self, state: Any = None, *, version: int | None = None, strict: bool = True

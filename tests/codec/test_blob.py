@@ -413,3 +413,51 @@ def test_large_payload_spanning_digest_chunks_round_trips() -> None:
         decoded = decode(data, base=ref)
         assert decoded.raw_digest == raw.raw_digest
         assert torch.equal(decoded.payload, raw.payload)
+
+
+def test_decode_reuses_a_meta_read_before_and_still_verifies_the_body() -> None:
+    raw = snapshot(sample_state(1), version=3)
+    blob = bytearray(join(encode_full(raw, rank=0)[0]))
+    meta = read_meta(blob)
+    again = decode(blob, meta=meta)
+    assert again.layout == raw.layout
+    assert again.payload.numpy().tobytes() == raw.payload.numpy().tobytes()
+    blob[-1] ^= 0x01  # a body byte: the meta read before cannot vouch for it
+    with pytest.raises(ChecksumMismatch):
+        decode(blob, meta=meta)
+
+
+def test_blob_header_is_byte_for_byte_a_packed_dict() -> None:
+    """Headers are spliced from cached parts; they must equal packing the whole mapping."""
+    layout, _ = flatten(sample_state(2))
+    header = blob_module._full_header(layout, 7, 1)
+    expected = msgpack.packb(
+        {
+            "version": 7,
+            "rank": 1,
+            "stages": [["tiercheck.flatten/1", {}]],
+            "layout": [
+                layout.skeleton,
+                [[s.path, str(s.dtype)[6:], list(s.shape)] for s in layout.specs],
+            ],
+        },
+        use_bin_type=True,
+    )
+    assert header == expected
+
+
+def test_a_known_header_is_not_decoded_again_and_describes_the_blob_the_same() -> None:
+    raw = snapshot(sample_state(3), version=9)
+    parts, meta = encode_full(raw, rank=2)  # described from what it was built of
+    blob = bytearray(join(parts))
+    assert meta == read_meta(blob)  # decoded from the bytes
+    # finalize_full_blob with the layout it was written with, and with a wrong one.
+    size, offset = full_blob_size(raw.layout, version=9, rank=2)
+    dest = bytearray(size)
+    write_full_blob(dest, raw.layout, version=9, rank=2)
+    dest[offset:] = raw.payload.numpy().tobytes()
+    sealed = finalize_full_blob(dest, raw_digest=raw.raw_digest, known=(raw.layout, 9, 2))
+    assert sealed == read_meta(dest)
+    other, _ = flatten(sample_state(4, scale=2))
+    assert finalize_full_blob(dest, known=(other, 9, 2)) == read_meta(dest)
+    assert finalize_full_blob(dest, known=(raw.layout, 10, 2)).version == 9

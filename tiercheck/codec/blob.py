@@ -58,7 +58,7 @@ import xxhash
 from tiercheck.codec.delta import match_base
 from tiercheck.codec.digest import DIGEST_CHUNK, tree_digest, tree_root
 from tiercheck.codec.digest import raw_digest as _raw_digest
-from tiercheck.codec.dtypes import dtype_from_name, dtype_name
+from tiercheck.codec.dtypes import dtype_from_name
 from tiercheck.codec.flatten import ALIGNMENT, Layout, flatten, unflatten, write_payload
 from tiercheck.codec.frames import (
     DecodeSettings,
@@ -255,13 +255,22 @@ def _pack(obj: Any) -> bytes:
     return data
 
 
-def _layout_obj(layout: Layout) -> list[Any]:
+_PACKER = msgpack.Packer(use_bin_type=True)
+_ARRAY_OF_2 = _PACKER.pack_array_header(2)
+
+
+def _layout_bytes(layout: Layout) -> bytes:
+    """The msgpack encoding of ``[skeleton, [[path, dtype name, shape], ...]]``.
+
+    Built from the layout's cached tensor table (:attr:`Layout.packed_entries`): the table of a
+    state with thousands of tensors is encoded once, not at every save.
+    """
     if not layout.is_canonical():
         raise ValueError("layout offsets are not the canonical ones (build layouts with flatten)")
-    return [
-        layout.skeleton,
-        [[s.path, dtype_name(s.dtype), list(s.shape)] for s in layout.specs],
-    ]
+    return _ARRAY_OF_2 + _pack(layout.skeleton) + layout.packed_entries
+
+
+_INT_ONLY = {int}
 
 
 def _layout_from_obj(obj: Any) -> Layout:
@@ -271,26 +280,48 @@ def _layout_from_obj(obj: Any) -> Layout:
     if not isinstance(specs, list):
         raise FormatError("malformed layout in blob header")
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    dtypes: dict[str, torch.dtype] = {}
     for entry in specs:
         if (
-            not isinstance(entry, list)
+            type(entry) is not list
             or len(entry) != 3
             or type(entry[0]) is not str
             or type(entry[1]) is not str
-            or not isinstance(entry[2], list)
-            or not all(type(d) is int and d >= 0 for d in entry[2])
+            or type(entry[2]) is not list
+            # set(map(type, ...)): the element check without a Python-level loop
+            or (entry[2] and (not _INT_ONLY.issuperset(map(type, entry[2])) or min(entry[2]) < 0))
         ):
             raise FormatError(f"malformed tensor entry {entry!r} in blob header")
-        dtype = dtype_from_name(entry[1])
+        dtype = dtypes.get(entry[1])
         if dtype is None:
-            raise UnsupportedFormat(
-                f"blob holds a tensor of dtype {entry[1]!r}, which this build of torch lacks"
-            )
+            dtype = dtype_from_name(entry[1])
+            if dtype is None:
+                raise UnsupportedFormat(
+                    f"blob holds a tensor of dtype {entry[1]!r}, which this build of torch lacks"
+                )
+            dtypes[entry[1]] = dtype
         entries.append((entry[0], dtype, tuple(entry[2])))
     layout = Layout.build(skeleton, entries)
     if len(layout.index) != len(layout.specs):
         raise FormatError("blob header lists a tensor path twice")
     return layout
+
+
+#: Stands for the layout among the fields of a header (see :func:`_pack_header`).
+_LAYOUT = object()
+
+
+def _pack_header(fields: dict[str, Any], layout: Layout) -> bytes:
+    """``_pack(fields)`` where the value :data:`_LAYOUT` stands for the layout's encoding.
+
+    A msgpack map is its header followed by each key and value encoded on their own, so the
+    result is byte for byte what packing the whole dictionary gives.
+    """
+    out = [_PACKER.pack_map_header(len(fields))]
+    for key, value in fields.items():
+        out.append(_pack(key))
+        out.append(_layout_bytes(layout) if value is _LAYOUT else _pack(value))
+    return b"".join(out)
 
 
 def _seal(head: bytes, header_region: Buffer, raw: int, body: int) -> bytes:
@@ -309,13 +340,14 @@ def _header_region(header: bytes) -> bytes:
 
 def _full_header(layout: Layout, version: int, rank: int) -> bytes:
     stage = FlattenStage()
-    return _pack(
+    return _pack_header(
         {
             "version": version,
             "rank": rank,
             "stages": [[stage.name, stage.params()]],
-            "layout": _layout_obj(layout),
-        }
+            "layout": _LAYOUT,
+        },
+        layout,
     )
 
 
@@ -368,7 +400,11 @@ def write_full_blob(
 
 
 def finalize_full_blob(
-    dest: memoryview | bytearray, *, raw_digest: int | None = None, executor: Executor | None = None
+    dest: memoryview | bytearray,
+    *,
+    raw_digest: int | None = None,
+    executor: Executor | None = None,
+    known: tuple[Layout, int, int] | None = None,
 ) -> BlobMeta:
     """Seal a full blob once its payload is written: digest fields, then the checksum.
 
@@ -387,7 +423,9 @@ def finalize_full_blob(
         raise FormatError(f"blob holds {len(view)} bytes; its header says {offset + body_nbytes}")
     digest = raw_digest if raw_digest is not None else tree_digest(view[offset:], executor=executor)
     view[:PREAMBLE_NBYTES] = _seal(head, view[PREAMBLE_NBYTES:offset], digest, digest)
-    return read_meta(view)
+    # ``known``: (layout, version, rank) the blob was written with (write_full_blob), so the
+    # header need not be decoded again to describe it.
+    return _parse(view, len(view), known)
 
 
 def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
@@ -408,7 +446,8 @@ def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
     prefix = _seal(head, region, state.raw_digest, state.raw_digest) + region
     body = state.payload.numpy().data if layout.payload_nbytes else memoryview(b"")
     parts: list[Part] = [prefix, body]
-    return parts, _parse(_byte_view(prefix), len(prefix) + layout.payload_nbytes)
+    total = len(prefix) + layout.payload_nbytes
+    return parts, _parse(_byte_view(prefix), total, (layout, state.version, rank))
 
 
 # --- packed blobs ----------------------------------------------------------------------------
@@ -450,7 +489,7 @@ def encode_packed(
     """
     _check_ints(state.version, rank)
     layout = state.layout
-    layout_obj = _layout_obj(layout)
+    _layout_bytes(layout)  # refuses a non-canonical layout before any work
     device = state.payload.device
     stages: list[Stage] = [FlattenStage()]
     matches: list[int] | None = None
@@ -500,14 +539,14 @@ def encode_packed(
         "version": state.version,
         "rank": rank,
         "stages": [[s.name, s.params()] for s in stages],
-        "layout": layout_obj,
+        "layout": _LAYOUT,
         "frame_bytes": options.frame_bytes,
         "table": np.asarray(table, dtype="<u8").tobytes(),
         "digests": np.asarray(leaves, dtype="<u8").tobytes(),
     }
     if matches is not None:
         header_obj["delta"] = np.asarray(matches, dtype="<i8").tobytes()
-    header = _pack(header_obj)
+    header = _pack_header(header_obj, layout)
     region = _header_region(header)
     body_digest = tree_root(leaves, body_nbytes)
     head = _HEAD.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR, _KIND_PACKED, len(header), body_nbytes)
@@ -533,9 +572,15 @@ def _read_head(view: memoryview) -> tuple[bytes, int, int, int]:
     return head, header_nbytes, body_nbytes, kind
 
 
-def _parse(view: memoryview, total: int) -> BlobMeta:
+def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None = None) -> BlobMeta:
     """Parse and check preamble and header; ``total`` is the full blob size (body may be absent
-    from ``view``)."""
+    from ``view``).
+
+    ``known`` is ``(layout, version, rank)`` of a full blob the caller has just written: when
+    the header holds exactly the bytes :func:`_full_header` makes of them, it is not decoded
+    again (a header of thousands of tensor entries, at every save). Every digest is checked
+    all the same.
+    """
     head, header_nbytes, body_nbytes, kind = _read_head(view)
     raw, body_digest, header_digest, checksum = _DIGESTS.unpack(bytes(view[32:64]))
     if xxhash.xxh3_64_intdigest(view[:56]) != checksum:
@@ -555,6 +600,29 @@ def _parse(view: memoryview, total: int) -> BlobMeta:
     hasher.update(view[PREAMBLE_NBYTES:offset])
     if hasher.intdigest() != header_digest:
         raise ChecksumMismatch("blob header does not match its digest: the blob is corrupt")
+    if known is not None and kind == _KIND_FULL:
+        known_layout, known_version, known_rank = known
+        if (
+            view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes]
+            == _full_header(known_layout, known_version, known_rank)
+            and raw == body_digest
+            and body_nbytes == known_layout.payload_nbytes
+        ):
+            stage = FlattenStage()
+            return BlobMeta(
+                kind="full",
+                version=known_version,
+                rank=known_rank,
+                base=None,
+                raw_digest=raw,
+                checksum=checksum,
+                stages=(stage.name,),
+                nbytes=total,
+                layout=known_layout,
+                body_offset=offset,
+                body_digest=body_digest,
+                stage_objects=(stage,),
+            )
     try:
         header = msgpack.unpackb(view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes], raw=False)
     except (msgpack.UnpackException, ValueError) as exc:
@@ -755,6 +823,7 @@ def decode(
     executor: Executor | None = None,
     out: torch.Tensor | None = None,
     threads: int = 0,
+    meta: BlobMeta | None = None,
 ) -> RawState:
     """Decode a blob into a :class:`RawState`, verified end to end.
 
@@ -773,9 +842,14 @@ def decode(
     blob (``bytes``) is copied once. Packed frames decode in parallel on ``executor`` (or a pool
     of ``threads`` threads, ``0`` = ``os.cpu_count()``). When decoding fails after the checks
     on the header, ``out`` may hold partly written bytes.
+
+    ``meta``: what :func:`read_meta` returned for this very blob, if the caller has it (its
+    header is then not parsed a second time -- thousands of tensor entries); the body is still
+    verified here as always.
     """
     view = _byte_view(blob)
-    meta = _parse(view, len(view))
+    if meta is None or meta.nbytes != len(view):
+        meta = _parse(view, len(view))
     _check_base(meta, base)
     layout = meta.layout
     n = layout.payload_nbytes

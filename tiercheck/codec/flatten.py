@@ -41,6 +41,7 @@ in a ``state_dict``). Restoring with :func:`unflatten` gives independent tensors
 from __future__ import annotations
 
 import collections
+import operator
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ import msgpack
 import numpy as np
 import torch
 
-from tiercheck.codec.dtypes import is_supported_dtype
+from tiercheck.codec.dtypes import dtype_name, is_supported_dtype
 from tiercheck.errors import FormatError, StateMismatch, UnsupportedObject
 
 __all__ = [
@@ -199,16 +200,60 @@ class Layout:
         write into it.
         """
         _check_payload(payload, self.payload_nbytes, "payload")
-        return [
-            payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
-            if s.nbytes
-            # An empty slice may carry odd strides that refuse a dtype view; nothing to share.
-            # (Viewed from uint8: allocating some dtypes, complex32, warns.)
-            else torch.empty(0, dtype=torch.uint8, device=payload.device)
-            .view(s.dtype)
-            .view(s.shape)
-            for s in self.specs
-        ]
+        views: list[torch.Tensor] = []
+        for dtype, start, end, sizes, keep in self._view_runs:
+            # One split per run of same-dtype tensors: the pieces alternate tensor, padding.
+            pieces = torch.split_with_sizes(payload[start:end].view(dtype), sizes)
+            for piece, spec in zip(pieces[::2], self.specs[keep], strict=True):
+                views.append(piece if len(spec.shape) == 1 else piece.view(spec.shape))
+        return views
+
+    @cached_property
+    def _view_runs(self) -> list[tuple[torch.dtype, int, int, list[int], slice]]:
+        """Per run of consecutive same-dtype specs: its byte range, the element counts of its
+        pieces (each tensor, then the padding after it), and the specs it covers."""
+        runs = []
+        specs = self.specs
+        i = 0
+        while i < len(specs):
+            dtype = specs[i].dtype
+            j = i
+            while j < len(specs) and specs[j].dtype == dtype:
+                j += 1
+            end = specs[j].offset if j < len(specs) else self.payload_nbytes
+            sizes: list[int] = []
+            for k in range(i, j):
+                following = specs[k + 1].offset if k + 1 < j else end
+                sizes.append(specs[k].nbytes // dtype.itemsize)
+                sizes.append((following - specs[k].offset - specs[k].nbytes) // dtype.itemsize)
+            runs.append((dtype, specs[i].offset, end, sizes, slice(i, j)))
+            i = j
+        return runs
+
+    @cached_property
+    def packed_entries(self) -> bytes:
+        """The msgpack encoding of ``[[path, dtype name, shape], ...]``, one entry per spec.
+
+        This is the tensor table of a blob header (:mod:`~tiercheck.codec.blob`); computed once
+        per layout and shared by :meth:`with_skeleton`, so a save whose structure repeats does
+        not encode thousands of entries again.
+        """
+        return msgpack.packb(
+            [[s.path, dtype_name(s.dtype), list(s.shape)] for s in self.specs], use_bin_type=True
+        )
+
+    def with_skeleton(self, skeleton: bytes) -> Layout:
+        """The same tensors at the same offsets under another skeleton.
+
+        What a save whose non-tensor values changed (a step counter, a learning rate) needs:
+        the derived tables (:attr:`index`, :attr:`gaps`, :attr:`packed_entries`, the
+        canonical check) depend on the specs only and are shared, not recomputed.
+        """
+        new = Layout(skeleton, self.specs, self.payload_nbytes)
+        for name in ("index", "gaps", "_canonical", "packed_entries", "_view_runs"):
+            if name in self.__dict__:
+                new.__dict__[name] = self.__dict__[name]
+        return new
 
     def compatible(self, other: Layout) -> bool:
         """Whether ``other`` places the same tensors (paths, dtypes, shapes) at the same offsets.
@@ -348,29 +393,35 @@ class _Flattener:
         return msgpack.ExtType(_EXT_TENSOR, _pack(self.add_tensor(obj, path)))
 
     def ndarray(self, obj: Any, path: str) -> Any:
-        scalar = isinstance(obj, np.generic)
-        arr = np.asarray(obj)
-        dt = arr.dtype
-        if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
-            return self.refuse(obj, path, f"numpy dtype {dt}")
-        torch_dtype = _NP_TO_TORCH.get(dt) if dt.isnative else None
-        if torch_dtype is not None:
-            # torch.from_numpy shares memory, but refuses negative strides and warns on
-            # read-only arrays: those (rare) get a private copy.
-            if (
-                not arr.flags.writeable
-                or any(s < 0 or s % dt.itemsize for s in arr.strides)
-                or scalar
-            ):
-                arr = np.array(arr, order="C", copy=True)
-            tensor = torch.from_numpy(arr)
-            dtype_str = None
-        else:
-            raw = np.array(arr, order="C", copy=True)
-            tensor = torch.from_numpy(raw.reshape(-1).view(np.uint8))
-            dtype_str = dt.str
+        parts = ndarray_parts(obj)
+        if isinstance(parts, str):
+            return self.refuse(obj, path, parts)
+        tensor, dtype_str, shape, scalar = parts
         index = self.add_tensor(tensor, path)
-        return msgpack.ExtType(_EXT_NDARRAY, _pack([index, dtype_str, list(arr.shape), scalar]))
+        return msgpack.ExtType(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
+
+
+def ndarray_parts(obj: Any) -> tuple[torch.Tensor, str | None, list[int], bool] | str:
+    """How a numpy array or scalar travels: ``(tensor, dtype string, shape, scalar)``.
+
+    The tensor shares the array's memory where torch can (a private copy otherwise); the dtype
+    string is ``None`` for dtypes torch has, else the numpy dtype whose raw bytes the tensor
+    holds. Returns the reason as a string for a dtype that cannot be stored.
+    """
+    scalar = isinstance(obj, np.generic)
+    arr = np.asarray(obj)
+    dt = arr.dtype
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
+        return f"numpy dtype {dt}"
+    torch_dtype = _NP_TO_TORCH.get(dt) if dt.isnative else None
+    if torch_dtype is not None:
+        # torch.from_numpy shares memory, but refuses negative strides and warns on
+        # read-only arrays: those (rare) get a private copy.
+        if not arr.flags.writeable or any(s < 0 or s % dt.itemsize for s in arr.strides) or scalar:
+            arr = np.array(arr, order="C", copy=True)
+        return torch.from_numpy(arr), None, list(arr.shape), scalar
+    raw = np.array(arr, order="C", copy=True)
+    return torch.from_numpy(raw.reshape(-1).view(np.uint8)), dt.str, list(arr.shape), scalar
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Layout, list[torch.Tensor]]:
@@ -414,6 +465,13 @@ class _Unflattener:
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == _EXT_TENSOR:
+            # The index is a msgpack int; the one-byte form (positive fixint, index < 128) and
+            # the uint16 form cover most states without a nested unpack.
+            first = data[0] if data else 0xC1
+            if len(data) == 1 and first < 0x80:
+                return self.tensor(first)
+            if len(data) == 3 and first == 0xCD:
+                return self.tensor(int.from_bytes(data[1:], "big"))
             return self.tensor(self.unpack(data))
         if code == _EXT_TUPLE:
             return tuple(self.unpack(data))
@@ -575,60 +633,94 @@ def _describe(obj: Any) -> str:
     return _an(f"{type(obj).__qualname__} value")
 
 
-def _check(target: Any, source: Any, path: str, strict: bool, out: list[str]) -> None:
-    where = f"state{path}"
+# A path in the state as nested pairs ``(parent, key)`` (``()`` is the root), formatted only
+# when a mismatch is reported: building a string per visited node would cost more than the
+# check itself in a state of thousands of tensors.
+_Path = tuple[Any, ...]
+
+
+def _where(path: _Path) -> str:
+    keys = []
+    while path:
+        path, key = path
+        keys.append(f"[{key!r}]")
+    return "state" + "".join(reversed(keys))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) -> None:
+    if type(source) is torch.Tensor and type(target) in _PLAIN_TENSORS:
+        # The common case, first (a restored tensor into a live one): same test as below.
+        if target.shape != source.shape or target.dtype != source.dtype:
+            out.append(
+                f"{_where(path)}: the target holds {_typed_shape(target)}, "
+                f"the version {_typed_shape(source)}"
+            )
+        elif target.is_inference() and not torch.is_inference_mode_enabled():
+            out.append(
+                f"{_where(path)}: the target holds an inference tensor "
+                f"{_typed_shape(target)}, which cannot be written outside "
+                "torch.inference_mode()"
+            )
+        return
     tk, sk = _kind(target), _kind(source)
     if tk != sk:
         # Two values of different types are not structure: the version's value replaces the
         # target's. Anything else (a tensor where the version holds an int...) is.
         if tk != "leaf" or sk != "leaf":
             out.append(
-                f"{where}: the target holds {_describe(target)}, the version {_describe(source)}"
+                f"{_where(path)}: the target holds {_describe(target)}, "
+                f"the version {_describe(source)}"
             )
         return
     if tk == "tensor":
         # The device is not compared: copying across devices is how a restore reaches a GPU.
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
-                f"{where}: the target holds {_typed_shape(target)}, "
+                f"{_where(path)}: the target holds {_typed_shape(target)}, "
                 f"the version {_typed_shape(source)}"
             )
         elif target.is_inference() and not torch.is_inference_mode_enabled():
             out.append(
-                f"{where}: the target holds an inference tensor {_typed_shape(target)}, which "
-                "cannot be written outside torch.inference_mode()"
+                f"{_where(path)}: the target holds an inference tensor "
+                f"{_typed_shape(target)}, which cannot be written outside "
+                "torch.inference_mode()"
             )
     elif tk == "array":
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
-                f"{where}: the target holds {_typed_shape(target)}, "
+                f"{_where(path)}: the target holds {_typed_shape(target)}, "
                 f"the version {_typed_shape(source)}"
             )
         elif not target.flags.writeable and not np.shares_memory(target, source):
             out.append(
-                f"{where}: the target holds a read-only numpy array {_typed_shape(target)}, "
+                f"{_where(path)}: the target holds a read-only numpy array {_typed_shape(target)}, "
                 "which cannot be restored in place"
             )
     elif tk == "mapping":
         for key, value in source.items():
             if key in target:
-                _check(target[key], value, f"{path}[{key!r}]", strict, out)
+                _check(target[key], value, (path, key), strict, out)
             elif strict:
-                out.append(f"{where}: the version holds key {key!r} that the target lacks")
+                out.append(f"{_where(path)}: the version holds key {key!r} that the target lacks")
         if strict:
             out.extend(
-                f"{where}: the target holds key {key!r} that the version lacks"
+                f"{_where(path)}: the target holds key {key!r} that the version lacks"
                 for key in target
                 if key not in source
             )
     elif tk in ("list", "tuple"):
         if len(target) != len(source):
             out.append(
-                f"{where}: the target holds {_describe(target)}, the version {_describe(source)}"
+                f"{_where(path)}: the target holds {_describe(target)}, "
+                f"the version {_describe(source)}"
             )
             return
         for i, (t, s) in enumerate(zip(target, source, strict=True)):
-            _check(t, s, f"{path}[{i}]", strict, out)
+            _check(t, s, (path, i), strict, out)
 
 
 def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
@@ -655,16 +747,24 @@ def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
     version's replaces the target's whatever the two types, so they never mismatch each other.
     """
     out: list[str] = []
-    _check(target, source, "", strict, out)
+    _check(target, source, (), strict, out)
     return out
 
 
-def _apply(target: Any, source: Any) -> Any:
-    """Restore ``source`` into ``target``, which :func:`check_into` found compatible."""
+def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torch.Tensor]]) -> Any:
+    """Restore ``source`` into ``target``, which :func:`check_into` found compatible.
+
+    Tensor copies are not made here but listed in ``copies`` (targets, sources), in the order
+    of the walk, for :func:`_copy_all` to make in few calls.
+    """
+    if type(target) in _PLAIN_TENSORS and type(source) is torch.Tensor:
+        copies[0].append(target)
+        copies[1].append(source)
+        return target
     kind = _kind(target)
     if kind == "tensor" and isinstance(source, torch.Tensor):
-        with torch.no_grad():
-            target.copy_(source)
+        copies[0].append(target)
+        copies[1].append(source)
         return target
     if kind == "array" and type(source) is np.ndarray:
         if np.shares_memory(target, source):
@@ -674,7 +774,7 @@ def _apply(target: Any, source: Any) -> Any:
     if kind == "mapping":
         for key, value in source.items():
             if key in target:
-                merged = _apply(target[key], value)
+                merged = _apply(target[key], value, copies)
                 if merged is not target[key]:
                     target[key] = merged
             else:
@@ -689,19 +789,38 @@ def _apply(target: Any, source: Any) -> Any:
         return target
     if kind == "list":
         for i, value in enumerate(source):
-            merged = _apply(target[i], value)
+            merged = _apply(target[i], value, copies)
             if merged is not target[i]:
                 target[i] = merged
         return target
     if kind == "tuple":
-        merged_items = tuple(_apply(t, s) for t, s in zip(target, source, strict=True))
+        merged_items = tuple(_apply(t, s, copies) for t, s in zip(target, source, strict=True))
         if all(m is t for m, t in zip(merged_items, target, strict=True)):
             return target
         return merged_items
     return source
 
 
-def load_into(target: Any, source: Any, *, strict: bool = True) -> Any:
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for each pair, in order, in one call per pair of devices."""
+    if not targets:
+        return
+    with torch.no_grad():
+        if False not in map(_IS_CPU, targets) and False not in map(_IS_CPU, sources):
+            torch._foreach_copy_(targets, sources)
+            return
+        # Across devices, one call per pair of devices (the order within each is kept; tensors
+        # in two groups cannot alias each other).
+        groups: dict[tuple[torch.device, torch.device], tuple[list[Any], list[Any]]] = {}
+        for t, s in zip(targets, sources, strict=True):
+            group = groups.setdefault((t.device, s.device), ([], []))
+            group[0].append(t)
+            group[1].append(s)
+        for group_targets, group_sources in groups.values():
+            torch._foreach_copy_(group_targets, group_sources)
+
+
+def load_into(target: Any, source: Any, *, strict: bool = True, checked: bool = False) -> Any:
     """Restore ``source`` (an unflattened state) into the live object ``target``, in place.
 
     First :func:`check_into`: if ``source`` does not fit ``target``, this raises
@@ -725,8 +844,13 @@ def load_into(target: Any, source: Any, *, strict: bool = True) -> Any:
     Returns ``target`` itself where it could be updated in place, else the object that replaces
     it; the caller stores the result where it got ``target`` from (containers do this for their
     entries).
+
+    The tensors are copied after the walk, in one ``torch._foreach_copy_`` (per pair of
+    devices), in walk order. ``checked=True`` says the caller has just run :func:`check_into`
+    on these same objects with the same ``strict`` and found nothing, and that neither changed
+    since: the check is not repeated.
     """
-    problems = check_into(target, source, strict=strict)
+    problems = [] if checked else check_into(target, source, strict=strict)
     if problems:
         shown = problems[:_MAX_MISMATCH_LINES]
         if len(problems) > len(shown):
@@ -745,7 +869,10 @@ def load_into(target: Any, source: Any, *, strict: bool = True) -> Any:
             "restore without a state (the result holds the version as saved) and load what "
             f"you need from it yourself{hint}."
         )
-    return _apply(target, source)
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    result = _apply(target, source, copies)
+    _copy_all(*copies)
+    return result
 
 
 def own_copy(obj: Any) -> Any:

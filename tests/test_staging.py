@@ -1,0 +1,324 @@
+"""Staging: the overlapped snapshot and its fence, the fence hooks, staging buffers.
+
+An overlapped save (``overlap=True``) returns before its copy; these tests hold the copy back
+with a gate, so what may or may not happen before the fence is decided by the test, not by
+timing: the fence must not return while the copy is held, and every stored byte must be the
+value the state had when ``save`` was called.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiercheck
+from tiercheck import StateChanged, SyncCheckpointer, TierWriteFailed
+from tiercheck.codec import decode, flatten
+from tiercheck.codec.plan import Flat, Planner
+from tiercheck.staging import SnapshotCopy, StagingPool
+
+from .helpers import TinyTrainer, assert_state_equal, clone_state
+
+
+class Gate:
+    """Holds every snapshot copy until opened (``SnapshotCopy.run`` waits for it)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.copies = 0
+
+    def open(self) -> None:
+        self.event.set()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate()
+    original = SnapshotCopy.run
+
+    def gated(self: SnapshotCopy) -> None:
+        g.copies += 1
+        # Bounded: a test that fails while a copy is held must not hang its teardown.
+        g.event.wait(timeout=30)
+        original(self)
+
+    monkeypatch.setattr(SnapshotCopy, "run", gated)
+    try:
+        yield g
+    finally:
+        g.open()  # never leave a copy (and the checkpointer closing after it) hanging
+
+
+def _ckpt(tmp_path: Path, **kw: Any) -> SyncCheckpointer:
+    kw.setdefault("tiers", ["local"])
+    kw.setdefault("local_root", tmp_path / "shm")
+    kw.setdefault("persistent", (tmp_path / "durable").as_uri())
+    kw.setdefault("keep", 100)
+    return SyncCheckpointer("job", **kw)
+
+
+def _stored(tmp_path: Path, version: int) -> Any:
+    """The state stored in the local tier as ``version``, read from its file."""
+    [path] = [p for p in (tmp_path / "shm").rglob(f"v{version:012d}/r*.full") if p.is_file()]
+    raw = decode(bytearray(path.read_bytes()))
+    return raw.state()
+
+
+def _scribble(state: Any) -> None:
+    """Change every tensor of ``state`` in place (as an optimizer step would)."""
+    with torch.no_grad():
+        for t in _tensors(state):
+            if t.is_floating_point():
+                t.add_(1.0)
+            else:
+                t.add_(1)
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    return flatten(state)[1]
+
+
+def test_a_blocking_save_is_staged_when_it_returns(tmp_path: Path) -> None:
+    t = TinyTrainer()
+    t.step()
+    with _ckpt(tmp_path) as ckpt:
+        handle = ckpt.save(1, t.state())
+        assert handle.is_staged
+        handle.staged(timeout=0)
+        ckpt.fence(timeout=0)
+        assert handle.stats.staged_s == handle.stats.stall_s
+
+
+def test_the_fence_waits_for_the_copy_and_the_bytes_are_the_saved_ones(
+    tmp_path: Path, gate: Gate
+) -> None:
+    t = TinyTrainer()
+    t.step()
+    with _ckpt(tmp_path, overlap=True) as ckpt:
+        before = clone_state(t.state())
+        handle = ckpt.save(1, t.state())
+        assert not handle.is_staged  # the copy is held: save returned before it
+        with pytest.raises(TimeoutError):
+            handle.staged(timeout=0.05)
+        with pytest.raises(TimeoutError):
+            ckpt.fence(timeout=0.05)
+        gate.open()
+        handle.staged()
+        assert handle.is_staged
+        # Right after the fence: change every tensor of the live state.
+        _scribble(t.state())
+        ckpt.wait()
+        handle.result("local")
+        assert handle.stats.staged_s is not None
+        assert handle.stats.stall_s <= handle.stats.staged_s
+    assert_state_equal(_stored(tmp_path, 1), before)
+    with _ckpt(tmp_path) as again:
+        restored = again.restore()
+    assert restored is not None
+    assert restored.version == 1
+    assert_state_equal(restored.state, before)
+
+
+def test_changing_the_state_before_the_fence_fails_the_version(tmp_path: Path, gate: Gate) -> None:
+    t = TinyTrainer()
+    t.step()
+    with _ckpt(tmp_path, overlap=True) as ckpt:
+        handle = ckpt.save(1, t.state())
+        t.step()  # the caller's error: the optimizer steps before the fence
+        gate.open()
+        handle.staged()  # the fence itself does not raise
+        with pytest.raises(TierWriteFailed, match="not be staged") as info:
+            handle.result("local")
+        assert isinstance(info.value.__cause__, StateChanged)
+        assert 1 not in ckpt.versions()["local"]
+        assert ckpt.stats.committed.get("local", 0) == 0
+        # The next save, fenced properly, is stored.
+        before = clone_state(t.state())
+        handle = ckpt.save(2, t.state())
+        handle.staged()
+        t.step()
+        handle.result("local")
+    assert_state_equal(_stored(tmp_path, 2), before)
+
+
+def test_the_optimizer_hook_makes_a_plain_loop_safe(tmp_path: Path, gate: Gate) -> None:
+    t = TinyTrainer()
+    t.step()
+    with _ckpt(tmp_path, overlap=True) as ckpt:
+        hook = tiercheck.fence_before_step(ckpt, t.opt)
+        saved = {}
+        for version in range(1, 4):
+            saved[version] = clone_state(t.state())
+            ckpt.save(version, t.state())
+            # The next step (forward, backward, optimizer step) runs in another thread: it
+            # must stop at the optimizer step while the copy is held.
+            stepper = threading.Thread(target=t.step)
+            stepper.start()
+            stepper.join(timeout=0.2)
+            assert stepper.is_alive(), "optimizer.step() ran before the snapshot was staged"
+            gate.event.set()
+            stepper.join()
+            gate.event.clear()
+        gate.open()
+        ckpt.wait()
+        # Without the hook, the step does not wait for a held copy.
+        hook.remove()
+        gate.event.clear()
+        ckpt.save(10, t.state())
+        stepper = threading.Thread(target=t.step)
+        stepper.start()
+        stepper.join(timeout=30)
+        assert not stepper.is_alive()
+        gate.open()
+        ckpt.wait()
+    for version, state in saved.items():
+        assert_state_equal(_stored(tmp_path, version), state)
+
+
+def test_the_forward_hook_protects_batch_norm_statistics(tmp_path: Path, gate: Gate) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model(torch.randn(8, 4))
+    with _ckpt(tmp_path, overlap=True) as ckpt:
+        tiercheck.fence_before_forward(ckpt, model)
+        before = clone_state(model.state_dict())
+        ckpt.save(1, model.state_dict())
+        forward = threading.Thread(target=model, args=(torch.randn(8, 4),))
+        forward.start()
+        forward.join(timeout=0.2)
+        assert forward.is_alive(), "the forward pass ran before the snapshot was staged"
+        gate.open()
+        forward.join()
+        assert not torch.equal(model.state_dict()["1.running_mean"], before["1.running_mean"])
+        ckpt.wait()
+    assert_state_equal(_stored(tmp_path, 1), before)
+
+
+def test_back_pressure_still_applies_to_overlapped_saves(tmp_path: Path, gate: Gate) -> None:
+    t = TinyTrainer()
+    t.step()
+    with _ckpt(tmp_path, overlap=True, on_busy="skip") as ckpt:
+        first = ckpt.save(1, t.state())
+        second = ckpt.save(2, t.state())  # the first is still copying: skipped
+        assert second.skipped
+        assert second.is_staged  # nothing to wait for
+        gate.open()
+        first.staged()
+        ckpt.wait()
+        first.result("local")
+        assert ckpt.stats.skipped == 1
+
+
+def test_a_repeating_state_reuses_its_plan_in_the_checkpointer(tmp_path: Path) -> None:
+    t = TinyTrainer()
+    t.step()
+    with _ckpt(tmp_path) as ckpt:
+        saved = {}
+        for version in range(1, 5):
+            saved[version] = clone_state(t.state())
+            ckpt.save(version, t.state())
+            t.step()
+        ckpt.wait()
+        engine = ckpt._engine
+        assert engine is not None
+        assert engine.planner.misses == 1
+        assert engine.planner.hits == 3
+    for version, state in saved.items():
+        assert_state_equal(_stored(tmp_path, version), state)
+
+
+# --- SnapshotCopy and the pool ----------------------------------------------------------------
+
+
+def test_a_snapshot_copy_reports_its_failure_without_raising() -> None:
+    state = {"a": torch.ones(4)}
+    flat = Planner().flatten(state)
+    copy = SnapshotCopy(flat, torch.empty(3, dtype=torch.uint8))  # too small
+    copy.run()
+    copy.wait()
+    assert isinstance(copy.done.exception(), ValueError)
+    assert copy.flat is None  # the caller's tensors are not kept
+
+
+def test_version_watch_skips_inference_tensors() -> None:
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    state = {"frozen": frozen, "live": torch.ones(3)}
+    layout, tensors = flatten(state)
+    flat = Flat(layout, tensors, None, False, True)
+    dest = torch.empty(layout.payload_nbytes, dtype=torch.uint8)
+    copy = SnapshotCopy(flat, dest, watch=True)
+    copy.run()
+    assert copy.done.exception() is None
+
+
+def test_pool_caches_live_and_die_with_their_buffer() -> None:
+    pool = StagingPool(pin=False, max_free=0)
+    lent = pool.acquire(1000)
+    lent.cache["views"] = "derived"
+    pool.release(lent)  # max_free=0: the buffer is dropped, and its cache with it
+    again = pool.acquire(1000)
+    assert again.cache == {}
+    pool.release(again)
+    assert pool.allocated_bytes == 0
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_snapshot_is_the_state_at_save_time(tmp_path: Path, overlap: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    with _ckpt(tmp_path, overlap=overlap) as ckpt:
+        tiercheck.fence_before_step(ckpt, opt)
+        saved = {}
+        for version in range(1, 4):
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            saved[version] = clone_state(state)
+            ckpt.save(version, state)
+            model(torch.randn(8, 64, device="cuda")).sum().backward()
+            opt.step()  # waits for the copy (the hook)
+        ckpt.wait()
+    for version, state in saved.items():
+        stored = _stored(tmp_path, version)
+        assert_state_equal(stored, clone_state(_to_cpu(state)))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_snapshot_waits_for_work_queued_on_the_callers_stream(tmp_path: Path) -> None:
+    x = torch.zeros(1 << 22, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x is made on the default stream
+    with _ckpt(tmp_path, overlap=True) as ckpt:
+        with torch.cuda.stream(side):
+            x.fill_(3.0)  # queued on the caller's (non-default) stream
+            handle = ckpt.save(1, {"x": x})
+        handle.staged()
+        torch.cuda.synchronize()
+        x.fill_(5.0)
+        ckpt.wait()
+    assert torch.equal(_stored(tmp_path, 1)["x"], torch.full((1 << 22,), 3.0))
+
+
+def _to_cpu(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_cpu(v) for v in state)
+    return state

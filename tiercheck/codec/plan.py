@@ -1,0 +1,657 @@
+"""Flatten once, copy many times: the cached layout and copy program of a repeating state.
+
+A training loop saves the same structure at every step -- the same keys, the same number of
+tensors with the same shapes and dtypes -- and only values change. :func:`~.flatten.flatten`
+walks the whole state in Python and encodes its skeleton at every call, and
+:func:`~.flatten.write_payload` copies tensor by tensor: with thousands of tensors (a model with
+AdamW brings ``exp_avg``, ``exp_avg_sq`` and a 0-dim ``step`` per parameter) that Python work
+costs more than copying the bytes. Here:
+
+* :class:`Planner` flattens the first state fully and compiles a :class:`StatePlan` from it: a
+  tree mirroring the state's containers that holds each part's encoded skeleton bytes and each
+  non-tensor value. The next state is *matched* against the plan: containers are compared by
+  type, length and keys (exact key types), tensors are gathered without per-tensor work, and
+  their types, dtypes, shapes, layouts and devices are compared in a few list comparisons.
+  A non-tensor value (a step counter, a learning rate) that changed is re-encoded on its own and
+  only the containers above it are re-joined; the layout is then the same with a new skeleton
+  (:meth:`~.flatten.Layout.with_skeleton`). Anything else -- a key added or removed, a tensor
+  that changed shape or dtype or device, a tensor where a value was, an optimizer that gained
+  state -- is a *miss*: the state is flattened from scratch and a new plan compiled. The result
+  is always byte for byte what :func:`~.flatten.flatten` gives (each compiled plan is checked
+  against it once).
+* :class:`CopyProgram` writes a payload with one ``torch._chunk_cat`` per run of same-dtype
+  tensors: the tensors of a run, with zero tensors for the alignment padding between them, are
+  concatenated straight into their typed region of the destination. One call copies thousands
+  of tensors and zeroes every padding byte, so the payload is a pure function of the state,
+  padding included, whatever the destination held before (recycled shared memory holds old
+  bytes). Dtypes that kernel cannot copy fall back to a copy per tensor.
+
+What a plan does not cover -- a state whose root is not a container, dict keys other than
+``str``, ``int``, ``bytes``, ``bool`` and ``None``, pickled objects -- is simply flattened in
+full at every save, as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import gc
+import logging
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from tiercheck.codec.dtypes import is_supported_dtype
+from tiercheck.codec.flatten import (
+    _EXT_NDARRAY,
+    _EXT_ODICT,
+    _EXT_TENSOR,
+    _EXT_TUPLE,
+    _TENSOR_TYPES,
+    Layout,
+    _check_payload,
+    _Flattener,
+    _pack,
+    flatten,
+    ndarray_parts,
+    write_payload,
+)
+
+__all__ = ["CopyProgram", "Flat", "Planner", "StatePlan", "groupable", "paused_gc"]
+
+logger = logging.getLogger("tiercheck")
+
+_PACKER = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass")
+_NONE = _pack(None)
+
+# Non-tensor values a plan holds as they are (what the skeleton stores in place).
+_IMMUTABLE_LEAVES = frozenset(
+    {type(None), bool, int, float, str, bytes, complex, torch.dtype, torch.device, torch.Size}
+)
+_LEAF_TYPES = _IMMUTABLE_LEAVES | {bytearray}
+# Two values of one of these exact types that compare equal have the same encoding (not so for
+# floats: 0.0 == -0.0, and NaN != NaN).
+_EQUAL_MEANS_SAME = frozenset({int, str, bytes})
+# Dict keys a plan compares with ``==`` plus their exact types (1, 1.0 and True are equal keys
+# with three encodings; floats and tuples hold -0.0 and NaN).
+_KEY_TYPES = frozenset({str, int, bytes, bool, type(None)})
+
+# Slot kinds of a container node.
+_TENSOR = 0
+_LEAF = 1
+_NODE = 2
+_ARRAY = 3
+
+# Only scalars go through it, which never touches its per-walk state: safe to share.
+_LEAF_WALKER = _Flattener(allow_pickle=False)
+
+_TYPE = type
+# What a tensor must keep for the plan to hold, read in one pass (one cache miss per tensor).
+_META = operator.attrgetter("dtype", "shape", "device", "layout")
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (it is enabled again after, if it was).
+
+    Matching a state of thousands of tensors, or rebuilding one, creates tens of thousands of
+    short-lived objects; the allocations trigger the collector, and a full collection walks
+    every object of the training process (measured: 150 ms every other save of a 12,000-tensor
+    state, against 10 ms of work). The objects made here die by reference counting anyway.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _Miss(Exception):
+    """The state does not have the plan's structure (the plan is stale)."""
+
+
+class _Uncacheable(Exception):
+    """The state holds something a plan does not model; flatten it in full every time."""
+
+
+def _encode_leaf(value: Any) -> bytes:
+    if type(value) not in _LEAF_TYPES:
+        raise _Miss
+    return _pack(_LEAF_WALKER.walk(value, ""))
+
+
+def _ext(code: int, data: bytes) -> bytes:
+    return _pack(msgpack.ExtType(code, data))
+
+
+class _Leaf:
+    """A non-tensor value and its encoding."""
+
+    __slots__ = ("enc", "mutable", "value")
+
+    def __init__(self, value: Any, enc: bytes) -> None:
+        self.value = value
+        self.enc = enc
+        # A bytearray can change in place: identity does not mean the same value.
+        self.mutable = type(value) is bytearray
+
+    def changed(self, value: Any) -> bytes | None:
+        """The new encoding if ``value`` encodes differently from the held one, else ``None``."""
+        held = self.value
+        if value is held and not self.mutable:
+            return None
+        self.value = value
+        t = type(value)
+        if t is type(held) and t in _EQUAL_MEANS_SAME and value == held:
+            return None
+        enc = _encode_leaf(value)
+        if enc == self.enc:
+            return None
+        self.enc = enc
+        return enc
+
+
+class _Array:
+    """A numpy array or scalar: it travels as a tensor (see :func:`~.flatten.ndarray_parts`)."""
+
+    __slots__ = ("signature",)
+
+    def __init__(self, signature: tuple[str | None, list[int], bool]) -> None:
+        self.signature = signature
+
+    def tensor(self, value: Any) -> torch.Tensor:
+        if type(value) is not np.ndarray and not isinstance(value, np.generic):
+            raise _Miss
+        parts = ndarray_parts(value)
+        if isinstance(parts, str) or (parts[1], parts[2], parts[3]) != self.signature:
+            raise _Miss
+        return parts[0]
+
+
+class _Node:
+    """A container of the state: its slots, and its encoding kept up to date."""
+
+    __slots__ = ("cls", "enc", "encs", "kinds", "n", "slots", "stride")
+
+    cls: Any  # the exact container type (Any: a comparison with it must not narrow)
+    n: int
+    kinds: list[int]
+    slots: list[Any]
+    encs: list[bytes]  # the encoded parts the node's encoding joins (see _reencode)
+    stride: int  # where value i's encoding sits in encs: encs[offset + i * stride]
+    enc: bytes
+
+    def visit(self, obj: Any, out: list[torch.Tensor]) -> bool:
+        """Match ``obj``, append its tensors to ``out``; whether its encoding changed."""
+        raise NotImplementedError
+
+    def _values(self, values: Iterable[Any], offset: int, out: list[torch.Tensor]) -> bool:
+        dirty = False
+        i = offset
+        encs = self.encs
+        stride = self.stride
+        for value, kind, slot in zip(values, self.kinds, self.slots, strict=True):
+            if kind == _TENSOR:
+                out.append(value)
+            elif kind == _LEAF:
+                enc = slot.changed(value)
+                if enc is not None:
+                    encs[i] = enc
+                    dirty = True
+            elif kind == _NODE:
+                if slot.visit(value, out):
+                    encs[i] = slot.enc
+                    dirty = True
+            else:
+                out.append(slot.tensor(value))
+            i += stride
+        return dirty
+
+
+class _Seq(_Node):
+    """A list or tuple."""
+
+    __slots__ = ("all_tensors",)
+
+    def __init__(self, obj: list[Any] | tuple[Any, ...], compiler: _Compiler, path: str) -> None:
+        self.cls = type(obj)
+        self.n = len(obj)
+        self.stride = 1
+        self.kinds, self.slots, self.encs = [], [], []
+        for i, value in enumerate(obj):
+            kind, slot, enc = compiler.slot(value, f"{path}[{i}]")
+            self.kinds.append(kind)
+            self.slots.append(slot)
+            self.encs.append(enc)
+        self.all_tensors = all(k == _TENSOR for k in self.kinds)
+        self._reencode()
+
+    def _reencode(self) -> None:
+        body = _PACKER.pack_array_header(self.n) + b"".join(self.encs)
+        self.enc = body if self.cls is list else _ext(_EXT_TUPLE, body)
+
+    def visit(self, obj: Any, out: list[torch.Tensor]) -> bool:
+        if type(obj) is not self.cls or len(obj) != self.n:
+            raise _Miss
+        if self.all_tensors:
+            out.extend(obj)
+            return False
+        if self._values(obj, 0, out):
+            self._reencode()
+            return True
+        return False
+
+
+class _Map(_Node):
+    """A dict or an OrderedDict (with the ``_metadata`` a module's ``state_dict`` carries)."""
+
+    __slots__ = ("all_tensors", "key_types", "keys", "meta", "meta_kind")
+
+    def __init__(self, obj: dict[Any, Any], compiler: _Compiler, path: str) -> None:
+        self.cls = type(obj)
+        self.n = len(obj)
+        self.keys = list(obj)
+        self.key_types = [type(k) for k in self.keys]
+        if not _KEY_TYPES.issuperset(self.key_types):
+            raise _Uncacheable
+        self.stride = 2
+        self.kinds, self.slots, self.encs = [], [], []
+        for key, value in obj.items():
+            kind, slot, enc = compiler.slot(value, f"{path}[{key!r}]")
+            self.kinds.append(kind)
+            self.slots.append(slot)
+            self.encs.append(_pack(_LEAF_WALKER.key(key, path)))
+            self.encs.append(enc)
+        self.all_tensors = all(k == _TENSOR for k in self.kinds)
+        self.meta_kind = -1  # no metadata: a plain dict, or an OrderedDict without any
+        self.meta: Any = None
+        if self.cls is collections.OrderedDict:
+            metadata = getattr(obj, "_metadata", None)
+            if metadata is not None:
+                self.meta_kind, self.meta, enc = compiler.slot(metadata, f"{path}._metadata")
+                if self.meta_kind not in (_LEAF, _NODE):
+                    raise _Uncacheable
+        self._reencode()
+
+    def _meta_enc(self) -> bytes:
+        if self.meta_kind == -1:
+            return _NONE
+        return self.meta.enc  # type: ignore[no-any-return]
+
+    def _reencode(self) -> None:
+        body = _PACKER.pack_map_header(self.n) + b"".join(self.encs)
+        if self.cls is dict:
+            self.enc = body
+        else:
+            self.enc = _ext(_EXT_ODICT, _PACKER.pack_array_header(2) + body + self._meta_enc())
+
+    def visit(self, obj: Any, out: list[torch.Tensor]) -> bool:
+        if type(obj) is not self.cls or len(obj) != self.n:
+            raise _Miss
+        keys = list(obj)
+        if keys != self.keys or list(map(_TYPE, keys)) != self.key_types:
+            raise _Miss
+        if self.all_tensors:
+            out.extend(obj.values())
+            dirty = False
+        else:
+            dirty = self._values(obj.values(), 1, out)
+        if self.cls is not dict:
+            metadata = getattr(obj, "_metadata", None)
+            if self.meta_kind == -1:
+                if metadata is not None:
+                    raise _Miss
+            elif metadata is None:
+                raise _Miss
+            elif self.meta_kind == _LEAF:
+                dirty = self.meta.changed(metadata) is not None or dirty
+            else:
+                dirty = self.meta.visit(metadata, out) or dirty
+        if dirty:
+            self._reencode()
+        return dirty
+
+
+class _Compiler:
+    """Builds the node tree of a state (the walk of :class:`~.flatten._Flattener`, mirrored)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.active: set[int] = set()
+
+    def slot(self, obj: Any, path: str) -> tuple[int, Any, bytes]:
+        t = type(obj)
+        if t is dict or t is collections.OrderedDict or t is list or t is tuple:
+            if id(obj) in self.active:
+                raise _Uncacheable  # a cycle (only reaches here when pickling is allowed)
+            self.active.add(id(obj))
+            try:
+                node: _Node = (
+                    _Map(obj, self, path)
+                    if t is dict or t is collections.OrderedDict
+                    else _Seq(obj, self, path)
+                )
+            finally:
+                self.active.discard(id(obj))
+            return _NODE, node, node.enc
+        if isinstance(obj, torch.Tensor):
+            if (
+                t not in _TENSOR_TYPES
+                or obj.layout != torch.strided
+                or obj.is_quantized
+                or obj.device.type == "meta"
+                or not is_supported_dtype(obj.dtype)
+            ):
+                raise _Uncacheable
+            index = len(self.tensors)
+            self.tensors.append(obj)
+            return _TENSOR, None, _ext(_EXT_TENSOR, _pack(index))
+        if t is np.ndarray or isinstance(obj, np.generic):
+            parts = ndarray_parts(obj)
+            if isinstance(parts, str):
+                raise _Uncacheable
+            tensor, dtype_str, shape, scalar = parts
+            index = len(self.tensors)
+            self.tensors.append(tensor)
+            enc = _ext(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
+            return _ARRAY, _Array((dtype_str, shape, scalar)), enc
+        if t in _LEAF_TYPES:
+            leaf = _Leaf(obj, _encode_leaf(obj))
+            return _LEAF, leaf, leaf.enc
+        raise _Uncacheable
+
+
+class StatePlan:
+    """The compiled structure of one state; see the module docstring.
+
+    Build with :meth:`compile`; :meth:`match` a later state against it.
+    """
+
+    def __init__(self, root: _Node, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        self.root = root
+        self.layout = layout
+        self.count = len(tensors)
+        self.types = [type(t) for t in tensors]
+        self.metas = [_META(t) for t in tensors]
+        #: Whether every tensor is in host memory (the :class:`CopyProgram` can write them).
+        self.on_host = all(t.device.type == "cpu" for t in tensors)
+
+    @classmethod
+    def compile(
+        cls, state: Any, layout: Layout, tensors: Sequence[torch.Tensor]
+    ) -> StatePlan | None:
+        """The plan of ``state``, which :func:`~.flatten.flatten` turned into ``layout`` and
+        ``tensors``; ``None`` where a plan cannot model it (it is then flattened every time)."""
+        t = type(state)
+        if not (t is dict or t is collections.OrderedDict or t is list or t is tuple):
+            return None
+        compiler = _Compiler()
+        try:
+            kind, root, enc = compiler.slot(state, "")
+        except _Uncacheable:
+            return None
+        # The plan must reproduce flatten exactly; anything it models differently is left to
+        # flatten (never a silent difference in the stored bytes).
+        if (
+            kind != _NODE
+            or enc != layout.skeleton
+            or len(compiler.tensors) != len(tensors)
+            or any(
+                (a is not b) and (a.dtype != b.dtype or a.shape != b.shape)
+                for a, b in zip(compiler.tensors, tensors, strict=True)
+            )
+        ):
+            logger.debug("tiercheck: the state's plan differs from flatten; not caching it")
+            return None
+        return cls(root, layout, tensors)
+
+    def match(self, state: Any) -> tuple[Layout, list[torch.Tensor]] | None:
+        """``(layout, tensors)`` of ``state`` if it has the plan's structure, else ``None``.
+
+        A ``None`` leaves the plan unusable (it may be half updated): compile a new one.
+        """
+        out: list[torch.Tensor] = []
+        try:
+            dirty = self.root.visit(state, out)
+        except _Miss:
+            return None
+        if (
+            len(out) != self.count
+            or list(map(_TYPE, out)) != self.types
+            or list(map(_META, out)) != self.metas
+        ):
+            return None
+        if dirty:
+            self.layout = self.layout.with_skeleton(self.root.enc)
+        return self.layout, out
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """A flattened state ready to be copied: what :meth:`Planner.flatten` returns."""
+
+    layout: Layout
+    tensors: list[torch.Tensor]
+    #: Writes the tensors into a payload in few calls; ``None``: use
+    #: :func:`~.flatten.write_payload`.
+    program: CopyProgram | None
+    #: Whether the layout came from the cached plan (no full walk).
+    reused: bool
+    #: Whether every tensor is in host memory.
+    on_host: bool
+
+    def write(self, dest: torch.Tensor) -> None:
+        """Write the payload into ``dest`` (see :func:`~.flatten.write_payload`)."""
+        if self.program is not None:
+            self.program.write(self.tensors, dest)
+        else:
+            write_payload(self.layout, self.tensors, dest)
+
+
+class Planner:
+    """Flattens states, reusing the plan of the previous one while the structure repeats.
+
+    Not thread-safe: one caller at a time (the checkpointer's save path is serialized).
+    """
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self.plan: StatePlan | None = None
+        self.program: CopyProgram | None = None
+        #: Saves that reused the plan, and saves that flattened in full.
+        self.hits = 0
+        self.misses = 0
+
+    def flatten(self, state: Any) -> Flat:
+        """Flatten ``state``: through the plan when it matches, else in full (and re-plan).
+
+        Raises what :func:`~.flatten.flatten` raises for a state it cannot store.
+        """
+        plan = self.plan
+        if plan is not None:
+            with paused_gc():
+                matched = plan.match(state)
+            if matched is not None:
+                self.hits += 1
+                layout, tensors = matched
+                return Flat(layout, tensors, self._program(layout, plan), True, plan.on_host)
+            self.plan = None
+        self.misses += 1
+        layout, tensors = flatten(state, allow_pickle=self.allow_pickle)
+        self.plan = plan = StatePlan.compile(state, layout, tensors)
+        if plan is not None:
+            return Flat(layout, tensors, self._program(layout, plan), False, plan.on_host)
+        on_host = all(t.device.type == "cpu" for t in tensors)
+        return Flat(layout, tensors, None, False, on_host)
+
+    def _program(self, layout: Layout, plan: StatePlan) -> CopyProgram | None:
+        if not plan.on_host:
+            return None
+        program = self.program
+        if program is None or (
+            program.layout.specs is not layout.specs and not program.layout.compatible(layout)
+        ):
+            program = self.program = CopyProgram(layout)
+        return program
+
+
+# --- the copy program ---------------------------------------------------------------------------
+
+
+@functools.cache
+def groupable(dtype: torch.dtype) -> bool:
+    """Whether ``torch._chunk_cat`` copies ``dtype`` on the host bit for bit (probed once)."""
+    chunk_cat = getattr(torch, "_chunk_cat", None)
+    if chunk_cat is None:
+        return False
+    size = dtype.itemsize
+    raw = torch.arange(1, 1 + 6 * size, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw &= 1
+    try:
+        src = raw.view(dtype).view(2, 3)
+        zeros = torch.zeros(2 * size, dtype=torch.uint8).view(dtype)
+        out = torch.full((8 * size,), 0xAB, dtype=torch.uint8)
+        with torch.no_grad():
+            chunk_cat([src, zeros], 0, 1, out=out.view(dtype).view(1, -1))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return bytes(out.numpy()) == bytes(raw.numpy()) + bytes(2 * size)
+
+
+#: Zero tensors standing for padding: one per (dtype, element count), shared by all programs.
+_ZEROS: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+
+def _zeros(dtype: torch.dtype, count: int) -> torch.Tensor:
+    zeros = _ZEROS.get((dtype, count))
+    if zeros is None:
+        zeros = torch.zeros(count * dtype.itemsize, dtype=torch.uint8).view(dtype)
+        _ZEROS[(dtype, count)] = zeros
+    return zeros
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive specs of one dtype and the payload bytes they cover (padding included)."""
+
+    dtype: torch.dtype
+    start: int  # byte range of the payload this run writes
+    end: int
+    first: int  # spec range
+    stop: int
+    # For the grouped copy: the padding tensors, and how to interleave them with the run's
+    # tensors (indexes into tensors + their 0-dim ones made 1-dim + padding; empty tensors are
+    # left out).
+    padding: tuple[torch.Tensor, ...]
+    pick: Callable[[Sequence[torch.Tensor]], Any] | None
+    single: bool  # pick returns one tensor, not a tuple
+    # The 0-dim tensors of the run (the kernel needs at least one dimension), or None.
+    zero_dim: Callable[[Sequence[torch.Tensor]], Any] | None
+    grouped: bool
+
+
+class CopyProgram:
+    """Writes the tensors of ``layout`` (all in host memory) into a payload in few calls.
+
+    One ``torch._chunk_cat`` per run of consecutive same-dtype tensors (a model and its AdamW
+    state in float32 are a single run), padding included; see the module docstring. The result
+    is byte for byte :func:`~.flatten.write_payload`'s.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.runs: list[_Run] = []
+        specs = layout.specs
+        i = 0
+        while i < len(specs):
+            dtype = specs[i].dtype
+            j = i
+            while j < len(specs) and specs[j].dtype == dtype:
+                j += 1
+            self.runs.append(self._run(layout, i, j))
+            i = j
+
+    @staticmethod
+    def _run(layout: Layout, first: int, stop: int) -> _Run:
+        specs = layout.specs
+        dtype = specs[first].dtype
+        start = specs[first].offset
+        end = specs[stop].offset if stop < len(specs) else layout.payload_nbytes
+        padding: list[torch.Tensor] = []
+        order: list[int] = []
+        n = stop - first
+        scalars = [k - first for k in range(first, stop) if not specs[k].shape]
+        lifted = {k: n + i for i, k in enumerate(scalars)}
+        for k in range(first, stop):
+            spec = specs[k]
+            following = specs[k + 1].offset if k + 1 < stop else end
+            gap = following - spec.offset - spec.nbytes
+            if spec.nbytes:
+                order.append(lifted.get(k - first, k - first))
+            if gap:
+                order.append(n + len(scalars) + len(padding))
+                padding.append(_zeros(dtype, gap // dtype.itemsize))
+        grouped = groupable(dtype)
+        pick = operator.itemgetter(*order) if order and grouped else None
+        return _Run(
+            dtype=dtype,
+            start=start,
+            end=end,
+            first=first,
+            stop=stop,
+            padding=tuple(padding),
+            pick=pick,
+            single=len(order) == 1,
+            zero_dim=operator.itemgetter(*scalars) if scalars else None,
+            grouped=grouped,
+        )
+
+    def write(self, tensors: Sequence[torch.Tensor], dest: torch.Tensor) -> None:
+        """Copy ``tensors`` (matched to the layout: same dtypes and shapes, on the host) into
+        ``dest[:payload_nbytes]``, every padding byte zeroed; bytes past that are left alone."""
+        layout = self.layout
+        _check_payload(dest, layout.payload_nbytes, "dest")
+        if dest.device.type != "cpu":
+            raise ValueError(f"dest must be in host memory, got {dest.device}")
+        if len(tensors) != len(layout.specs):
+            raise ValueError(f"got {len(tensors)} tensors for a layout of {len(layout.specs)}")
+        with torch.no_grad():
+            for run in self.runs:
+                if run.pick is None:
+                    if not run.grouped:
+                        self._write_each(run, tensors, dest)
+                    continue  # an empty run: nothing to write
+                own = tuple(tensors[run.first : run.stop])
+                if run.zero_dim is not None:
+                    lifted = torch.atleast_1d(run.zero_dim(own))  # type: ignore[no-untyped-call]
+                    own += (lifted,) if isinstance(lifted, torch.Tensor) else tuple(lifted)
+                items = run.pick(own + run.padding)
+                if run.single:
+                    items = (items,)
+                region = dest[run.start : run.end].view(run.dtype).view(1, -1)
+                torch._chunk_cat(items, 0, 1, out=region)
+
+    def _write_each(self, run: _Run, tensors: Sequence[torch.Tensor], dest: torch.Tensor) -> None:
+        """A run of a dtype the grouped kernel cannot copy: one ``copy_`` per tensor."""
+        specs = self.layout.specs
+        cursor = run.start
+        for k in range(run.first, run.stop):
+            spec = specs[k]
+            if spec.offset > cursor:
+                dest[cursor : spec.offset].zero_()
+            if spec.nbytes:
+                dest[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(
+                    spec.shape
+                ).copy_(tensors[k])
+            cursor = spec.offset + spec.nbytes
+        if run.end > cursor:
+            dest[cursor : run.end].zero_()
