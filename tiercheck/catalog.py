@@ -51,7 +51,6 @@ from tiercheck.codec import BlobMeta, RawState, decode, own_copy, read_meta
 from tiercheck.codec import verify as verify_blob
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import (
-    IDENTITY_FILE,
     JOB_KEY,
     PROBE_PREFIX,
     QUARANTINE_PREFIX,
@@ -71,6 +70,7 @@ from tiercheck.consistency.keys import (
 )
 from tiercheck.consistency.manifest import Durable, Evict, Manifest
 from tiercheck.consistency.retention import evictable
+from tiercheck.defaults import DEFAULT_PERSISTENT_DIR, IDENTITY_FILE, memory_base
 from tiercheck.errors import (
     BlobNotFound,
     ConfigError,
@@ -242,10 +242,7 @@ def default_search_paths() -> list[str]:
     ``/dev/shm/tiercheck`` (node roots, by job) and ``./tiercheck-checkpoints`` (the default
     persistent folder); ``tiercheck ls`` without a URL looks in these.
     """
-    from tiercheck.checkpointer import DEFAULT_PERSISTENT_DIR
-    from tiercheck.tiers.local import default_root
-
-    candidates = [default_root("x", "y").parent.parent, Path(DEFAULT_PERSISTENT_DIR).resolve()]
+    candidates = [memory_base(), Path(DEFAULT_PERSISTENT_DIR).resolve()]
     return [str(p) for p in candidates if p.is_dir()]
 
 

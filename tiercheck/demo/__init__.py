@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiercheck.defaults import SHM_DIR
 from tiercheck.demo.worker import parse_plan
-from tiercheck.tiers.local import SHM_DIR
 
 __all__ = ["main"]
 
