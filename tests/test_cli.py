@@ -30,7 +30,7 @@ from tiercheck import cli as cli_module
 from tiercheck.catalog import (
     LOCAL_TIER,
     Location,
-    Store,
+    OpenLocation,
     apply_gc,
     plan_gc,
     safetensors_payload,
@@ -603,17 +603,17 @@ def test_gc_removes_commit_records_before_blobs(stored: Stored) -> None:
 
     async def go() -> None:
         location = Location("persistent", str(stored.job), JOB)
-        async with Store(location) as store:
-            catalog = await store.scan()
-            plan = await plan_gc(store, catalog, 2)
-            delete = store.tier.delete
+        async with OpenLocation(location) as opened:
+            catalog = await opened.scan()
+            plan = await plan_gc(opened, catalog, 2)
+            delete = opened.tier.delete
 
             async def recording(key: str) -> None:
                 order.append(key)
                 await delete(key)
 
-            store.tier.delete = recording  # type: ignore[method-assign]
-            await apply_gc(store, plan)
+            opened.tier.delete = recording  # type: ignore[method-assign]
+            await apply_gc(opened, plan)
 
     asyncio.run(go())
     commits = [i for i, k in enumerate(order) if k.endswith("COMMIT")]

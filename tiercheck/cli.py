@@ -44,8 +44,8 @@ from tiercheck.catalog import (
     Location,
     LocationError,
     NullProgress,
+    OpenLocation,
     Progress,
-    Store,
     apply_gc,
     default_search_paths,
     export,
@@ -257,8 +257,8 @@ async def _run_ls(args: argparse.Namespace, console: Console) -> int:
     locations = await _locations(args, many=True)
     catalogs: list[Catalog] = []
     for loc in locations:
-        async with Store(loc) as store:
-            catalogs.append(await store.scan())
+        async with OpenLocation(loc) as opened:
+            catalogs.append(await opened.scan())
     if console.json_mode:
         console.json({"command": "ls", "locations": [c.to_json() for c in catalogs]})
         return EXIT_OK
@@ -377,8 +377,8 @@ def _stage_names(stages: Sequence[str]) -> str:
 
 async def _run_inspect(args: argparse.Namespace, console: Console) -> int:
     (loc,) = await _locations(args, many=False)
-    async with Store(loc) as store:
-        cat = await store.scan()
+    async with OpenLocation(loc) as opened:
+        cat = await opened.scan()
         versions = sorted(cat.versions) if args.version is None else [args.version]
         if args.version is not None and args.version not in cat.versions:
             raise UsageError(
@@ -394,9 +394,9 @@ async def _run_inspect(args: argparse.Namespace, console: Console) -> int:
             return [b for b in cat.blobs([v]) if args.rank in (None, b.rank)]
 
         errors = await inspect_blobs(
-            store, [b for v in versions for b in chosen(v)], progress=console.progress()
+            opened, [b for v in versions for b in chosen(v)], progress=console.progress()
         )
-        manifest = await _manifest_summary(store)
+        manifest = await _manifest_summary(opened)
 
     if console.json_mode:
         doc = {
@@ -488,12 +488,12 @@ async def _run_inspect(args: argparse.Namespace, console: Console) -> int:
     return EXIT_PROBLEMS if errors else EXIT_OK
 
 
-async def _manifest_summary(store: Store) -> dict[str, Any] | None:
-    manifest = store.manifest
+async def _manifest_summary(opened: OpenLocation) -> dict[str, Any] | None:
+    manifest = opened.manifest
     if manifest is None:
         return None
-    index = await store.in_manifest_thread(manifest.dump_index)
-    records = await store.in_manifest_thread(lambda: sum(1 for _ in manifest.log()))
+    index = await opened.in_manifest_thread(manifest.dump_index)
+    records = await opened.in_manifest_thread(lambda: sum(1 for _ in manifest.log()))
     committed: dict[str, list[int]] = {}
     for tier, version in index["commits"]:
         committed.setdefault(tier, []).append(version)
@@ -518,8 +518,8 @@ async def _run_verify(args: argparse.Namespace, console: Console) -> int:
     locations = await _locations(args, many=args.url is not None)
     reports = []
     for loc in locations:
-        async with Store(loc) as store:
-            cat = await store.scan()
+        async with OpenLocation(loc) as opened:
+            cat = await opened.scan()
             if args.version is not None and args.version not in cat.versions:
                 if len(locations) == 1:
                     raise UsageError(
@@ -529,7 +529,7 @@ async def _run_verify(args: argparse.Namespace, console: Console) -> int:
                 continue
             chosen = None if args.version is None else [args.version]
             reports.append(
-                await verify(store, cat, chosen, deep=args.deep, progress=console.progress())
+                await verify(opened, cat, chosen, deep=args.deep, progress=console.progress())
             )
     if args.version is not None and not reports:
         raise UsageError(f"version {args.version} is in none of the locations found")
@@ -621,8 +621,8 @@ async def _run_export(args: argparse.Namespace, console: Console) -> int:
     args.url = None
     stem, formats = _export_targets(args)
     (loc,) = await _locations(args, many=False)
-    async with Store(loc) as store:
-        cat = await store.scan()
+    async with OpenLocation(loc) as opened:
+        cat = await opened.scan()
         version = args.version
         if version is None:
             restorable = cat.restorable()
@@ -653,7 +653,7 @@ async def _run_export(args: argparse.Namespace, console: Console) -> int:
         if not entry.committed and not console.json_mode:
             console.note(f"version {version} is not committed; exporting rank {rank}'s blob anyway")
         result = await export(
-            store,
+            opened,
             cat,
             version=version,
             rank=rank,
@@ -698,11 +698,11 @@ def _configure_gc(p: argparse.ArgumentParser) -> None:
 
 async def _run_gc(args: argparse.Namespace, console: Console) -> int:
     (loc,) = await _locations(args, many=False)
-    async with Store(loc) as store:
-        cat = await store.scan()
-        plan = await plan_gc(store, cat, args.keep, purge_quarantine=args.purge_quarantine)
+    async with OpenLocation(loc) as opened:
+        cat = await opened.scan()
+        plan = await plan_gc(opened, cat, args.keep, purge_quarantine=args.purge_quarantine)
         if not args.dry_run:
-            await apply_gc(store, plan, progress=console.progress())
+            await apply_gc(opened, plan, progress=console.progress())
     if console.json_mode:
         console.json({"command": "gc", "dry_run": args.dry_run, **plan.to_json()})
         return EXIT_OK
