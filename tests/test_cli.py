@@ -36,6 +36,7 @@ from tiercheck.catalog import (
     safetensors_payload,
 )
 from tiercheck.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, ExternalCommand, main
+from tiercheck.cli.base import ProgressBar
 from tiercheck.codec import encode_packed, snapshot
 from tiercheck.codec import verify as verify_blob
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
@@ -1057,7 +1058,7 @@ def test_an_external_command_gets_its_arguments(monkeypatch: pytest.MonkeyPatch,
 def test_progress_bars_draw_on_their_stream() -> None:
     pytest.importorskip("tqdm")
     stream = io.StringIO()
-    bar = cli_module._Bar(True, stream)
+    bar = ProgressBar(True, stream)
     bar.start(3, "testing")
     bar.advance(3)
     bar.finish()
