@@ -30,8 +30,10 @@ from tiercheck import cli as cli_module
 from tiercheck.catalog import (
     LOCAL_TIER,
     Location,
+    LocationError,
     OpenLocation,
     apply_gc,
+    find_locations,
     plan_gc,
     safetensors_payload,
 )
@@ -54,6 +56,7 @@ from tiercheck.consistency.identity import (
 )
 from tiercheck.consistency.keys import blob_key, commit_key
 from tiercheck.consistency.manifest import Manifest
+from tiercheck.defaults import NodeRoot
 from tiercheck.errors import TiercheckError
 from tiercheck.tiers import LocalTier, PersistentTier
 
@@ -967,6 +970,55 @@ def test_a_node_root_with_identity_locks_and_quarantine(stored: Stored, run: Any
     assert [(f["code"], f["key"]) for f in _findings(broken)] == [
         ("record-unreadable", IDENTITY_FILE)
     ]
+
+
+# --- replicas a node keeps for its peers -----------------------------------------------------
+
+
+def _hold_replicas(stored: Stored, rank: int, versions: list[int]) -> int:
+    """Lay out in the node root what the peer tier keeps there for ``rank`` of another node:
+    ``replicas/<job>/r<rank>/<that rank's key>``; returns the bytes written."""
+    size = 0
+    for v in versions:
+        data = stored.blob(v).read_bytes()  # a real blob; only the key names matter here
+        target = NodeRoot(stored.node).replicas / JOB / f"r{rank:05d}" / blob_key(v, rank, "packed")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        size += len(data)
+    return size
+
+
+def test_peer_replicas_are_listed_with_their_node_root_never_as_jobs(
+    stored: Stored, run: Any
+) -> None:
+    size = _hold_replicas(stored, rank=1, versions=[5, 6, 7])
+    ls = run("ls", stored.root, "--json")
+    assert ls.code == EXIT_OK
+    locations = ls.json()["locations"]
+    assert {(loc["tier"], loc["job"]) for loc in locations} == {
+        ("local", JOB),
+        ("persistent", JOB),
+    }
+    node = next(loc for loc in locations if loc["tier"] == "local")
+    assert node["replicas"] == [
+        {"job": JOB, "rank": 1, "versions": [5, 6, 7], "blobs": 3, "size": size}
+    ]
+    assert [v["version"] for v in node["versions"]] == [5, 6, 7]  # its own blobs only
+    human = run("ls", stored.node).out
+    assert "peer replicas held for rank 1 of job 'job': versions 5, 6, 7" in human
+
+    verified = run("verify", stored.root, "--json")
+    assert verified.code == EXIT_OK
+    assert [r["job"] for r in verified.json()["reports"]] == [JOB, JOB]
+    assert all(not r["findings"] for r in verified.json()["reports"])
+
+
+def test_replicas_outside_a_node_root_are_named_as_such(tmp_path: Path) -> None:
+    folder = tmp_path / "copied" / "replicas" / JOB / "r00002"
+    (folder / blob_key(3, 2, "packed")).parent.mkdir(parents=True)
+    (folder / blob_key(3, 2, "packed")).write_bytes(b"x")
+    with pytest.raises(LocationError, match="peer replicas"):
+        asyncio.run(find_locations(str(tmp_path / "copied")))
 
 
 # --- errors, json, hooks ---------------------------------------------------------------------

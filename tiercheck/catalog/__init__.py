@@ -11,8 +11,9 @@ for training code. It works on *locations*, each one tier's view of one job:
 * a **node root** -- ``/dev/shm/tiercheck/<job>/<node>/`` (any folder holding ``blobs/`` and
   ``manifest/``; the layout is :class:`tiercheck.defaults.NodeRoot`): the node's
   :class:`~tiercheck.tiers.LocalTier` (``blobs/``, usually ``full`` blobs, possibly
-  ``quarantine/...`` too), its LMDB manifest (``manifest/``), its identity (``identity.json``)
-  and the writers' locks (``locks/``).
+  ``quarantine/...`` too), the replicas it keeps for ranks of other nodes (``replicas/``, listed
+  with the node root, never a location of their own), its LMDB manifest (``manifest/``), its
+  identity (``identity.json``) and the writers' locks (``locks/``).
 
 One module per step, in the order a command takes them:
 
@@ -23,7 +24,7 @@ One module per step, in the order a command takes them:
   versions and their blobs, the job record, the newest writer generation and a node's identity
   (their parse errors become :func:`verify` findings), quarantined blobs apart from the versions
   (nothing reads them as checkpoints: ``inspect`` and ``export`` ignore them, ``verify``
-  reports each one, ``gc`` keeps them unless asked to purge them);
+  reports each one, ``gc`` keeps them unless asked to purge them), held replicas;
 * :mod:`~tiercheck.catalog.read` -- :func:`inspect_blobs` reads blob headers, ``decode_blob`` a
   whole blob with its base;
 * :mod:`~tiercheck.catalog.verify` -- :func:`verify` checks blobs and records;
@@ -54,6 +55,7 @@ from tiercheck.catalog.scan import (
     BlobEntry,
     BlobKindName,
     Catalog,
+    HeldReplicas,
     QuarantinedBlob,
     VersionEntry,
 )
@@ -68,6 +70,7 @@ __all__ = [
     "ExportResult",
     "Finding",
     "GcPlan",
+    "HeldReplicas",
     "Location",
     "LocationError",
     "NullProgress",

@@ -18,6 +18,7 @@ from tiercheck.defaults import (
     BLOBS_DIR,
     DEFAULT_PERSISTENT_DIR,
     MANIFEST_DIR,
+    REPLICAS_DIR,
     NodeRoot,
     memory_base,
 )
@@ -36,6 +37,9 @@ _TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)v\d{12}/(?:r\d{5}\.(?:full|packed)|COM
 # A writer generation: with a job record beside it, the part before it is a job folder (one
 # opened that has not saved anything yet).
 _WRITER_TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)writers/g\d{12}$")
+# A folder of replicas a node keeps for one rank of a peer node (NodeRoot.parse_replica_key):
+# <node root>/replicas/<job>/r<rank>/. Its blob keys look like a job folder's; it is not one.
+_REPLICA_DIR = re.compile(rf"^(?P<root>.*?)/?{re.escape(REPLICAS_DIR)}/[^/]+/r\d{{5}}/$")
 _BLOBS = BLOBS_DIR + "/"
 _MANIFEST_DATA = f"{MANIFEST_DIR}/data.mdb"
 
@@ -93,11 +97,33 @@ def _owner(prefix: str, committing: set[str], keys: set[str]) -> str:
     return prefix
 
 
+class _Found:
+    """What a recursive listing reveals: locations, and replica folders seen on the way."""
+
+    def __init__(self) -> None:
+        self.locations: dict[str, Location] = {}
+        #: Replica folders (<node root>/replicas/<job>/r<rank>/) seen, by listing prefix.
+        self.replicas: set[str] = set()
+        #: Those of them outside any node root.
+        self.stray_replicas: list[str] = []
+
+
+def _replica_holder(full: str, path: str | None) -> tuple[bool, Path | None]:
+    """Whether the folder ``full`` is a node's replicas of a peer rank, and (local listings
+    only) the node root holding it, where that is a node root."""
+    m = _REPLICA_DIR.match(full.rstrip("/") + "/")
+    if m is None:
+        return False, None
+    root = Path(m.group("root") or "/") if path is not None else None
+    return True, root if root is not None and NodeRoot(root).looks_like_one() else None
+
+
 def _classify(
     keys: Sequence[str], target: str, path: str | None, options: Mapping[str, Any]
-) -> dict[str, Location]:
+) -> _Found:
     """The job folders and node roots that a recursive listing of ``target`` reveals."""
-    found: dict[str, Location] = {}
+    out = _Found()
+    found = out.locations
     keyset = set(keys)
     matches = [(m.group("prefix"), key) for key in keys if (m := _TAIL.match(key)) is not None]
     # Only persistent job folders hold COMMIT records: a blobs/ folder without any is a node
@@ -112,13 +138,25 @@ def _classify(
         if m is not None and m.group("prefix") + JOB_KEY in keyset:
             matches.append((m.group("prefix"), key))
     for prefix, _key in matches:
-        if prefix in found:
+        if prefix in found or prefix in out.replicas:
             continue
         if path is not None and (prefix == _BLOBS or prefix.endswith("/" + _BLOBS)):
             root = Path(path) / prefix[: -len(_BLOBS)]
             if NodeRoot(root).looks_like_one() or prefix not in committing:
                 found[prefix] = _node_location(root)
                 continue
+        full = str(Path(path) / prefix) if path is not None else _join(target, prefix)
+        # A node's replicas of a peer rank hold neither COMMIT records nor a job record; they
+        # belong to the node root (its catalog lists them), never to a job of their own.
+        own_records = prefix in committing or prefix + JOB_KEY in keyset
+        replicas, holder = (False, None) if own_records else _replica_holder(full, path)
+        if replicas:
+            out.replicas.add(prefix)
+            if holder is not None:
+                found.setdefault(str(holder.resolve()), _node_location(holder))
+            else:
+                out.stray_replicas.append(prefix)
+            continue
         url = _join(target, prefix)
         found[prefix] = Location("persistent", url, _last_segment(url), None, options)
     if path is not None:
@@ -127,8 +165,8 @@ def _classify(
             if key == _MANIFEST_DATA or key.endswith("/" + _MANIFEST_DATA):
                 root = Path(path) / key[: -len(_MANIFEST_DATA)]
                 if NodeRoot(root).looks_like_one():
-                    found.setdefault(str(root), _node_location(root))
-    return found
+                    found.setdefault(str(root.resolve()), _node_location(root))
+    return out
 
 
 async def find_locations(
@@ -151,6 +189,10 @@ async def find_locations(
     * any folder or URL above these -- the checkpointer's ``persistent=`` URL holding one folder
       per job, ``/dev/shm/tiercheck`` holding ``<job>/<node>`` roots: everything below it is
       listed and every job folder and node root found is returned.
+
+    The replicas a node keeps for ranks of other nodes (``<node root>/replicas/<job>/r<rank>/``)
+    are never a location of their own: they belong to their node root, whose catalog lists them
+    (:attr:`Catalog.replicas <tiercheck.catalog.Catalog.replicas>`).
 
     ``job`` keeps only the locations of that job (for a job folder, its folder name; for a
     node root, its parent folder's name); when it matches none, the error lists the jobs found.
@@ -177,13 +219,20 @@ async def find_locations(
     finally:
         await tier.aclose()
     # Telling node roots from job folders stats folders: a worker thread's job.
-    found = await asyncio.to_thread(_classify, keys, target, path, options)
+    classified = await asyncio.to_thread(_classify, keys, target, path, options)
+    found = classified.locations
     if not found:
+        stray = ""
+        if classified.stray_replicas:
+            stray = (
+                f"; it holds only peer replicas ({classified.stray_replicas[0]}...), which "
+                "a node root lists: give the node root"
+            )
         raise LocationError(
             f"no tiercheck checkpoints at {target!r}: expected a job folder holding "
             "v<version>/r<rank>.packed|full and v<version>/COMMIT keys (or a JOB record and "
             "writers/), a folder of such job folders, or a node root holding blobs/ and "
-            "manifest/"
+            f"manifest/{stray}"
         )
     located = sorted(set(found.values()), key=lambda loc: (loc.kind, loc.job, loc.url))
     if job is None:

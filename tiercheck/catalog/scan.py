@@ -1,9 +1,9 @@
 """What an opened location holds: :func:`scan_location` lists it into a :class:`Catalog`.
 
 A catalog lists versions (each rank's blob and what records say of it: size, base, whether it is
-committed) and the records beside them (job record, writer generations, quarantined blobs,
-probes in a persistent job folder; manifest and identity in a node root). Scanning reads no
-blob, only small records;
+committed), the records beside them (job record, writer generations, quarantined blobs, probes
+in a persistent job folder; manifest and identity in a node root) and, in a node root, the
+replicas the node keeps for ranks of other nodes. Scanning reads no blob, only small records;
 :func:`tiercheck.catalog.read.inspect_blobs` reads blob headers into a catalog's entries.
 """
 
@@ -30,7 +30,9 @@ from tiercheck.consistency.identity import (
 )
 from tiercheck.consistency.keys import BlobKind, parse_blob_key, parse_commit_key
 from tiercheck.consistency.manifest import Durable
+from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, FormatError, ManifestError, StorageError, TiercheckError
+from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
     from tiercheck.catalog.locate import OpenLocation
@@ -39,6 +41,7 @@ __all__ = [
     "BlobEntry",
     "BlobKindName",
     "Catalog",
+    "HeldReplicas",
     "QuarantinedBlob",
     "VersionEntry",
     "scan_location",
@@ -173,6 +176,37 @@ class QuarantinedBlob:
         }
 
 
+@dataclass
+class HeldReplicas:
+    """The replicas a node keeps for one rank of a job on another node (the peer tier's copies).
+
+    They live in the node root under ``replicas/<job>/r<rank>/``; a restore of that rank after
+    its own node was lost reads them. They are not a location of their own: no command but
+    ``ls`` reads them (``tiercheck rm-job`` removes them with the node root).
+    """
+
+    #: The job (the peer tier's namespace).
+    job: str
+    #: The rank whose blobs these are.
+    rank: int
+    #: The versions held, ascending.
+    versions: list[int]
+    #: Blobs held (several per version where one was set aside or held in two encodings).
+    blobs: int
+    #: Bytes held; ``None`` if a size could not be read.
+    size: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        return {
+            "job": self.job,
+            "rank": self.rank,
+            "versions": self.versions,
+            "blobs": self.blobs,
+            "size": self.size,
+        }
+
+
 def _record_json(record: JobRecord | WriterRecord | NodeIdentity | None) -> dict[str, Any] | None:
     return None if record is None else json.loads(record.to_bytes())
 
@@ -209,6 +243,8 @@ class Catalog:
     identity: NodeIdentity | None = None
     #: Why a present identity file could not be read.
     identity_error: str | None = None
+    #: The replicas the node keeps for ranks of other nodes (node roots), by job and rank.
+    replicas: list[HeldReplicas] = field(default_factory=list)
 
     @property
     def newest_commit(self) -> CommitRecord | None:
@@ -257,6 +293,7 @@ class Catalog:
             "probes": self.probes,
             "identity": _record_json(self.identity),
             "identity_error": self.identity_error,
+            "replicas": [r.to_json() for r in self.replicas],
         }
 
 
@@ -264,8 +301,8 @@ async def scan_location(opened: OpenLocation) -> Catalog:
     """List ``opened`` into a :class:`Catalog` (reads no blob, only small records).
 
     What every key is (:func:`_sort_keys`), then the records that describe the keys: ``COMMIT``
-    records, the job record and newest writer generation (persistent job folders); the manifest
-    and identity (node roots); and the blobs' sizes.
+    records, the job record and newest writer generation (persistent job folders); the manifest,
+    identity and held replicas (node roots); and the blobs' sizes.
     """
     loc = opened.location
     try:
@@ -283,6 +320,7 @@ async def scan_location(opened: OpenLocation) -> Catalog:
     else:
         await _read_manifest(opened, catalog)
         await _read_identity(opened, catalog)
+        await _read_replicas(opened, catalog)
     await _fill_sizes(opened, catalog)
     return catalog
 
@@ -467,3 +505,38 @@ async def _fill_sizes(opened: OpenLocation, catalog: Catalog) -> None:
         *(one(b) for b in catalog.blobs() if b.size is None),
         *(quarantined(q) for q in catalog.quarantined),
     )
+
+
+async def _read_replicas(opened: OpenLocation, catalog: Catalog) -> None:
+    """Summarise ``replicas/``: what the node keeps for ranks of other nodes."""
+    assert opened.node_root is not None  # a node root's scan
+    folder = opened.node_root.replicas
+    if not await asyncio.to_thread(folder.is_dir):
+        return
+    held: dict[tuple[str, int], dict[str, int]] = {}  # (job, rank) -> key -> version
+    async with LocalTier(folder, spare_files=0, name="replicas") as tier:
+        try:
+            keys = [key async for key in tier.list("")]
+        except TiercheckError as exc:
+            raise LocationError(f"cannot list {folder}: {exc}") from exc
+        for key in keys:
+            parsed = NodeRoot.parse_replica_key(key)
+            where = None if parsed is None else parse_blob_key(parsed[2])
+            if parsed is not None and where is not None:
+                held.setdefault((parsed[0], parsed[1]), {})[key] = where.version
+        sizes: dict[str, int | None] = {}
+        sem = asyncio.Semaphore(REQUESTS)
+
+        async def size(key: str) -> None:
+            async with sem:
+                try:
+                    sizes[key] = await tier.get_size(key)
+                except (BlobNotFound, StorageError):
+                    sizes[key] = None  # gone since the listing, or unreadable
+
+        await asyncio.gather(*(size(k) for blobs in held.values() for k in blobs))
+    for (job, rank), blobs in sorted(held.items()):
+        known = [sizes.get(k) for k in blobs]
+        total = None if None in known else sum(s for s in known if s is not None)
+        versions = sorted(set(blobs.values()))
+        catalog.replicas.append(HeldReplicas(job, rank, versions, len(blobs), total))

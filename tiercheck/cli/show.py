@@ -15,6 +15,7 @@ from tiercheck.cli.base import (
     UsageError,
     fmt_ratio,
     fmt_size,
+    plural,
     print_location_header,
     ranks_of,
     short,
@@ -60,6 +61,12 @@ async def run_ls(args: argparse.Namespace, console: Console) -> int:
                 console.line("  " + text)
         else:
             console.line("  (no versions)")
+        for held in cat.replicas:
+            console.line(
+                f"  peer replicas held for rank {held.rank} of job {held.job!r}: versions "
+                f"{short(held.versions) or 'none'} "
+                f"({plural(held.blobs, 'blob')}, {fmt_size(held.size)})"
+            )
     return EXIT_OK
 
 
