@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiercheck
 from tiercheck import SyncCheckpointer
 from tiercheck import cli as cli_module
 from tiercheck.catalog import (
@@ -1068,6 +1069,37 @@ def test_every_command_speaks_json(
     ran = run(*args, "--json")
     assert ran.code == EXIT_OK
     assert ran.json()["command"] == argv[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "{job}", "--keep", "0"],  # a value the option refuses
+        ["gc", "{job}"],  # a required option missing
+        ["ls", "--no-such-option"],
+        ["frobnicate"],  # no such command
+        [],  # no command at all
+    ],
+)
+def test_usage_errors_under_json_are_json(stored: Stored, run: Any, argv: list[str]) -> None:
+    args = [a.format(job=stored.job) for a in argv]
+    ran = run("--json", *args)
+    assert ran.code == EXIT_USAGE
+    error = ran.json()["error"]
+    assert (error["type"], error["exit_code"]) == ("UsageError", EXIT_USAGE)
+    assert error["message"]
+    assert ran.err.count("\n") == 1  # the same message, one line, for people
+    assert error["message"] in ran.err
+    human = run(*args)
+    assert human.code == EXIT_USAGE
+    assert human.out == ""
+    assert "usage: tiercheck" in human.err
+
+
+def test_version(run: Any) -> None:
+    ran = run("--version")
+    assert ran.code == EXIT_OK
+    assert ran.out.split() == ["tiercheck", tiercheck.__version__]
 
 
 def test_the_console_script_runs_as_a_process(stored: Stored, tmp_path: Path) -> None:

@@ -38,8 +38,9 @@ import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+import tiercheck
 from tiercheck.catalog import LocationError
 from tiercheck.cli.args import output_args
 from tiercheck.cli.base import (
@@ -138,13 +139,32 @@ if importlib.util.find_spec("tiercheck.demo") is not None:
     )
 
 
+class _BadArguments(UsageError):
+    """What argparse found wrong with the arguments, and the parser (or subparser) that did."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that raises its errors instead of printing them and exiting, so that
+    :func:`main` can answer them in JSON where ``--json`` was asked for. Subcommands' parsers
+    are of the same class (argparse gives subparsers their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Raise the error (argparse calls this for every bad argument)."""
+        raise _BadArguments(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every :class:`Command` in :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tiercheck",
-        description="List, inspect, verify, export and trim tiercheck checkpoints.",
+        description="List, inspect, verify, export, trim and remove tiercheck checkpoints.",
         epilog="Exit codes: 0 ok, 1 problems found or the operation failed, 2 usage error.",
     )
+    parser.add_argument("--version", action="version", version=f"tiercheck {tiercheck.__version__}")
     output_args(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in COMMANDS:
@@ -175,19 +195,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd.load()(args_list[1:]) or EXIT_OK
 
     parser = build_parser()
+    # Known before parsing, so that arguments argparse refuses are answered in JSON too.
+    options = args_list[: args_list.index("--")] if "--" in args_list else args_list
+    json_mode = "--json" in options
     try:
         args = parser.parse_args(args_list)
-    except SystemExit as exc:  # argparse's own exit: --help (0) or a usage error (2)
+    except SystemExit as exc:  # argparse's own exit: --help or --version (0)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except _BadArguments as exc:
+        if json_mode:
+            return _error(Console(json_mode=True, progress=False), UsageError(str(exc)), EXIT_USAGE)
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     console = Console(json_mode=args.json, progress=not args.no_progress)
     run: Runner | None = getattr(args, "_run", None)
     if run is None:
+        if console.json_mode:
+            missing = UsageError("give a command (tiercheck --help lists them)")
+            return _error(console, missing, EXIT_USAGE)
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     debug = os.environ.get("TIERCHECK_DEBUG", "") not in ("", "0")
     try:
         return asyncio.run(run(args, console))
     except KeyboardInterrupt:
+        if console.json_mode:
+            error = {"type": "KeyboardInterrupt", "message": "interrupted"}
+            console.json({"error": {**error, "exit_code": EXIT_INTERRUPTED}})
         print("tiercheck: interrupted", file=console.err)
         return EXIT_INTERRUPTED
     except (UsageError, LocationError, ConfigError) as exc:
