@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ import tiercheck
 from tiercheck import SyncCheckpointer
 from tiercheck import cli as cli_module
 from tiercheck.catalog import (
+    EXPORT_MODE,
     LOCAL_TIER,
     Location,
     LocationError,
@@ -470,6 +473,26 @@ def test_export_round_trips_bit_for_bit(
     groups = json.loads(metadata["optim.param_groups"])
     assert groups[0]["lr"] == saved["optim"]["param_groups"][0]["lr"]
     assert json.loads(metadata["tiercheck"])["version"] == version
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o277])
+def test_exported_files_are_private_whatever_the_umask(
+    stored: Stored, run: Any, tmp_path: Path, umask: int
+) -> None:
+    previous = os.umask(umask)
+    try:
+        ran = run("export", stored.job, tmp_path / "out" / "model", "--json")
+    finally:
+        os.umask(previous)
+    assert ran.code == EXIT_OK
+    modes = {f["format"]: stat.S_IMODE(os.stat(f["path"]).st_mode) for f in ran.json()["files"]}
+    assert modes == {"pt": EXPORT_MODE, "safetensors": EXPORT_MODE}
+    assert EXPORT_MODE == 0o600  # owner only, as the local tier keeps its blobs
+    # No temporary file left beside them.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "model.pt",
+        "model.safetensors",
+    ]
 
 
 def test_export_defaults_to_the_newest_committed_version(

@@ -47,7 +47,7 @@ when it claims to be committed, normal (a crash mid-save) when it does not.
 from __future__ import annotations
 
 from tiercheck.catalog.base import LOCAL_TIER, Location, LocationError, NullProgress, Progress
-from tiercheck.catalog.export import ExportResult, export, safetensors_payload
+from tiercheck.catalog.export import EXPORT_MODE, ExportResult, export, safetensors_payload
 from tiercheck.catalog.gc import GcPlan, apply_gc, plan_gc
 from tiercheck.catalog.locate import OpenLocation, default_search_paths, find_locations
 from tiercheck.catalog.read import inspect_blobs
@@ -62,6 +62,7 @@ from tiercheck.catalog.scan import (
 from tiercheck.catalog.verify import FINDING_CODES, Finding, VerifyReport, verify
 
 __all__ = [
+    "EXPORT_MODE",
     "FINDING_CODES",
     "LOCAL_TIER",
     "BlobEntry",

@@ -20,7 +20,7 @@ from tiercheck.catalog.read import decode_blob
 from tiercheck.catalog.scan import Catalog
 from tiercheck.codec import own_copy
 
-__all__ = ["ExportResult", "export", "safetensors_payload"]
+__all__ = ["EXPORT_MODE", "ExportResult", "export", "safetensors_payload"]
 
 
 @dataclass
@@ -157,11 +157,26 @@ def safetensors_payload(
     return out, metadata, warnings
 
 
+#: The mode of exported files, whatever the umask: owner only, as the local tier keeps its blobs.
+#: An export holds the same data as the checkpoint (weights, optimizer state, anything the
+#: state carried); sharing it is the owner's decision (``chmod``).
+EXPORT_MODE = 0o600
+
+
 def _write_atomic(path: Path, write: Callable[[Path], None]) -> int:
-    """Write a file through a temporary name, renamed into place once complete."""
+    """Write a file through a temporary name, renamed into place once complete.
+
+    The temporary file is created with :data:`EXPORT_MODE` before anything is written, so no
+    byte of it is ever readable by others, and keeps that mode whatever the writer does.
+    """
     temp = path.with_name(f".{path.name}.tiercheck-tmp")
     try:
+        temp.unlink(missing_ok=True)  # a leftover of an export cut short
+        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, EXPORT_MODE))
+        os.chmod(temp, EXPORT_MODE)  # O_CREAT's mode went through the umask
         write(temp)
+        # A writer that replaced the file instead of writing into it made it anew.
+        os.chmod(temp, EXPORT_MODE)
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
@@ -186,8 +201,9 @@ async def export(
     tensor its own storage -- and so a pickle, as every ``torch.save`` file is; load it with
     ``torch.load`` (``weights_only=True`` works for states of tensors, numbers, strings and
     containers). The safetensors file is laid out by :func:`safetensors_payload`. Files are
-    written under a temporary name and renamed into place. The state is bit-exact: decoding
-    checks it against the digest recorded at save time.
+    written under a temporary name and renamed into place, both with mode ``0600``
+    (:data:`EXPORT_MODE`, whatever the umask). The state is bit-exact: decoding checks it
+    against the digest recorded at save time.
     """
     progress = progress or NullProgress()
     entry = catalog.versions[version]
