@@ -1045,6 +1045,129 @@ def test_replicas_outside_a_node_root_are_named_as_such(tmp_path: Path) -> None:
         asyncio.run(find_locations(str(tmp_path / "copied")))
 
 
+# --- rm-job ----------------------------------------------------------------------------------
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_rm_job_lists_everything_and_deletes_nothing_unconfirmed(stored: Stored, run: Any) -> None:
+    before = _files(stored.root)
+    dry = run("rm-job", stored.root, "--job", JOB, "--dry-run", "--json")
+    assert dry.code == EXIT_OK
+    doc = dry.json()
+    assert (doc["job"], doc["dry_run"], doc["deleted"]) == (JOB, True, False)
+    plans = {p["tier"]: p for p in doc["locations"]}
+    assert sorted(plans) == ["local", "persistent"]
+    assert plans["persistent"]["versions"] == list(range(VERSIONS))
+    assert plans["persistent"]["commit_records"] == VERSIONS
+    assert JOB_KEY in plans["persistent"]["records"]
+    assert plans["persistent"]["liveness"] == "unknown"
+    assert plans["local"]["versions"] == [5, 6, 7]
+    assert plans["local"]["liveness"] == "checked"
+    human = run("rm-job", stored.root, "--job", JOB, "--dry-run")
+    assert human.code == EXIT_OK
+    assert "cannot tell whether a run is writing there" in human.out
+    assert "no writer holds the job's lock on this node now" in human.out
+
+    unconfirmed = run("rm-job", stored.root, "--job", JOB)  # no terminal to ask on
+    assert unconfirmed.code == EXIT_USAGE
+    assert "--yes" in unconfirmed.err
+    assert run("rm-job", stored.root, "--job", JOB, "--json").code == EXIT_USAGE
+    assert _files(stored.root) == before
+
+
+def test_rm_job_deletes_the_job_everywhere_and_nothing_else(stored: Stored, run: Any) -> None:
+    shutil.copytree(stored.job, stored.durable / "other")
+    (stored.job / "notes.txt").write_text("mine")  # not tiercheck's: left alone
+    _hold_replicas(stored, rank=1, versions=[6, 7])
+    others = _files(stored.durable / "other")
+    ran = run("rm-job", stored.root, "--job", JOB, "--yes", "--json")
+    assert ran.code == EXIT_OK
+    assert ran.json()["deleted"] is True
+    assert not stored.node.exists()
+    assert _files(stored.job) == {"notes.txt"}
+    assert _files(stored.durable / "other") == others
+    left = run("ls", stored.root, "--json")
+    assert [(loc["tier"], loc["job"]) for loc in left.json()["locations"]] == [
+        ("persistent", "other")
+    ]
+
+
+def test_rm_job_refuses_while_a_writer_holds_the_lock(stored: Stored, run: Any) -> None:
+    with SyncCheckpointer(
+        JOB, local_root=stored.node, persistent=stored.durable.as_uri(), base_every=BASE_EVERY
+    ):
+        before = _files(stored.root)
+        ran = run("rm-job", stored.root, "--job", JOB, "--yes", "--json")
+        assert ran.code == EXIT_PROBLEMS
+        assert ran.json()["error"]["type"] == "JobLocked"
+        assert "nothing was deleted" in ran.json()["error"]["message"]
+        assert _files(stored.root) == before  # neither the node root nor the persistent job
+    assert run("rm-job", stored.root, "--job", JOB, "--yes").code == EXIT_OK
+    assert not stored.node.exists()
+    assert not stored.job.exists()
+
+
+def test_rm_job_asks_on_a_terminal(stored: Stored) -> None:
+    def answer(text: str) -> subprocess.CompletedProcess[str]:
+        primary, secondary = os.openpty()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tiercheck", "rm-job", str(stored.job), "--job", JOB],
+                stdin=secondary,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            os.write(primary, text.encode() + b"\n")
+            out, err = proc.communicate(timeout=120)
+        finally:
+            os.close(secondary)
+            os.close(primary)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    kept = answer("yes")  # not the job's name
+    assert kept.returncode == EXIT_PROBLEMS, kept.stderr
+    assert "type the job's name" in kept.stderr
+    assert "nothing was deleted" in kept.stdout
+    assert stored.job.is_dir()
+    deleted = answer(JOB)
+    assert deleted.returncode == EXIT_OK, deleted.stderr
+    assert not stored.job.exists()
+    assert stored.node.is_dir()  # the location named was the job folder only
+
+
+def test_rm_job_needs_the_job_and_the_location_named(stored: Stored, run: Any) -> None:
+    before = _files(stored.root)
+    _assert_one_line_error(run("rm-job", stored.root, "--yes"))  # no --job
+    _assert_one_line_error(run("rm-job", "--job", JOB, "--yes"))  # no location
+    wrong = run("rm-job", "--local-root", stored.node, "--job", "other", "--yes")
+    _assert_one_line_error(wrong)
+    assert "belongs to job 'job'" in wrong.err
+    _assert_one_line_error(run("rm-job", stored.durable, "--job", "no-such-job", "--yes"))
+    assert _files(stored.root) == before
+
+
+def test_rm_job_of_a_remote_location(run: Any, tmp_path: Path) -> None:
+    import fsspec
+
+    url = "memory://tiercheck-rm-job-test"
+    try:
+        with SyncCheckpointer(JOB, local_root=tmp_path / "shm", persistent=url) as ckpt:
+            ckpt.save(0, {"w": torch.ones(4)})
+            ckpt.wait()
+        ran = run("rm-job", url, "--job", JOB, "--yes")
+        assert ran.code == EXIT_OK, ran.err
+        assert "cannot tell whether a run is writing there" in ran.out
+        assert fsspec.filesystem("memory").find(f"/tiercheck-rm-job-test/{JOB}") == []
+    finally:
+        memory = fsspec.filesystem("memory")
+        if memory.exists("/tiercheck-rm-job-test"):
+            memory.rm("/tiercheck-rm-job-test", recursive=True)
+
+
 # --- errors, json, hooks ---------------------------------------------------------------------
 
 

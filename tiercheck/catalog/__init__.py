@@ -1,4 +1,4 @@
-"""What is stored where: find, list, inspect, verify, export and trim checkpoints at rest.
+"""What is stored where: find, list, inspect, verify, export, trim and remove checkpoints at rest.
 
 The read side of tiercheck, for tools (the ``tiercheck`` command line is built on it) rather than
 for training code. It works on *locations*, each one tier's view of one job:
@@ -31,7 +31,9 @@ One module per step, in the order a command takes them:
 * :mod:`~tiercheck.catalog.export` -- :func:`export` writes a version as ``.pt`` and
   ``.safetensors`` files;
 * :mod:`~tiercheck.catalog.gc` -- :func:`plan_gc` / :func:`apply_gc` apply retention, which never
-  removes the job record, a writer generation, a probe object or the identity file.
+  removes the job record, a writer generation, a probe object or the identity file;
+* :mod:`~tiercheck.catalog.remove` -- :func:`plan_job_removal` / :func:`remove_job` delete a
+  whole job, records included, refusing while a writer holds the job's lock in a node root.
 
 :mod:`~tiercheck.catalog.base` holds what they share (:class:`Location`, :class:`Progress`).
 All tier I/O goes through the async :class:`~tiercheck.tiers.Tier` API; hashing, decoding, the
@@ -51,6 +53,7 @@ from tiercheck.catalog.export import EXPORT_MODE, ExportResult, export, safetens
 from tiercheck.catalog.gc import GcPlan, apply_gc, plan_gc
 from tiercheck.catalog.locate import OpenLocation, default_search_paths, find_locations
 from tiercheck.catalog.read import inspect_blobs
+from tiercheck.catalog.remove import JobRemoval, check_no_writer, plan_job_removal, remove_job
 from tiercheck.catalog.scan import (
     BlobEntry,
     BlobKindName,
@@ -72,6 +75,7 @@ __all__ = [
     "Finding",
     "GcPlan",
     "HeldReplicas",
+    "JobRemoval",
     "Location",
     "LocationError",
     "NullProgress",
@@ -81,11 +85,14 @@ __all__ = [
     "VerifyReport",
     "VersionEntry",
     "apply_gc",
+    "check_no_writer",
     "default_search_paths",
     "export",
     "find_locations",
     "inspect_blobs",
     "plan_gc",
+    "plan_job_removal",
+    "remove_job",
     "safetensors_payload",
     "verify",
 ]

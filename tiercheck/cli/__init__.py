@@ -1,4 +1,4 @@
-"""The ``tiercheck`` command line: list, inspect, verify, export and trim stored checkpoints.
+"""The ``tiercheck`` command line: list, inspect, verify, export, trim and remove checkpoints.
 
 Subcommands (``tiercheck <command> --help`` for each)::
 
@@ -8,6 +8,8 @@ Subcommands (``tiercheck <command> --help`` for each)::
     tiercheck export  URL OUT          a version as OUT.pt (torch.save) and OUT.safetensors
     tiercheck gc      URL --keep N     apply retention (--dry-run to only list what would go;
                                        --purge-quarantine to remove set-aside blobs too)
+    tiercheck rm-job  URL --job J      delete a whole job: lists it, asks (or --yes), refuses
+                                       while a writer holds the job's lock in a node root
 
 A location (``URL``) is a persistent URL or folder -- the checkpointer's ``persistent=`` URL, or
 it plus the job id -- or a node root (``/dev/shm/tiercheck/<job>/<node>``, or ``--local-root
@@ -22,7 +24,8 @@ unknown protocol), ``130`` interrupted. Errors are one line on stderr, never a t
 
 Commands are registered in one table, :data:`COMMANDS`, each implemented in a module of its own
 (:mod:`~tiercheck.cli.show` for ``ls`` and ``inspect``, :mod:`~tiercheck.cli.verify`,
-:mod:`~tiercheck.cli.export`, :mod:`~tiercheck.cli.gc`) on top of :mod:`tiercheck.catalog`, with
+:mod:`~tiercheck.cli.export`, :mod:`~tiercheck.cli.gc`, :mod:`~tiercheck.cli.remove` for
+``rm-job``) on top of :mod:`tiercheck.catalog`, with
 :mod:`~tiercheck.cli.base` (exit codes, console, formatting) and :mod:`~tiercheck.cli.args`
 (shared arguments, locations); a command implemented elsewhere is one :class:`ExternalCommand`
 entry (see the ``demo`` hook at the end of the table).
@@ -53,9 +56,10 @@ from tiercheck.cli.base import (
 )
 from tiercheck.cli.export import configure_export, run_export
 from tiercheck.cli.gc import configure_gc, run_gc
+from tiercheck.cli.remove import configure_rm_job, run_rm_job
 from tiercheck.cli.show import configure_inspect, configure_ls, run_inspect, run_ls
 from tiercheck.cli.verify import configure_verify, run_verify
-from tiercheck.errors import ConfigError, TiercheckError
+from tiercheck.errors import ConfigError, JobLocked, TiercheckError
 
 __all__ = [
     "COMMANDS",
@@ -125,6 +129,12 @@ COMMANDS: list[Command | ExternalCommand] = [
         run_export,
     ),
     Command("gc", "apply retention: keep the newest N committed versions", configure_gc, run_gc),
+    Command(
+        "rm-job",
+        "delete a whole job (lists it first; asks, or --yes)",
+        configure_rm_job,
+        run_rm_job,
+    ),
 ]
 
 # --- hook: `tiercheck demo` ------------------------------------------------------------------
@@ -225,6 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.json({"error": {**error, "exit_code": EXIT_INTERRUPTED}})
         print("tiercheck: interrupted", file=console.err)
         return EXIT_INTERRUPTED
+    except JobLocked as exc:
+        # A configuration error to a checkpointer, but here the job is simply busy.
+        if debug:
+            raise
+        return _error(console, exc, EXIT_PROBLEMS)
     except (UsageError, LocationError, ConfigError) as exc:
         if debug:
             raise

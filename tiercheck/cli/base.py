@@ -78,6 +78,7 @@ class Console:
         # Looked up now, not at import: tests and callers may have replaced sys.stdout.
         self.out: IO[str] = sys.stdout
         self.err: IO[str] = sys.stderr
+        self.inp: IO[str] = sys.stdin
         have_tqdm = importlib.util.find_spec("tqdm") is not None
         self._progress = progress and have_tqdm and self.err.isatty()
 
@@ -92,6 +93,15 @@ class Console:
     def note(self, text: str) -> None:
         """A remark beside the output (stderr): warnings, hints."""
         print(f"tiercheck: {text}", file=self.err)
+
+    def can_ask(self) -> bool:
+        """Whether a person can be asked: human output, and a terminal on stdin."""
+        return not self.json_mode and self.inp.isatty()
+
+    def ask(self, question: str) -> str:
+        """Ask on stderr, read one line from stdin (blocking: call it in a thread)."""
+        print(question, end="", file=self.err, flush=True)
+        return self.inp.readline().strip()
 
     def json(self, document: Any) -> None:
         """The command's result as JSON (stdout)."""
