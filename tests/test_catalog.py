@@ -15,7 +15,7 @@ from tiercheck.catalog import (
     GcPlan,
     Location,
     LocationError,
-    Store,
+    OpenLocation,
     apply_gc,
     find_locations,
     verify,
@@ -50,8 +50,8 @@ async def test_a_job_named_quarantine_is_still_a_job(tmp_path: Path) -> None:
         ("persistent", "other"),
         ("persistent", "quarantine"),
     ]
-    async with Store(found[1]) as store:
-        catalog = await store.scan()
+    async with OpenLocation(found[1]) as opened:
+        catalog = await opened.scan()
     assert sorted(catalog.versions) == [1]
     assert [(q.original, q.version, q.rank) for q in catalog.quarantined] == [
         (blob_key(0, 0, "packed"), 0, 0)
@@ -77,9 +77,9 @@ async def test_scan_reads_the_records_and_keeps_them_out_of_versions(tmp_path: P
     _touch(job / "writers" / "notes.txt")  # not a generation: foreign, left alone
     _touch(job / probe_key("sess", 1))
     _touch(job / quarantine_key(commit_key(5)), b"{}")  # not a blob key: version unknown
-    async with Store(Location("persistent", str(job), "job")) as store:
-        catalog = await store.scan()
-        report = await verify(store, catalog)
+    async with OpenLocation(Location("persistent", str(job), "job")) as opened:
+        catalog = await opened.scan()
+        report = await verify(opened, catalog)
     assert catalog.versions == {}
     assert catalog.job_record == JobRecord("job", "t0k3n", 2)
     assert catalog.writer_generations == [1, 2, 3]
@@ -97,9 +97,9 @@ async def test_scan_reads_the_records_and_keeps_them_out_of_versions(tmp_path: P
 async def test_a_writer_record_under_another_generation_is_unreadable(tmp_path: Path) -> None:
     job = tmp_path / "job"
     _touch(job / writer_key(2), WriterRecord(7, "s").to_bytes())
-    async with Store(Location("persistent", str(job), "job")) as store:
-        catalog = await store.scan()
-        report = await verify(store, catalog)
+    async with OpenLocation(Location("persistent", str(job), "job")) as opened:
+        catalog = await opened.scan()
+        report = await verify(opened, catalog)
     assert catalog.newest_writer is None
     assert catalog.writer_error == f"{writer_key(2)} describes generation 7"
     assert [(f.code, f.key) for f in report.problems] == [("record-unreadable", writer_key(2))]
@@ -110,8 +110,8 @@ async def test_records_in_a_node_roots_blobs_are_foreign(tmp_path: Path) -> None
     (node / "manifest").mkdir(parents=True)
     _touch(node / "blobs" / JOB_KEY, JobRecord("job", "t", 1).to_bytes())
     _touch(node / "blobs" / probe_key("s", 0))
-    async with Store(Location("node", str(node), "job", "node0")) as store:
-        catalog = await store.scan()
+    async with OpenLocation(Location("node", str(node), "job", "node0")) as opened:
+        catalog = await opened.scan()
     assert catalog.job_record is None
     assert catalog.probes == []
     assert catalog.foreign == [JOB_KEY, probe_key("s", 0)]
@@ -135,8 +135,8 @@ async def test_apply_gc_refuses_a_plan_naming_other_keys(
     location = Location("persistent", str(job), "job")
     plan = GcPlan(location, 1, [], [], [], [], [], quarantine_keys=[doomed])
     getattr(plan, field).append(key)
-    async with Store(location) as store:
+    async with OpenLocation(location) as opened:
         with pytest.raises(ConfigError, match="nothing was removed"):
-            await apply_gc(store, plan)
+            await apply_gc(opened, plan)
     assert (job / key).is_file()
     assert (job / doomed).is_file()  # refused whole, before any removal

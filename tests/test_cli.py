@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,17 +27,22 @@ import numpy as np
 import pytest
 import torch
 
+import tiercheck
 from tiercheck import SyncCheckpointer
 from tiercheck import cli as cli_module
 from tiercheck.catalog import (
+    EXPORT_MODE,
     LOCAL_TIER,
     Location,
-    Store,
+    LocationError,
+    OpenLocation,
     apply_gc,
+    find_locations,
     plan_gc,
     safetensors_payload,
 )
 from tiercheck.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, ExternalCommand, main
+from tiercheck.cli.base import ProgressBar
 from tiercheck.codec import encode_packed, snapshot
 from tiercheck.codec import verify as verify_blob
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
@@ -53,6 +60,7 @@ from tiercheck.consistency.identity import (
 )
 from tiercheck.consistency.keys import blob_key, commit_key
 from tiercheck.consistency.manifest import Manifest
+from tiercheck.defaults import NodeRoot
 from tiercheck.errors import TiercheckError
 from tiercheck.tiers import LocalTier, PersistentTier
 
@@ -467,6 +475,26 @@ def test_export_round_trips_bit_for_bit(
     assert json.loads(metadata["tiercheck"])["version"] == version
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o277])
+def test_exported_files_are_private_whatever_the_umask(
+    stored: Stored, run: Any, tmp_path: Path, umask: int
+) -> None:
+    previous = os.umask(umask)
+    try:
+        ran = run("export", stored.job, tmp_path / "out" / "model", "--json")
+    finally:
+        os.umask(previous)
+    assert ran.code == EXIT_OK
+    modes = {f["format"]: stat.S_IMODE(os.stat(f["path"]).st_mode) for f in ran.json()["files"]}
+    assert modes == {"pt": EXPORT_MODE, "safetensors": EXPORT_MODE}
+    assert EXPORT_MODE == 0o600  # owner only, as the local tier keeps its blobs
+    # No temporary file left beside them.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "model.pt",
+        "model.safetensors",
+    ]
+
+
 def test_export_defaults_to_the_newest_committed_version(
     stored: Stored, run: Any, tmp_path: Path
 ) -> None:
@@ -603,17 +631,17 @@ def test_gc_removes_commit_records_before_blobs(stored: Stored) -> None:
 
     async def go() -> None:
         location = Location("persistent", str(stored.job), JOB)
-        async with Store(location) as store:
-            catalog = await store.scan()
-            plan = await plan_gc(store, catalog, 2)
-            delete = store.tier.delete
+        async with OpenLocation(location) as opened:
+            catalog = await opened.scan()
+            plan = await plan_gc(opened, catalog, 2)
+            delete = opened.tier.delete
 
             async def recording(key: str) -> None:
                 order.append(key)
                 await delete(key)
 
-            store.tier.delete = recording  # type: ignore[method-assign]
-            await apply_gc(store, plan)
+            opened.tier.delete = recording  # type: ignore[method-assign]
+            await apply_gc(opened, plan)
 
     asyncio.run(go())
     commits = [i for i, k in enumerate(order) if k.endswith("COMMIT")]
@@ -968,6 +996,178 @@ def test_a_node_root_with_identity_locks_and_quarantine(stored: Stored, run: Any
     ]
 
 
+# --- replicas a node keeps for its peers -----------------------------------------------------
+
+
+def _hold_replicas(stored: Stored, rank: int, versions: list[int]) -> int:
+    """Lay out in the node root what the peer tier keeps there for ``rank`` of another node:
+    ``replicas/<job>/r<rank>/<that rank's key>``; returns the bytes written."""
+    size = 0
+    for v in versions:
+        data = stored.blob(v).read_bytes()  # a real blob; only the key names matter here
+        target = NodeRoot(stored.node).replicas / JOB / f"r{rank:05d}" / blob_key(v, rank, "packed")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        size += len(data)
+    return size
+
+
+def test_peer_replicas_are_listed_with_their_node_root_never_as_jobs(
+    stored: Stored, run: Any
+) -> None:
+    size = _hold_replicas(stored, rank=1, versions=[5, 6, 7])
+    ls = run("ls", stored.root, "--json")
+    assert ls.code == EXIT_OK
+    locations = ls.json()["locations"]
+    assert {(loc["tier"], loc["job"]) for loc in locations} == {
+        ("local", JOB),
+        ("persistent", JOB),
+    }
+    node = next(loc for loc in locations if loc["tier"] == "local")
+    assert node["replicas"] == [
+        {"job": JOB, "rank": 1, "versions": [5, 6, 7], "blobs": 3, "size": size}
+    ]
+    assert [v["version"] for v in node["versions"]] == [5, 6, 7]  # its own blobs only
+    human = run("ls", stored.node).out
+    assert "peer replicas held for rank 1 of job 'job': versions 5, 6, 7" in human
+
+    verified = run("verify", stored.root, "--json")
+    assert verified.code == EXIT_OK
+    assert [r["job"] for r in verified.json()["reports"]] == [JOB, JOB]
+    assert all(not r["findings"] for r in verified.json()["reports"])
+
+
+def test_replicas_outside_a_node_root_are_named_as_such(tmp_path: Path) -> None:
+    folder = tmp_path / "copied" / "replicas" / JOB / "r00002"
+    (folder / blob_key(3, 2, "packed")).parent.mkdir(parents=True)
+    (folder / blob_key(3, 2, "packed")).write_bytes(b"x")
+    with pytest.raises(LocationError, match="peer replicas"):
+        asyncio.run(find_locations(str(tmp_path / "copied")))
+
+
+# --- rm-job ----------------------------------------------------------------------------------
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_rm_job_lists_everything_and_deletes_nothing_unconfirmed(stored: Stored, run: Any) -> None:
+    before = _files(stored.root)
+    dry = run("rm-job", stored.root, "--job", JOB, "--dry-run", "--json")
+    assert dry.code == EXIT_OK
+    doc = dry.json()
+    assert (doc["job"], doc["dry_run"], doc["deleted"]) == (JOB, True, False)
+    plans = {p["tier"]: p for p in doc["locations"]}
+    assert sorted(plans) == ["local", "persistent"]
+    assert plans["persistent"]["versions"] == list(range(VERSIONS))
+    assert plans["persistent"]["commit_records"] == VERSIONS
+    assert JOB_KEY in plans["persistent"]["records"]
+    assert plans["persistent"]["liveness"] == "unknown"
+    assert plans["local"]["versions"] == [5, 6, 7]
+    assert plans["local"]["liveness"] == "checked"
+    human = run("rm-job", stored.root, "--job", JOB, "--dry-run")
+    assert human.code == EXIT_OK
+    assert "cannot tell whether a run is writing there" in human.out
+    assert "no writer holds the job's lock on this node now" in human.out
+
+    unconfirmed = run("rm-job", stored.root, "--job", JOB)  # no terminal to ask on
+    assert unconfirmed.code == EXIT_USAGE
+    assert "--yes" in unconfirmed.err
+    assert run("rm-job", stored.root, "--job", JOB, "--json").code == EXIT_USAGE
+    assert _files(stored.root) == before
+
+
+def test_rm_job_deletes_the_job_everywhere_and_nothing_else(stored: Stored, run: Any) -> None:
+    shutil.copytree(stored.job, stored.durable / "other")
+    (stored.job / "notes.txt").write_text("mine")  # not tiercheck's: left alone
+    _hold_replicas(stored, rank=1, versions=[6, 7])
+    others = _files(stored.durable / "other")
+    ran = run("rm-job", stored.root, "--job", JOB, "--yes", "--json")
+    assert ran.code == EXIT_OK
+    assert ran.json()["deleted"] is True
+    assert not stored.node.exists()
+    assert _files(stored.job) == {"notes.txt"}
+    assert _files(stored.durable / "other") == others
+    left = run("ls", stored.root, "--json")
+    assert [(loc["tier"], loc["job"]) for loc in left.json()["locations"]] == [
+        ("persistent", "other")
+    ]
+
+
+def test_rm_job_refuses_while_a_writer_holds_the_lock(stored: Stored, run: Any) -> None:
+    with SyncCheckpointer(
+        JOB, local_root=stored.node, persistent=stored.durable.as_uri(), base_every=BASE_EVERY
+    ):
+        before = _files(stored.root)
+        ran = run("rm-job", stored.root, "--job", JOB, "--yes", "--json")
+        assert ran.code == EXIT_PROBLEMS
+        assert ran.json()["error"]["type"] == "JobLocked"
+        assert "nothing was deleted" in ran.json()["error"]["message"]
+        assert _files(stored.root) == before  # neither the node root nor the persistent job
+    assert run("rm-job", stored.root, "--job", JOB, "--yes").code == EXIT_OK
+    assert not stored.node.exists()
+    assert not stored.job.exists()
+
+
+def test_rm_job_asks_on_a_terminal(stored: Stored) -> None:
+    def answer(text: str) -> subprocess.CompletedProcess[str]:
+        primary, secondary = os.openpty()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tiercheck", "rm-job", str(stored.job), "--job", JOB],
+                stdin=secondary,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            os.write(primary, text.encode() + b"\n")
+            out, err = proc.communicate(timeout=120)
+        finally:
+            os.close(secondary)
+            os.close(primary)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    kept = answer("yes")  # not the job's name
+    assert kept.returncode == EXIT_PROBLEMS, kept.stderr
+    assert "type the job's name" in kept.stderr
+    assert "nothing was deleted" in kept.stdout
+    assert stored.job.is_dir()
+    deleted = answer(JOB)
+    assert deleted.returncode == EXIT_OK, deleted.stderr
+    assert not stored.job.exists()
+    assert stored.node.is_dir()  # the location named was the job folder only
+
+
+def test_rm_job_needs_the_job_and_the_location_named(stored: Stored, run: Any) -> None:
+    before = _files(stored.root)
+    _assert_one_line_error(run("rm-job", stored.root, "--yes"))  # no --job
+    _assert_one_line_error(run("rm-job", "--job", JOB, "--yes"))  # no location
+    wrong = run("rm-job", "--local-root", stored.node, "--job", "other", "--yes")
+    _assert_one_line_error(wrong)
+    assert "belongs to job 'job'" in wrong.err
+    _assert_one_line_error(run("rm-job", stored.durable, "--job", "no-such-job", "--yes"))
+    assert _files(stored.root) == before
+
+
+def test_rm_job_of_a_remote_location(run: Any, tmp_path: Path) -> None:
+    import fsspec
+
+    url = "memory://tiercheck-rm-job-test"
+    try:
+        with SyncCheckpointer(JOB, local_root=tmp_path / "shm", persistent=url) as ckpt:
+            ckpt.save(0, {"w": torch.ones(4)})
+            ckpt.wait()
+        ran = run("rm-job", url, "--job", JOB, "--yes")
+        assert ran.code == EXIT_OK, ran.err
+        assert "cannot tell whether a run is writing there" in ran.out
+        assert fsspec.filesystem("memory").find(f"/tiercheck-rm-job-test/{JOB}") == []
+    finally:
+        memory = fsspec.filesystem("memory")
+        if memory.exists("/tiercheck-rm-job-test"):
+            memory.rm("/tiercheck-rm-job-test", recursive=True)
+
+
 # --- errors, json, hooks ---------------------------------------------------------------------
 
 
@@ -1017,6 +1217,37 @@ def test_every_command_speaks_json(
     assert ran.json()["command"] == argv[0]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "{job}", "--keep", "0"],  # a value the option refuses
+        ["gc", "{job}"],  # a required option missing
+        ["ls", "--no-such-option"],
+        ["frobnicate"],  # no such command
+        [],  # no command at all
+    ],
+)
+def test_usage_errors_under_json_are_json(stored: Stored, run: Any, argv: list[str]) -> None:
+    args = [a.format(job=stored.job) for a in argv]
+    ran = run("--json", *args)
+    assert ran.code == EXIT_USAGE
+    error = ran.json()["error"]
+    assert (error["type"], error["exit_code"]) == ("UsageError", EXIT_USAGE)
+    assert error["message"]
+    assert ran.err.count("\n") == 1  # the same message, one line, for people
+    assert error["message"] in ran.err
+    human = run(*args)
+    assert human.code == EXIT_USAGE
+    assert human.out == ""
+    assert "usage: tiercheck" in human.err
+
+
+def test_version(run: Any) -> None:
+    ran = run("--version")
+    assert ran.code == EXIT_OK
+    assert ran.out.split() == ["tiercheck", tiercheck.__version__]
+
+
 def test_the_console_script_runs_as_a_process(stored: Stored, tmp_path: Path) -> None:
     ok = subprocess.run(
         [sys.executable, "-m", "tiercheck.cli", "verify", str(stored.job), "--json"],
@@ -1057,7 +1288,7 @@ def test_an_external_command_gets_its_arguments(monkeypatch: pytest.MonkeyPatch,
 def test_progress_bars_draw_on_their_stream() -> None:
     pytest.importorskip("tqdm")
     stream = io.StringIO()
-    bar = cli_module._Bar(True, stream)
+    bar = ProgressBar(True, stream)
     bar.start(3, "testing")
     bar.advance(3)
     bar.finish()

@@ -86,6 +86,13 @@ from tiercheck.consistency.keys import (
 from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest, Record
 from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
+from tiercheck.defaults import (
+    DEFAULT_KEEP,
+    NodeRoot,
+    default_persistent_url,
+    default_root,
+    persistent_job_url,
+)
 from tiercheck.errors import (
     BlobNotFound,
     ChecksumMismatch,
@@ -131,7 +138,6 @@ from tiercheck.tiers.base import (
     SupportsStopServing,
     Tier,
 )
-from tiercheck.tiers.local import default_root
 from tiercheck.topology import Topology
 
 __all__ = [
@@ -155,9 +161,6 @@ VersionSelector = Literal["all", "base"] | Callable[[int], bool]
 #: pending saves get at most ``close_timeout`` seconds, no agreement with other ranks;
 #: ``"now"`` -- no waiting for saves at all (``close(flush=False)``).
 CloseMode = Literal["collective", "bounded", "now"]
-
-DEFAULT_KEEP = {"local": 2, "peer": 2, "persistent": 3}
-DEFAULT_PERSISTENT_DIR = "tiercheck-checkpoints"
 
 
 # --- public value types ----------------------------------------------------------------------
@@ -578,7 +581,7 @@ class _Engine:
             raise ConfigError(f"tier names must be unique, got {names}")
         self.tiers.sort(key=lambda t: int(t.survives))
         try:
-            self.manifest = await asyncio.to_thread(Manifest, cfg.node_root / "manifest")
+            self.manifest = await asyncio.to_thread(Manifest, NodeRoot(cfg.node_root).manifest)
         except TiercheckError as exc:
             self.stats.manifest_errors += 1
             logger.error("tiercheck: running without a manifest: %s", exc)
@@ -853,12 +856,12 @@ class _Engine:
         if name == "local":
             from tiercheck.tiers.local import LocalTier
 
-            return LocalTier(cfg.node_root / "blobs", capacity=cfg.local_capacity)
+            return LocalTier(NodeRoot(cfg.node_root).blobs, capacity=cfg.local_capacity)
         if name == "persistent":
             from tiercheck.tiers.persistent import PersistentTier
 
             return PersistentTier(
-                cfg.persistent_url.rstrip("/") + "/" + cfg.job_id,
+                persistent_job_url(cfg.persistent_url, cfg.job_id),
                 storage_options=cfg.storage_options,
             )
         from tiercheck.tiers.registry import get_tier_class
@@ -868,7 +871,7 @@ class _Engine:
             peer: Any = get_tier_class("peer")
             tier: Tier = peer(
                 topology=self.topo,
-                holder_root=cfg.node_root / "replicas",
+                holder_root=NodeRoot(cfg.node_root).replicas,
                 replicas=cfg.peer_replicas,
                 timeout=cfg.peer_timeout,
                 namespace=cfg.job_id,
@@ -2453,7 +2456,7 @@ class _CheckpointerCore:
             )
         resolved.update(policies or {})
         if persistent is None:
-            persistent = Path(DEFAULT_PERSISTENT_DIR).resolve().as_uri()
+            persistent = default_persistent_url()
         root = (
             Path(local_root)
             if local_root is not None
@@ -2514,6 +2517,13 @@ class _CheckpointerCore:
     def node_root(self) -> Path:
         """This node's shared-memory folder."""
         return self._config.node_root
+
+    @property
+    def persistent_job_url(self) -> str:
+        """The job's folder in the built-in persistent tier: the ``persistent=`` URL plus the
+        job id (where a ``"persistent"`` tier stores; a :class:`Tier` instance stores elsewhere).
+        """
+        return persistent_job_url(self._config.persistent_url, self._config.job_id)
 
     @property
     def stats(self) -> CheckpointerStats:

@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 from tiercheck.consistency.identity import (
-    IDENTITY_FILE,
     JOB_KEY,
-    LOCKS_DIR,
     WRITERS_PREFIX,
     JobRecord,
     NodeIdentity,
@@ -39,6 +37,7 @@ from tiercheck.consistency.identity import (
     probe_key,
     writer_key,
 )
+from tiercheck.defaults import NodeRoot
 from tiercheck.errors import (
     BlobNotFound,
     FormatError,
@@ -64,8 +63,6 @@ __all__ = [
 
 logger = logging.getLogger("tiercheck")
 
-#: Folders of a node root that hold checkpoint data (the local tier, peers' replicas).
-DATA_DIRS = ("blobs", "replicas")
 #: Writer generations kept besides the live one: enough for an operator to see who ran last.
 KEEP_WRITERS = 4
 
@@ -82,7 +79,7 @@ class RankLock:
     """
 
     def __init__(self, node_root: Path, rank: int) -> None:
-        self.path = node_root / LOCKS_DIR / f"r{rank:05d}.lock"
+        self.path = NodeRoot(node_root).lock(rank)
         self.rank = rank
         self._fd: int | None = None
 
@@ -142,7 +139,7 @@ def read_identity(node_root: Path) -> NodeIdentity | None:
     A record that cannot be parsed raises :class:`~tiercheck.errors.FormatError`.
     """
     try:
-        data = (node_root / IDENTITY_FILE).read_bytes()
+        data = NodeRoot(node_root).identity.read_bytes()
     except FileNotFoundError:
         return None
     return NodeIdentity.from_bytes(data)
@@ -151,13 +148,14 @@ def read_identity(node_root: Path) -> NodeIdentity | None:
 def write_identity(node_root: Path, identity: NodeIdentity) -> None:
     """Write (or replace) the node's identity record atomically."""
     _atomic.make_dirs(str(node_root), 0o700)
-    _atomic.atomic_write(str(node_root / IDENTITY_FILE), [memoryview(identity.to_bytes())])
+    path = NodeRoot(node_root).identity
+    _atomic.atomic_write(str(path), [memoryview(identity.to_bytes())])
 
 
 def node_holds_data(node_root: Path) -> bool:
     """Whether the node's memory holds any checkpoint data (a blob or a replica)."""
-    for name in DATA_DIRS:
-        for _folder, _dirs, files in os.walk(node_root / name):
+    for folder in NodeRoot(node_root).data_dirs:
+        for _folder, _dirs, files in os.walk(folder):
             if any(not _atomic.is_internal_name(f) for f in files):
                 return True
     return False
@@ -168,10 +166,11 @@ def discard_node_memory(node_root: Path) -> None:
 
     Locks stay: the ranks doing this hold them.
     """
-    for name in (*DATA_DIRS, "manifest"):
-        if (node_root / name).exists():
-            shutil.rmtree(node_root / name)
-    (node_root / IDENTITY_FILE).unlink(missing_ok=True)
+    layout = NodeRoot(node_root)
+    for folder in (*layout.data_dirs, layout.manifest):
+        if folder.exists():
+            shutil.rmtree(folder)
+    layout.identity.unlink(missing_ok=True)
 
 
 # --- durable tiers: job record, probe, fence --------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiercheck import defaults
 from tiercheck.errors import ConfigError, StorageError, TierClosed, TierFull
 from tiercheck.tiers import LocalTier, SupportsPrepare, SupportsReserve, _atomic, local
 
@@ -208,7 +209,7 @@ def test_default_root_falls_back_to_the_temp_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where /dev/shm does not exist, the default root is <tempdir>/tiercheck/<job>/<node>."""
-    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path / "no-shm-here"))
+    monkeypatch.setattr(defaults, "SHM_DIR", str(tmp_path / "no-shm-here"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert LocalTier(job_id="j", node="n").root == tmp_path / "tiercheck" / "j" / "n"
 
@@ -235,7 +236,7 @@ async def test_default_root_owned_by_someone_else_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A default root that belongs to another user is not written into (StorageError)."""
-    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path / "no-shm-here"))
+    monkeypatch.setattr(defaults, "SHM_DIR", str(tmp_path / "no-shm-here"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     tier = LocalTier(job_id="j", node="n")
     tier.root.mkdir(parents=True)

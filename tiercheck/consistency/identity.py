@@ -26,6 +26,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, TypeVar
 
+# The node-root names live with the rest of the node layout; importable here too.
+from tiercheck.defaults import IDENTITY_FILE, LOCKS_DIR
 from tiercheck.errors import FormatError, UnsupportedFormat
 
 __all__ = [
@@ -53,10 +55,6 @@ WRITERS_PREFIX = "writers/"
 QUARANTINE_PREFIX = "quarantine/"
 #: Where the small objects that test a location at open are written (and deleted at once).
 PROBE_PREFIX = "probe/"
-#: The node identity file, in a node's memory root (not a tier key).
-IDENTITY_FILE = "identity.json"
-#: The folder of per-rank writer locks, in a node's memory root.
-LOCKS_DIR = "locks"
 
 _WRITER = re.compile(r"^writers/g(\d{12})$")
 

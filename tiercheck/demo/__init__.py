@@ -13,17 +13,23 @@ restored from, how long it took, how many steps had to be redone, and whether th
 state is bit for bit the state the uninterrupted run had at that step.
 
 Nothing to set up: persistent storage is a local folder and the memory tiers live in
-``/dev/shm`` (or a temporary folder); all of it is removed at the end unless ``--keep``.
+``/dev/shm`` (or a temporary folder); all of it is removed at the end unless ``--keep``, which
+keeps the memory tiers too (node roots ``<memory>/<run>/tiercheck-demo/node<i>``, readable with
+``tiercheck ls``). Ctrl-C stops the job (torchrun stops its workers) and cleans up the same way.
+
+While it runs, a progress line reports a step once its checkpoint is committed, so no line ever
+reports work that a failure then undoes: the failure and the restore come first, then the steps
+trained after the restore.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,12 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiercheck.defaults import SHM_DIR
 from tiercheck.demo.worker import parse_plan
-from tiercheck.tiers.local import SHM_DIR
 
 __all__ = ["main"]
 
 DEFAULT_PLAN = "process@15,node@30,cluster@45"
+#: The job's name (the worker's default): node roots are <memory>/<run>/<JOB>/node<i>, so the
+#: command line (tiercheck ls) names the job as the checkpointer does.
+JOB = "tiercheck-demo"
+#: The exit code of an interrupted demo (as a shell reports SIGINT).
+EXIT_INTERRUPTED = 130
 DESCRIPTIONS = {
     "process": "process crash",
     "node": "node lost",
@@ -58,12 +69,7 @@ class Run:
     seconds: float = 0.0
 
     def load(self) -> None:
-        self.events = []
-        for path in sorted(self.out.glob("events-r*.jsonl")):
-            for line in path.read_text().splitlines():
-                if line.endswith("}"):  # a rank killed mid-write leaves a partial last line
-                    self.events.append(json.loads(line))
-        self.events.sort(key=lambda e: e["t"])
+        self.events = EventFeed(self.out).new()
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["e"] == kind]
@@ -117,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"tiercheck demo: {args.ranks} ranks on {args.nodes} simulated nodes, {args.steps} steps, "
         f"checkpointing every step to local + peer + persistent.\n"
-        f"  memory tiers under {memory}, persistent storage in {work / 'durable'}\n"
+        f"  memory tiers under {memory}, persistent storage under {work}\n"
     )
     try:
         reference = _launch(args, work, memory / "reference", "reference", plan="", restarts=0)
@@ -129,12 +135,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if failing is None:
             return 1
         return _report(args, plan, reference, failing)
+    except KeyboardInterrupt:
+        print("\ntiercheck demo: interrupted; the job was stopped", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
-        shutil.rmtree(memory, ignore_errors=True)
-        if not args.keep and args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-        elif args.keep:
-            print(f"\nkept: {work}")
+        _clean_up(args, work, memory)
+
+
+def _clean_up(args: argparse.Namespace, work: Path, memory: Path) -> None:
+    """Remove what the demo made, or with ``--keep`` say where it is and how to look at it."""
+    if args.keep:
+        print(
+            f"\nkept:\n  logs and persistent storage: {work}\n"
+            f"    (tiercheck ls {work / 'durable-failures'})\n"
+            f"  memory tiers: {memory}\n"
+            f"    (tiercheck ls {memory}; they hold memory until removed: rm -r {memory})"
+        )
+        return
+    shutil.rmtree(memory, ignore_errors=True)
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _launch(
@@ -149,7 +169,8 @@ def _launch(
         "--standalone", f"--nproc-per-node={args.ranks}", f"--max-restarts={restarts}",
         "--monitor-interval=0.1",
         "-m", "tiercheck.demo.worker",
-        "--root", str(root), "--persistent", (work / f"durable-{name}").as_uri(),
+        "--root", str(root / JOB), "--persistent", (work / f"durable-{name}").as_uri(),
+        "--job", JOB,
         "--out", str(run.out), "--steps", str(args.steps), "--plan", plan,
         "--base-every", str(args.base_every), "--dim", str(args.dim),
         "--layers", str(args.layers), "--batch", str(args.batch),
@@ -172,9 +193,14 @@ def _launch(
         stop = threading.Event()
         watcher = threading.Thread(target=_watch, args=(run, args.steps, stop), daemon=True)
         watcher.start()
-        code = proc.wait()
-        stop.set()
-        watcher.join()
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            _stop(proc)
+            raise
+        finally:
+            stop.set()
+            watcher.join()
     run.seconds = time.monotonic() - started
     run.load()
     if code != 0 or len(run.of("final")) != args.ranks:
@@ -185,38 +211,104 @@ def _launch(
     return run
 
 
-def _watch(run: Run, steps: int, stop: threading.Event) -> None:
-    """Print progress from rank 0's events (and every rank's failures and restores)."""
-    seen = 0
-    last_step = -1
-    while True:
-        finished = stop.is_set()
-        # The files are being written as we read: a half-written state is read again next time.
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            run.load()
-        for event in run.events[seen:]:
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the torchrun job after an interrupt, bounded; torchrun stops its workers itself.
+
+    A Ctrl-C at a terminal reached torchrun too (same process group), so it is given a moment
+    to stop on its own; an interrupt of the demo alone needs a SIGTERM; SIGKILL is the last
+    resort. Another Ctrl-C meanwhile moves on to the next, stronger step.
+    """
+    for sig, seconds in ((None, 5.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        if sig is not None and proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=seconds)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except KeyboardInterrupt:
+            continue  # asked again: escalate now rather than wait
+
+
+class EventFeed:
+    """The events of a run not read yet, each once, in the order its rank wrote them.
+
+    Each rank's file is read on from where the last read ended, whole lines only (a line being
+    written is read next time), and the new events are merged by time.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._read: dict[Path, int] = {}
+
+    def new(self) -> list[dict[str, Any]]:
+        """Events written since the last call."""
+        events: list[dict[str, Any]] = []
+        for path in sorted(self.out.glob("events-r*.jsonl")):
+            start = self._read.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read()
+            whole = data.rfind(b"\n") + 1
+            self._read[path] = start + whole
+            for line in data[:whole].decode(errors="replace").splitlines():
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    # Half a line left by a rank killed mid-write, joined with the next
+                    # attempt's first event: neither is needed (the attempt's start).
+                    continue
+        events.sort(key=lambda e: e["t"])  # stable: one rank's events keep their order
+        return events
+
+
+class ProgressLines:
+    """What the demo prints while a run goes: failures, restores, and every tenth step once
+    its checkpoint is committed (rank 0 reports commits for the job)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._step_info: dict[int, dict[str, Any]] = {}  # rank 0's newest event of each step
+        self._done = -1  # the newest version committed, or restored
+
+    def lines(self, events: list[dict[str, Any]]) -> list[str]:
+        """The lines ``events`` call for."""
+        out = []
+        for event in events:
             kind = event["e"]
             if kind == "failure":
                 what = DESCRIPTIONS[event["kind"]]
-                print(f"  ✗ {what} (attempt {event['attempt'] + 1})", flush=True)
+                out.append(f"  ✗ {what} (attempt {event['attempt'] + 1})")
             elif kind == "restored" and event["rank"] == 0:
-                others = sorted(set(event["sources"].values()))
-                print(
+                tiers = sorted(set(event["sources"].values()))
+                out.append(
                     f"  ↺ restored version {event['version']} "
-                    f"(tiers: {', '.join(others)}) in {event['seconds']:.3f} s",
-                    flush=True,
+                    f"(tiers: {', '.join(tiers)}) in {event['seconds']:.3f} s"
                 )
+                self._done = event["version"]
             elif kind == "step" and event["rank"] == 0:
-                step = event["step"]
-                if step // 10 != last_step // 10 or step == steps - 1:
-                    stall = event.get("stall", 0.0) * 1e3
-                    print(
-                        f"    step {step + 1:>4}/{steps}  loss {event['loss']:.3f}  "
-                        f"save blocked {stall:.1f} ms",
-                        flush=True,
-                    )
-                last_step = step
-        seen = len(run.events)
+                self._step_info[event["step"]] = event
+            elif kind == "commit" and event["version"] > self._done:
+                version, last = event["version"], self._done
+                self._done = version
+                if version // 10 != last // 10 or version == self.steps - 1:
+                    out.append(self._step_line(version))
+        return out
+
+    def _step_line(self, version: int) -> str:
+        info = self._step_info.get(version, {})
+        loss = f"  loss {info['loss']:.3f}" if "loss" in info else ""
+        stall = f"  save blocked {info['stall'] * 1e3:.1f} ms" if "stall" in info else ""
+        return f"    step {version + 1:>4}/{self.steps}{loss}{stall}"
+
+
+def _watch(run: Run, steps: int, stop: threading.Event) -> None:
+    """Print the run's progress as its ranks write their events, until ``stop``."""
+    feed, progress = EventFeed(run.out), ProgressLines(steps)
+    while True:
+        finished = stop.is_set()
+        for line in progress.lines(feed.new()):
+            print(line, flush=True)
         if finished:
             return
         time.sleep(0.2)

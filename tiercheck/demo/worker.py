@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import tiercheck
+from tiercheck.defaults import NodeRoot
 from tiercheck.demo.model import TinyLM, batch, corpus, digest
 from tiercheck.testing.faults import FaultPlan, FaultyTier
 from tiercheck.tiers import LocalTier
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             die_on=lambda op, tier, key: op == "commit" and key.startswith(victim),
             on_death=die_mid_save,
         )
-        local = FaultyTier.wrap(LocalTier(node_root / "blobs"), fault)
+        local = FaultyTier.wrap(LocalTier(NodeRoot(node_root).blobs), fault)
         tiers = [local, *(["peer"] if world // per_node > 1 else []), "persistent"]
 
     ckpt = tiercheck.SyncCheckpointer(

@@ -16,13 +16,12 @@ import random
 import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from tiercheck.checkpointer import DEFAULT_PERSISTENT_DIR, Restored, SaveHandle
+from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.consistency.identity import JOB_KEY
 from tiercheck.errors import ConfigError, RestoreError
 from tiercheck.guard import node_holds_data
@@ -232,9 +231,7 @@ class Session:
             return True
         if node_holds_data(ckpt.node_root):
             return True
-        url = self.options.get("persistent") or Path(DEFAULT_PERSISTENT_DIR).resolve().as_uri()
-        # The job's folder as the checkpointer names it (tiercheck.checkpointer, _make_tier).
-        folder = str(url).rstrip("/") + "/" + self.job_id
+        folder = ckpt.persistent_job_url
         options = self.options.get("storage_options")
         # A thread of its own: the caller may be running an event loop.
         with ThreadPoolExecutor(1, thread_name_prefix="tiercheck-peek") as pool:

@@ -14,9 +14,7 @@ import fcntl
 import logging
 import mmap
 import os
-import socket
 import stat
-import tempfile
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -24,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TypeVar
 
+# default_root lives with the rest of the node layout in tiercheck.defaults; importable here too.
+from tiercheck.defaults import default_root
 from tiercheck.errors import (
     BlobNotFound,
     ConfigError,
@@ -40,9 +40,6 @@ __all__ = ["LocalReservation", "LocalTier", "default_root"]
 _T = TypeVar("_T")
 
 logger = logging.getLogger("tiercheck")
-
-#: Where shared memory is mounted on Linux.
-SHM_DIR: Final = "/dev/shm"  # noqa: S108 -- the shared-memory mount itself, by design
 
 _DIR_MODE: Final = 0o700
 _FILE_MODE: Final = 0o600
@@ -69,30 +66,6 @@ _FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 _NO_FALLOCATE_ERRNOS: Final = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 # Looked up here so that a platform without it (not Linux) simply does without backing.
 _posix_fallocate: Callable[[int, int, int], None] | None = getattr(os, "posix_fallocate", None)
-
-
-def default_root(job_id: str = "default", node: str | None = None) -> Path:
-    """The folder a :class:`LocalTier` uses when given no ``root``.
-
-    ``/dev/shm/tiercheck/<job_id>/<node>``, or ``<tempdir>/tiercheck/<job_id>/<node>`` where
-    ``/dev/shm`` does not exist (or cannot be written). ``node`` defaults to the hostname.
-    """
-    base = SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
-    if base is None:
-        base = tempfile.gettempdir()
-    return Path(base) / "tiercheck" / _segment("job_id", job_id) / _segment("node", node)
-
-
-def _segment(what: str, value: str | None) -> str:
-    if value is None:
-        value = socket.gethostname() or "localhost"
-    try:
-        validate_key(value)
-    except InvalidKey as exc:
-        raise ConfigError(f"{what} must be usable as a folder name: {exc}") from None
-    if "/" in value:
-        raise ConfigError(f"{what} must be a single folder name without '/': {value!r}")
-    return value
 
 
 def _valid_key(key: str) -> bool:

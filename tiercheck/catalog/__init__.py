@@ -1,0 +1,98 @@
+"""What is stored where: find, list, inspect, verify, export, trim and remove checkpoints at rest.
+
+The read side of tiercheck, for tools (the ``tiercheck`` command line is built on it) rather than
+for training code. It works on *locations*, each one tier's view of one job:
+
+* a **persistent job folder** -- ``<url>/<job_id>/`` of a :class:`~tiercheck.tiers.PersistentTier`
+  (``file://``, a plain path, ``s3://``, ``memory://``...): ``packed`` blobs and ``COMMIT``
+  records, and beside them the job record (``JOB``), the writer generations (``writers/g...``),
+  blobs a restore set aside (``quarantine/<original key>``) and, after a crash while the job was
+  opening, leftover probe objects (``probe/...``) -- see :mod:`tiercheck.consistency.identity`;
+* a **node root** -- ``/dev/shm/tiercheck/<job>/<node>/`` (any folder holding ``blobs/`` and
+  ``manifest/``; the layout is :class:`tiercheck.defaults.NodeRoot`): the node's
+  :class:`~tiercheck.tiers.LocalTier` (``blobs/``, usually ``full`` blobs, possibly
+  ``quarantine/...`` too), the replicas it keeps for ranks of other nodes (``replicas/``, listed
+  with the node root, never a location of their own), its LMDB manifest (``manifest/``), its
+  identity (``identity.json``) and the writers' locks (``locks/``).
+
+One module per step, in the order a command takes them:
+
+* :mod:`~tiercheck.catalog.locate` -- :func:`find_locations` turns what a user typed into
+  locations (see its docstring for the rules); :class:`OpenLocation` opens one (its tier and,
+  for a node root, its manifest);
+* :mod:`~tiercheck.catalog.scan` -- :meth:`OpenLocation.scan` lists it into a :class:`Catalog`:
+  versions and their blobs, the job record, the newest writer generation and a node's identity
+  (their parse errors become :func:`verify` findings), quarantined blobs apart from the versions
+  (nothing reads them as checkpoints: ``inspect`` and ``export`` ignore them, ``verify``
+  reports each one, ``gc`` keeps them unless asked to purge them), held replicas;
+* :mod:`~tiercheck.catalog.read` -- :func:`inspect_blobs` reads blob headers, ``decode_blob`` a
+  whole blob with its base;
+* :mod:`~tiercheck.catalog.verify` -- :func:`verify` checks blobs and records;
+* :mod:`~tiercheck.catalog.export` -- :func:`export` writes a version as ``.pt`` and
+  ``.safetensors`` files;
+* :mod:`~tiercheck.catalog.gc` -- :func:`plan_gc` / :func:`apply_gc` apply retention, which never
+  removes the job record, a writer generation, a probe object or the identity file;
+* :mod:`~tiercheck.catalog.remove` -- :func:`plan_job_removal` / :func:`remove_job` delete a
+  whole job, records included, refusing while a writer holds the job's lock in a node root.
+
+:mod:`~tiercheck.catalog.base` holds what they share (:class:`Location`, :class:`Progress`).
+All tier I/O goes through the async :class:`~tiercheck.tiers.Tier` API; hashing, decoding, the
+manifest and file writes run in worker threads, never on the event loop. The catalog reads what
+the checkpointer wrote; it never imports the checkpointer.
+
+What "committed" means here is what recovery trusts: in a persistent job folder, a ``COMMIT``
+record; in a node root, the manifest's ``commit`` record for the ``local`` tier (the local tier
+writes no ``COMMIT`` objects). A version whose blobs are not all present is *torn*: a problem
+when it claims to be committed, normal (a crash mid-save) when it does not.
+"""
+
+from __future__ import annotations
+
+from tiercheck.catalog.base import LOCAL_TIER, Location, LocationError, NullProgress, Progress
+from tiercheck.catalog.export import EXPORT_MODE, ExportResult, export, safetensors_payload
+from tiercheck.catalog.gc import GcPlan, apply_gc, plan_gc
+from tiercheck.catalog.locate import OpenLocation, default_search_paths, find_locations
+from tiercheck.catalog.read import inspect_blobs
+from tiercheck.catalog.remove import JobRemoval, check_no_writer, plan_job_removal, remove_job
+from tiercheck.catalog.scan import (
+    BlobEntry,
+    BlobKindName,
+    Catalog,
+    HeldReplicas,
+    QuarantinedBlob,
+    VersionEntry,
+)
+from tiercheck.catalog.verify import FINDING_CODES, Finding, VerifyReport, verify
+
+__all__ = [
+    "EXPORT_MODE",
+    "FINDING_CODES",
+    "LOCAL_TIER",
+    "BlobEntry",
+    "BlobKindName",
+    "Catalog",
+    "ExportResult",
+    "Finding",
+    "GcPlan",
+    "HeldReplicas",
+    "JobRemoval",
+    "Location",
+    "LocationError",
+    "NullProgress",
+    "OpenLocation",
+    "Progress",
+    "QuarantinedBlob",
+    "VerifyReport",
+    "VersionEntry",
+    "apply_gc",
+    "check_no_writer",
+    "default_search_paths",
+    "export",
+    "find_locations",
+    "inspect_blobs",
+    "plan_gc",
+    "plan_job_removal",
+    "remove_job",
+    "safetensors_payload",
+    "verify",
+]

@@ -1,0 +1,252 @@
+"""Write a stored version out as ordinary files: :func:`export` (``torch.save`` and
+safetensors), laid out for safetensors by :func:`safetensors_payload`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from tiercheck.catalog.base import Location, NullProgress, Progress
+from tiercheck.catalog.locate import OpenLocation
+from tiercheck.catalog.read import decode_blob
+from tiercheck.catalog.scan import Catalog
+from tiercheck.codec import own_copy
+
+__all__ = ["EXPORT_MODE", "ExportResult", "export", "safetensors_payload"]
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    location: Location
+    version: int
+    rank: int
+    #: ``(format, path, bytes)`` per file written.
+    files: list[tuple[str, str, int]]
+    tensors: int
+    warnings: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        return {
+            **self.location.to_json(),
+            "version": self.version,
+            "rank": self.rank,
+            "tensors": self.tensors,
+            "files": [{"format": f, "path": p, "bytes": n} for f, p, n in self.files],
+            "warnings": self.warnings,
+        }
+
+
+# Torch dtypes a safetensors file can hold, by name (looked up, as some builds lack a few).
+_SAFETENSORS_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+)
+
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def _jsonable(value: Any) -> bool:
+    if isinstance(value, _JSON_SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_jsonable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _jsonable(v) for k, v in value.items())
+    return False
+
+
+def safetensors_payload(
+    state: Any, *, meta: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """Flatten ``state`` for a safetensors file: ``(tensors, metadata, warnings)``.
+
+    Tensors are keyed by their path in the state, dotted (``model.0.weight``, ``optim.state.0
+    .exp_avg``) -- or, if two paths would give one dotted name, in subscript form
+    (``['model']['0.weight']``) for all of them. numpy arrays become tensors. A tensor of a
+    dtype safetensors cannot hold (complex128, complex32, bit types) is stored as its raw bytes
+    (``uint8``), its dtype and shape listed in the ``tiercheck`` metadata entry under
+    ``raw_dtypes``. Every other leaf (numbers, strings, ``None``, and lists or string-keyed
+    dicts of these; also empty containers) goes into the metadata as JSON under its dotted
+    path; leaves JSON cannot hold (bytes, complex numbers, dtypes...) are left out and named in
+    the warnings. The ``tiercheck`` entry holds ``meta`` plus the key style; ``format`` is
+    ``pt``, as the Hugging Face tools expect.
+    """
+    tensors: list[tuple[tuple[Any, ...], str, torch.Tensor]] = []
+    leaves: list[tuple[tuple[Any, ...], Any]] = []
+
+    def walk(obj: Any, parts: tuple[Any, ...], subscript: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors.append((parts, subscript, obj))
+        elif isinstance(obj, np.ndarray):
+            try:
+                tensors.append((parts, subscript, torch.from_numpy(np.ascontiguousarray(obj))))
+            except TypeError:
+                raw = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+                tensors.append((parts, subscript, torch.from_numpy(raw.copy())))
+                warnings.append(f"{subscript}: numpy dtype {obj.dtype} stored as raw bytes")
+        elif isinstance(obj, dict) and obj:
+            for k, v in obj.items():
+                walk(v, (*parts, k), f"{subscript}[{k!r}]")
+        elif isinstance(obj, (list, tuple)) and obj and not _jsonable(obj):
+            for i, v in enumerate(obj):
+                walk(v, (*parts, i), f"{subscript}[{i}]")
+        else:
+            leaves.append((parts, obj))
+
+    warnings: list[str] = []
+    walk(state, (), "")
+    dotted = [".".join(str(p) for p in parts) for parts, _, _ in tensors]
+    style = "dotted" if len(set(dotted)) == len(dotted) and all(dotted) else "subscript"
+    names = dotted if style == "dotted" else [sub for _, sub, _ in tensors]
+
+    out: dict[str, torch.Tensor] = {}
+    raw_dtypes: dict[str, list[Any]] = {}
+    for name, (_, _, tensor) in zip(names, tensors, strict=True):
+        t = tensor.detach().cpu().contiguous()
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raw_dtypes[name] = [str(t.dtype).removeprefix("torch."), list(t.shape)]
+            t = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            warnings.append(f"{name}: dtype {raw_dtypes[name][0]} stored as raw bytes (uint8)")
+        out[name] = t
+
+    metadata: dict[str, str] = {
+        "format": "pt",
+        "tiercheck": json.dumps({**meta, "keys": style, "raw_dtypes": raw_dtypes}),
+    }
+    for parts, leaf in leaves:
+        name = ".".join(str(p) for p in parts) or "."
+        value = leaf.item() if isinstance(leaf, np.generic) else leaf
+        if not _jsonable(value):
+            warnings.append(f"{name}: a {type(value).__name__} leaf has no JSON form; left out")
+            continue
+        if name in metadata:
+            warnings.append(f"{name}: clashes with the reserved metadata entry; left out")
+            continue
+        metadata[name] = json.dumps(value)
+    return out, metadata, warnings
+
+
+#: The mode of exported files, whatever the umask: owner only, as the local tier keeps its blobs.
+#: An export holds the same data as the checkpoint (weights, optimizer state, anything the
+#: state carried); sharing it is the owner's decision (``chmod``).
+EXPORT_MODE = 0o600
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> int:
+    """Write a file through a temporary name, renamed into place once complete.
+
+    The temporary file is created with :data:`EXPORT_MODE` before anything is written, so no
+    byte of it is ever readable by others, and keeps that mode whatever the writer does.
+    """
+    temp = path.with_name(f".{path.name}.tiercheck-tmp")
+    try:
+        temp.unlink(missing_ok=True)  # a leftover of an export cut short
+        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, EXPORT_MODE))
+        os.chmod(temp, EXPORT_MODE)  # O_CREAT's mode went through the umask
+        write(temp)
+        # A writer that replaced the file instead of writing into it made it anew.
+        os.chmod(temp, EXPORT_MODE)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+async def export(
+    opened: OpenLocation,
+    catalog: Catalog,
+    *,
+    version: int,
+    rank: int,
+    out: Path,
+    formats: Sequence[Literal["pt", "safetensors"]],
+    allow_pickle: bool = False,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Decode ``rank``'s blob of ``version`` (with its base) and write it as ``out.pt`` and/or
+    ``out.safetensors``.
+
+    The ``.pt`` file is ``torch.save`` of the restored state -- nested as it was saved, every
+    tensor its own storage -- and so a pickle, as every ``torch.save`` file is; load it with
+    ``torch.load`` (``weights_only=True`` works for states of tensors, numbers, strings and
+    containers). The safetensors file is laid out by :func:`safetensors_payload`. Files are
+    written under a temporary name and renamed into place, both with mode ``0600``
+    (:data:`EXPORT_MODE`, whatever the umask). The state is bit-exact: decoding checks it
+    against the digest recorded at save time.
+    """
+    progress = progress or NullProgress()
+    entry = catalog.versions[version]
+    blob = entry.blobs[rank]
+    progress.start(1 + len(formats), f"exporting version {version} rank {rank}")
+    files: list[tuple[str, str, int]] = []
+    warnings: list[str] = []
+    try:
+        raw = await decode_blob(opened, catalog, blob)
+        count = len(raw.layout.specs)
+        state = own_copy(raw.state(allow_pickle=allow_pickle))
+        del raw
+        progress.advance()
+        await asyncio.to_thread(out.parent.mkdir, parents=True, exist_ok=True)
+        if "pt" in formats:
+            path = out.with_name(out.name + ".pt")
+
+            def save_pt(temp: Path) -> None:
+                torch.save(state, temp)
+
+            size = await asyncio.to_thread(_write_atomic, path, save_pt)
+            files.append(("pt", str(path), size))
+            progress.advance()
+        if "safetensors" in formats:
+            from safetensors.torch import save_file
+
+            meta = {
+                "job": catalog.location.job,
+                "version": version,
+                "rank": rank,
+                "tier": catalog.location.tier_name,
+            }
+            tensors, metadata, warnings = await asyncio.to_thread(
+                safetensors_payload, state, meta=meta
+            )
+            path = out.with_name(out.name + ".safetensors")
+
+            def save_st(temp: Path) -> None:
+                save_file(tensors, str(temp), metadata=metadata)
+
+            size = await asyncio.to_thread(_write_atomic, path, save_st)
+            files.append(("safetensors", str(path), size))
+            progress.advance()
+    finally:
+        progress.finish()
+    return ExportResult(catalog.location, version, rank, files, count, warnings)

@@ -1,0 +1,182 @@
+"""Apply retention to a location at rest: :func:`plan_gc` decides, :func:`apply_gc` removes.
+
+The rule is the checkpointer's own (:func:`tiercheck.consistency.retention.evictable`): keep the
+newest committed versions and the bases their deltas need. Only versions' blobs, ``COMMIT``
+records and (when asked) quarantined blobs are ever removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercheck.catalog.base import LOCAL_TIER, REQUESTS, Location, NullProgress, Progress
+from tiercheck.catalog.locate import OpenLocation
+from tiercheck.catalog.read import inspect_blobs
+from tiercheck.catalog.scan import Catalog
+from tiercheck.consistency.identity import parse_quarantine_key
+from tiercheck.consistency.keys import commit_key, parse_blob_key, parse_commit_key
+from tiercheck.consistency.manifest import Evict
+from tiercheck.consistency.retention import evictable
+from tiercheck.errors import ConfigError, StorageError
+
+__all__ = ["GcPlan", "apply_gc", "plan_gc"]
+
+
+@dataclass
+class GcPlan:
+    """What :func:`apply_gc` will remove, and why the rest stays."""
+
+    location: Location
+    keep: int
+    #: Versions kept because they are among the newest ``keep`` committed.
+    kept: list[int]
+    #: Versions kept because a kept delta needs them as its base.
+    kept_as_base: list[int]
+    #: Versions newer than the newest committed one: possibly still being saved, left alone.
+    in_flight: list[int]
+    #: ``COMMIT`` records to remove (persistent), removed before any blob.
+    commit_keys: list[str]
+    #: Blob keys to remove, with (version, rank).
+    blob_keys: list[tuple[str, int, int]]
+    #: Whether quarantined blobs are removed (``purge_quarantine``).
+    purge_quarantine: bool = False
+    #: Quarantined blobs to remove (only with ``purge_quarantine``), removed last.
+    quarantine_keys: list[str] = field(default_factory=list)
+    #: Quarantined blobs kept (all of them without ``purge_quarantine``).
+    quarantine_kept: list[str] = field(default_factory=list)
+
+    @property
+    def removed_versions(self) -> list[int]:
+        """Versions something is removed of."""
+        versions = {v for _, v, _ in self.blob_keys}
+        versions.update(v for k in self.commit_keys if (v := parse_commit_key(k)) is not None)
+        return sorted(versions)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        return {
+            **self.location.to_json(),
+            "keep": self.keep,
+            "kept": self.kept,
+            "kept_as_base": self.kept_as_base,
+            "in_flight": self.in_flight,
+            "removed_versions": self.removed_versions,
+            "commit_keys": self.commit_keys,
+            "blob_keys": [k for k, _, _ in self.blob_keys],
+            "purge_quarantine": self.purge_quarantine,
+            "quarantine_keys": self.quarantine_keys,
+            "quarantine_kept": self.quarantine_kept,
+        }
+
+
+async def plan_gc(
+    opened: OpenLocation, catalog: Catalog, keep: int, *, purge_quarantine: bool = False
+) -> GcPlan:
+    """Decide what retention with ``keep`` versions removes (nothing is deleted here).
+
+    The newest ``keep`` committed versions stay, and so does the base of every kept delta
+    (:func:`tiercheck.consistency.retention.evictable`, the rule the checkpointer applies).
+    Versions newer than the newest committed one stay too: a live job may still be saving
+    them, and after a crash the checkpointer's own restore clears them. Everything else goes,
+    torn and uncommitted versions included. In a node root without a manifest, "committed"
+    means "has every rank's blob".
+
+    Quarantined blobs stay for inspection unless ``purge_quarantine`` (then all of them go).
+    The job record, writer generations, probe objects and a node's ``identity.json`` are never
+    part of a plan.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    # Only whole versions count: a committed version that lost a blob cannot be restored, so
+    # keeping it would keep one restorable version fewer than asked.
+    committed = [
+        v for v, e in sorted(catalog.versions.items()) if e.complete and e.committed is not False
+    ]
+    newest = committed[-1] if committed else -1
+    kept = committed[-keep:]
+    # A kept version's base must be known; read the header of packed blobs no record describes.
+    unknown = [b for v in kept for b in catalog.versions[v].blobs.values() if not b.base_known]
+    if unknown:
+        errors = await inspect_blobs(opened, unknown)
+        if errors:
+            key, why = next(iter(errors.items()))
+            raise StorageError(
+                f"cannot tell which base kept version's blob {key} needs ({why}); nothing "
+                "was removed. Run `tiercheck verify` on this location."
+            )
+
+    doomed: dict[int, list[int]] = {}  # rank -> versions
+    shield: set[int] = set(kept)
+    for rank in catalog.ranks:
+        own = {v: e.blobs[rank].base for v, e in catalog.versions.items() if rank in e.blobs}
+        if not own:
+            continue
+        doomed[rank] = evictable(committed=committed, own=own, keep=keep, settled_upto=newest)
+        shield.update(b for v in kept if (b := own.get(v)) is not None)
+    blob_keys = sorted(
+        (catalog.versions[v].blobs[r].key, v, r) for r, vs in doomed.items() for v in vs
+    )
+    commit_keys = sorted(
+        commit_key(v)
+        for v, e in catalog.versions.items()
+        if (e.commit is not None or e.commit_error is not None) and v <= newest and v not in shield
+    )
+    return GcPlan(
+        location=catalog.location,
+        keep=keep,
+        kept=kept,
+        kept_as_base=sorted(shield - set(kept)),
+        in_flight=[v for v in sorted(catalog.versions) if v > newest],
+        commit_keys=commit_keys,
+        blob_keys=blob_keys,
+        purge_quarantine=purge_quarantine,
+        quarantine_keys=[q.key for q in catalog.quarantined] if purge_quarantine else [],
+        quarantine_kept=[] if purge_quarantine else [q.key for q in catalog.quarantined],
+    )
+
+
+def _check_plan(plan: GcPlan) -> None:
+    """Refuse a plan (a caller may build one by hand) that names anything but what gc removes."""
+    wrong = [k for k in plan.commit_keys if parse_commit_key(k) is None]
+    wrong += [k for k, _, _ in plan.blob_keys if parse_blob_key(k) is None]
+    wrong += [k for k in plan.quarantine_keys if parse_quarantine_key(k) is None]
+    if wrong:
+        raise ConfigError(
+            f"a gc plan may only remove COMMIT records, blobs and quarantined blobs; it lists "
+            f"{wrong[:3]}; nothing was removed"
+        )
+
+
+async def apply_gc(opened: OpenLocation, plan: GcPlan, progress: Progress | None = None) -> None:
+    """Remove what ``plan`` lists: every ``COMMIT`` record first, then the blobs, then the
+    quarantined blobs it lists.
+
+    The order keeps a crash half-way harmless: a version loses its proof of being whole before
+    any of its blobs, so no ``COMMIT`` ever points at a deleted blob. In a node root, each
+    removal of a version's blob is logged in the manifest (``evict``, reason ``gc``), as the
+    checkpointer logs its own retention. A plan that lists any other key (the job record, a
+    writer generation...) is refused with :class:`~tiercheck.errors.ConfigError` before anything
+    is removed.
+    """
+    _check_plan(plan)
+    progress = progress or NullProgress()
+    sem = asyncio.Semaphore(REQUESTS)
+
+    async def delete(key: str) -> None:
+        async with sem:
+            await opened.tier.delete(key)
+        progress.advance()
+
+    total = len(plan.commit_keys) + len(plan.blob_keys) + len(plan.quarantine_keys)
+    progress.start(total, "removing")
+    try:
+        await asyncio.gather(*(delete(k) for k in plan.commit_keys))
+        await asyncio.gather(*(delete(k) for k, _, _ in plan.blob_keys))
+        await asyncio.gather(*(delete(k) for k in plan.quarantine_keys))
+    finally:
+        progress.finish()
+    if opened.manifest is not None and plan.blob_keys:
+        records = [Evict(v, r, LOCAL_TIER, reason="gc") for _, v, r in plan.blob_keys]
+        await opened.in_manifest_thread(opened.manifest.append, *records)

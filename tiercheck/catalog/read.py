@@ -1,0 +1,68 @@
+"""Reading a catalog's blobs: headers (:func:`inspect_blobs`), or whole (:func:`decode_blob`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from tiercheck.catalog.base import READS, NullProgress, Progress, bounded
+from tiercheck.catalog.locate import OpenLocation
+from tiercheck.catalog.scan import BlobEntry, Catalog
+from tiercheck.codec import RawState, decode, read_meta
+from tiercheck.errors import BlobNotFound, FormatError, TiercheckError
+
+__all__ = ["decode_blob", "inspect_blobs"]
+
+
+async def inspect_blobs(
+    opened: OpenLocation, blobs: Sequence[BlobEntry], progress: Progress | None = None
+) -> dict[str, str]:
+    """Read the headers of ``blobs`` (entries of a :class:`~tiercheck.catalog.Catalog`) into
+    the entries.
+
+    Returns the keys that could not be read, with the reason. The tier API reads whole blobs,
+    so this reads every chosen blob once (the body is not hashed: that is
+    :func:`~tiercheck.catalog.verify`).
+    """
+    progress = progress or NullProgress()
+    errors: dict[str, str] = {}
+
+    async def one(blob: BlobEntry) -> None:
+        try:
+            data = await opened.get(blob.key)
+            blob.learn(await asyncio.to_thread(read_meta, data))
+        except (TiercheckError, OSError) as exc:
+            errors[blob.key] = f"{type(exc).__name__}: {exc}"
+
+    progress.start(len(blobs), "reading headers")
+    try:
+        await bounded(blobs, one, READS, progress)
+    finally:
+        progress.finish()
+    return errors
+
+
+async def decode_blob(opened: OpenLocation, catalog: Catalog, blob: BlobEntry) -> RawState:
+    """Read and decode ``blob``, reading and decoding its base first when it is a delta.
+
+    Decoding checks every blob's checksum and the payload against the digest recorded at save
+    time, so what comes back is bit for bit what was saved, or an error.
+    """
+    data = await opened.get(blob.key)
+    meta = await asyncio.to_thread(read_meta, data)
+    base: RawState | None = None
+    if meta.base is not None:
+        entry = catalog.versions.get(meta.base.version)
+        base_blob = None if entry is None else entry.blobs.get(meta.rank)
+        if base_blob is None:
+            raise BlobNotFound(
+                f"{blob.key} is a delta against version {meta.base.version}, which has no blob "
+                f"of rank {meta.rank} in the {catalog.location.tier_name} tier"
+            )
+        base_data = await opened.get(base_blob.key)
+        base_meta = await asyncio.to_thread(read_meta, base_data)
+        if base_meta.base is not None:
+            raise FormatError(f"{base_blob.key} is a delta, but a base must be self-contained")
+        base = await asyncio.to_thread(decode, base_data)
+        del base_data
+    return await asyncio.to_thread(decode, data, base=base)

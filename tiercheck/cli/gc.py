@@ -1,0 +1,83 @@
+"""``tiercheck gc``: apply retention to a location at rest."""
+
+from __future__ import annotations
+
+import argparse
+
+from tiercheck.catalog import OpenLocation, apply_gc, plan_gc
+from tiercheck.cli.args import location_args, locations_of, positive
+from tiercheck.cli.base import EXIT_OK, Console, plural, short
+
+__all__ = ["configure_gc", "run_gc"]
+
+
+def configure_gc(p: argparse.ArgumentParser) -> None:
+    location_args(p)
+    p.add_argument(
+        "--keep",
+        type=positive,
+        required=True,
+        help="how many of the newest committed versions to keep (bases they need stay too)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument(
+        "--purge-quarantine",
+        action="store_true",
+        help="also remove the blobs a restore set aside (quarantine/...; kept by default for "
+        "inspection: `tiercheck verify` says why each was set aside)",
+    )
+
+
+async def run_gc(args: argparse.Namespace, console: Console) -> int:
+    (loc,) = await locations_of(args, many=False)
+    async with OpenLocation(loc) as opened:
+        cat = await opened.scan()
+        plan = await plan_gc(opened, cat, args.keep, purge_quarantine=args.purge_quarantine)
+        if not args.dry_run:
+            await apply_gc(opened, plan, progress=console.progress())
+    if console.json_mode:
+        console.json({"command": "gc", "dry_run": args.dry_run, **plan.to_json()})
+        return EXIT_OK
+    console.line(loc.describe())
+    if not plan.kept:
+        console.line("  no whole committed version: nothing to apply retention to")
+    else:
+        bases = ""
+        if plan.kept_as_base:
+            bases = f" and the bases they need: {short(plan.kept_as_base)}"
+        console.line(f"  keeping versions {short(plan.kept)}{bases}")
+    if plan.in_flight:
+        console.line(
+            f"  leaving versions {short(plan.in_flight)} alone: newer than the newest committed "
+            "one (a live job may still be saving them)"
+        )
+    removed = plan.removed_versions
+    verb = "would remove" if args.dry_run else "removed"
+    if not removed and not plan.quarantine_keys:
+        console.line("  nothing to remove")
+    if removed:
+        console.line(
+            f"  {verb} versions {short(removed)}: "
+            f"{plural(len(plan.commit_keys), 'COMMIT record')}, "
+            f"{plural(len(plan.blob_keys), 'blob')}"
+        )
+        if args.dry_run:
+            for key in plan.commit_keys:
+                console.line(f"    {key}")
+            for key, _, _ in plan.blob_keys:
+                console.line(f"    {key}")
+    if plan.quarantine_keys:
+        console.line(f"  {verb} {plural(len(plan.quarantine_keys), 'quarantined blob')}")
+        if args.dry_run:
+            for key in plan.quarantine_keys:
+                console.line(f"    {key}")
+    if plan.quarantine_kept:
+        n = len(plan.quarantine_kept)
+        console.line(
+            f"  keeping {plural(n, 'quarantined blob')} (set aside by a restore; "
+            f"--purge-quarantine removes {'it' if n == 1 else 'them'})"
+        )
+        if args.dry_run:
+            for key in plan.quarantine_kept:
+                console.line(f"    {key}")
+    return EXIT_OK
