@@ -71,6 +71,25 @@ def _die(events: Events) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _wipe(node_root: Path) -> None:
+    """Lose a node's memory at once, as a dead node does.
+
+    The other nodes' ranks keep saving meanwhile and their replicas keep arriving in this node
+    root, so removing it file by file races with those writes (``rmtree`` then fails with "not
+    empty" and part of the node survives). A rename is atomic: what arrives later lands in a
+    fresh, empty node root, as on a replacement node.
+    """
+    gone = node_root.with_name(f"lost-{node_root.name}-{os.getpid()}")
+    node_root.rename(gone)
+    for _ in range(20):  # a write that was already under way may still add a file to it
+        try:
+            shutil.rmtree(gone)
+            return
+        except OSError:
+            time.sleep(0.05)
+    shutil.rmtree(gone)
+
+
 def _wait_for(paths: list[Path], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
@@ -251,7 +270,7 @@ def inject(
         node_ranks = range(last_node * per_node, world)
         if rank == last_node * per_node:
             _wait_for([signals / f"ready-{r}" for r in node_ranks])
-            shutil.rmtree(args.root / f"node{last_node}")
+            _wipe(args.root / f"node{last_node}")
             (signals / "wiped").touch()
             events("failure", kind=kind, attempt=attempt, node=last_node)
         _wait_for([signals / "wiped"])
@@ -261,8 +280,8 @@ def inject(
         (signals / f"ready-{rank}").touch()
         if rank == 0:
             _wait_for([signals / f"ready-{r}" for r in range(world)])
-            for node_root in args.root.glob("node*"):
-                shutil.rmtree(node_root)
+            for node_root in list(args.root.glob("node*")):
+                _wipe(node_root)
             (signals / "wiped").touch()
             events("failure", kind=kind, attempt=attempt)
         _wait_for([signals / "wiped"])
