@@ -129,6 +129,7 @@ class Run:
         self.shm = shm / f"n{n_tensors}"
         self.shm.mkdir(parents=True)
         self.stager = DefaultStager(StagingOptions(False, False, False, False))
+        self.dcp_failed = False
         self.compute_factor = compute
         self.copy_s = float("nan")
         self.ckpt = self.open("blocking", overlap=False)
@@ -228,7 +229,14 @@ class Run:
         path = self.shm / "dcp"
         state = self.state()
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=path, async_stager=self.stager)
+        try:
+            fut = dcp.async_save(state, checkpoint_id=path, async_stager=self.stager)
+        except Exception as exc:  # e.g. torch 2.11's stager cannot deep-copy a CUDA AdamW state
+            if not self.dcp_failed:
+                print(f"dcp.async_save failed, reported as nan: {exc!r}", file=sys.stderr)
+            self.dcp_failed = True
+            shutil.rmtree(path, ignore_errors=True)
+            return {"block": float("nan")}
         block = time.perf_counter() - t0
         upload = fut.upload_completion if hasattr(fut, "upload_completion") else fut
         upload.result()
@@ -303,7 +311,8 @@ def paired(
     ratios = [r[num[0]][num[1]] / r[den[0]][den[1]] for r in rows]
     med_num = summary([r[num[0]][num[1]] for r in rows])["median"]
     med_den = summary([r[den[0]][den[1]] for r in rows])["median"]
-    return {"ratio_of_medians": med_num / med_den, "per_round": summary(ratios)}
+    ratio = None if med_num is None or med_den is None else med_num / med_den
+    return {"ratio_of_medians": ratio, "per_round": summary(ratios)}
 
 
 def across(
@@ -373,11 +382,15 @@ def bench_count(
 
 
 def _sec(s: dict[str, Any]) -> str:
+    if s["median"] is None:
+        return "n/a"
     return f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})"
 
 
 def _ratio(r: dict[str, Any]) -> str:
     p = r["per_round"]
+    if r["ratio_of_medians"] is None:
+        return "n/a"
     return f"{r['ratio_of_medians']:.2f}x ({p['min']:.2f}-{p['max']:.2f})"
 
 
@@ -414,7 +427,7 @@ def markdown(results: dict[str, Any]) -> str:
         for k in keys:
             r = counts[k]["ratios"][name]
             met = ""
-            if target is not None:
+            if target is not None and r["ratio_of_medians"] is not None:
                 met = " ok" if r["ratio_of_medians"] <= target else " NOT MET"
             cells.append(_ratio(r) + met)
         lines.append(f"| {name} | {t} | " + " | ".join(cells) + " |")
@@ -447,6 +460,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for j, (name, label, color) in enumerate(series):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(keys))]
         meds = [counts[k]["ratios"][name]["ratio_of_medians"] for k in keys]
+        if None in meds:  # a method that could not run here (see the log)
+            continue
         spread = [counts[k]["ratios"][name]["per_round"] for k in keys]
         lo = [m - p["min"] for m, p in zip(meds, spread, strict=True)]
         hi = [p["max"] - m for m, p in zip(meds, spread, strict=True)]
