@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,7 @@ from tiercheck import (
 from tiercheck.consistency.keys import parse_blob_key
 from tiercheck.consistency.manifest import Manifest
 from tiercheck.testing.faults import FaultPlan, FaultyTier
-from tiercheck.tiers import LocalTier, PersistentTier
-from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers import DelegatingTier, FailureScope, LocalTier, PersistentTier, Tier
 
 from .helpers import TinyTrainer, assert_state_equal, clone_state
 
@@ -317,39 +316,17 @@ async def test_restore_an_explicit_version(tmp_path: Path) -> None:
     assert int(again.state["v"]) == 33
 
 
-class _BrokenTier(Tier):
-    """A durable tier that works when the job opens, then fails every write (a store that
-    went down during training)."""
-
-    name = "persistent"
+class _BrokenTier(DelegatingTier):
+    """A durable tier that works when the job opens, then fails every write and read (a store
+    that went down during training); exists and list still answer."""
 
     def __init__(self, inner: Tier) -> None:
-        from tiercheck.tiers.base import FailureScope
-
-        self.inner = inner
-        self.survives = FailureScope.CLUSTER
+        super().__init__(inner, name="persistent", survives=FailureScope.CLUSTER)
         self.down = False
 
-    async def put(self, key: str, data: Buffer) -> None:
-        if self.down:
+    async def before(self, op: str, key: str) -> None:
+        if self.down and op in ("put", "putv", "get", "get_size", "delete"):
             raise OSError("the store is down")
-        await self.inner.put(key, data)
-
-    async def get(self, key: str) -> Buffer:
-        if self.down:
-            raise OSError("the store is down")
-        return await self.inner.get(key)
-
-    async def delete(self, key: str) -> None:
-        if self.down:
-            raise OSError("the store is down")
-        await self.inner.delete(key)
-
-    async def exists(self, key: str) -> bool:
-        return await self.inner.exists(key)
-
-    def list(self, prefix: str = "") -> AsyncIterator[str]:
-        return self.inner.list(prefix)
 
 
 async def test_a_failing_tier_never_reaches_training(tmp_path: Path) -> None:
@@ -369,32 +346,16 @@ async def test_a_failing_tier_never_reaches_training(tmp_path: Path) -> None:
     assert restored.version == 2
 
 
-class _SlowTier(Tier):
-    """A durable tier that takes its time (an overloaded object store)."""
-
-    name = "persistent"
+class _SlowTier(DelegatingTier):
+    """A durable tier that takes its time to write (an overloaded object store)."""
 
     def __init__(self, inner: Tier, delay: float) -> None:
-        from tiercheck.tiers.base import FailureScope
+        super().__init__(inner, name="persistent", survives=FailureScope.CLUSTER)
+        self.delay = delay
 
-        self.inner, self.delay = inner, delay
-        self.survives = FailureScope.CLUSTER
-
-    async def put(self, key: str, data: Buffer) -> None:
-        await asyncio.sleep(self.delay)
-        await self.inner.put(key, data)
-
-    async def get(self, key: str) -> Buffer:
-        return await self.inner.get(key)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def exists(self, key: str) -> bool:
-        return await self.inner.exists(key)
-
-    def list(self, prefix: str = "") -> AsyncIterator[str]:
-        return self.inner.list(prefix)
+    async def before(self, op: str, key: str) -> None:
+        if op in ("put", "putv"):
+            await asyncio.sleep(self.delay)
 
 
 async def test_a_slow_tier_never_stalls_saves_and_sheds_load(tmp_path: Path) -> None:

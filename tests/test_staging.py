@@ -268,6 +268,32 @@ def test_pool_caches_live_and_die_with_their_buffer() -> None:
     assert pool.allocated_bytes == 0
 
 
+def test_buffers_of_different_sizes_come_and_go_in_any_order() -> None:
+    """Taking a buffer that is not the first free one, and dropping the largest one when more
+    than max_free are idle, work whatever the sizes (free buffers are told apart by identity,
+    never by comparing their elements)."""
+    pool = StagingPool(pin=False, max_free=2)
+    lent = [pool.acquire(n) for n in (10_000, 20_000, 30_000)]
+    storages = [b.storage for b in lent]
+    assert pool.allocated_bytes == sum(s.numel() for s in storages)
+    for buffer in lent:  # the third release drops the largest idle buffer: not the first one
+        pool.release(buffer)
+    assert pool.allocated_bytes == storages[0].numel() + storages[1].numel()
+    again = pool.acquire(15_000)  # fits the second free buffer only
+    assert again.storage is storages[1]
+    assert again.data.numel() == 15_000
+    same = pool.acquire(5_000)
+    assert same.storage is storages[0]
+    pool.release(again)
+    pool.release(same)
+    equal = [pool.acquire(4096) for _ in range(2)]  # buffers of one size, equal contents
+    for buffer in equal:
+        buffer.data.zero_()
+    for buffer in equal:
+        pool.release(buffer)
+    assert pool.allocated_bytes == storages[0].numel() + storages[1].numel()
+
+
 # --- CUDA -------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

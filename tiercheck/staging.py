@@ -284,7 +284,7 @@ class StagingPool:
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+                self._take(buf)
                 return StagingBuffer(buf[:nbytes], buf, self._caches[id(buf)])
         # Headroom so a state that grows a little (optimizer state appearing) reuses the buffer.
         capacity = max(nbytes + nbytes // 8, 4096)
@@ -300,9 +300,18 @@ class StagingPool:
             self._free.append(lent.storage)
             while len(self._free) > self.max_free:
                 dropped = max(self._free, key=lambda b: b.numel())
-                self._free.remove(dropped)
+                self._take(dropped)
                 self._caches.pop(id(dropped), None)
                 self.allocated_bytes -= dropped.numel()
+
+    def _take(self, buf: torch.Tensor) -> None:
+        """Under the lock: remove ``buf`` itself from the free list.
+
+        By identity: ``list.remove`` compares with ``==``, which for tensors compares elements
+        (and raises when the sizes differ, or when it cannot make one bool of the result).
+        """
+        index = next(i for i, b in enumerate(self._free) if b is buf)
+        del self._free[index]
 
     def clear(self) -> None:
         """Drop every idle buffer."""

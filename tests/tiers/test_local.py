@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import gc
@@ -23,12 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import settings
+from hypothesis.stateful import invariant
 
 from tiercheck import defaults
 from tiercheck.errors import ConfigError, StorageError, TierClosed, TierFull
-from tiercheck.tiers import LocalTier, SupportsPrepare, SupportsReserve, _atomic, local
+from tiercheck.testing import TierStateMachine
+from tiercheck.tiers import LocalTier, SupportsPrepare, SupportsReserve, Tier
 
 MiB = 1024 * 1024
 
@@ -49,7 +51,41 @@ def folders_under(root: Path) -> list[Path]:
 
 
 def temp_files_under(root: Path) -> list[Path]:
-    return [p for p in files_under(root) if _atomic.INTERNAL_MARK in str(p.relative_to(root))]
+    """The tier's own files: names with '#', which no key can hold (see LocalTier's Layout)."""
+    return [p for p in files_under(root) if "#" in str(p.relative_to(root))]
+
+
+def _under(fd: int, root: Path) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(f"{root}/")
+    except OSError:
+        return False
+
+
+def os_writes_under(
+    monkeypatch: pytest.MonkeyPatch,
+    root: Path,
+    fail: int | None = None,
+    seen: list[tuple[str, object]] | None = None,
+) -> None:
+    """Watch (``seen``: the buffers written) or fail (errno ``fail``) the kernel writes made to
+    files under ``root`` -- the filesystem's side of the tier, whatever code makes them."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to tell which file a write goes to")
+    for name in ("write", "writev", "pwrite", "pwritev"):
+        real = getattr(os, name, None)
+        if real is None:
+            continue
+
+        def watched(fd: int, data: object, *rest: object, _real: object = real) -> object:
+            if _under(fd, root):
+                if fail is not None:
+                    raise OSError(fail, os.strerror(fail))
+                if seen is not None:
+                    seen.append((fd, data))  # type: ignore[arg-type]
+            return _real(fd, data, *rest)  # type: ignore[operator]
+
+        monkeypatch.setattr(os, name, watched)
 
 
 def dead_pid() -> int:
@@ -297,67 +333,94 @@ async def test_deleting_prunes_empty_folders(root: Path) -> None:
 async def test_puts_write_the_callers_buffers_without_joining(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """put writes the caller's own buffer and putv each part in turn: no join, no copy."""
-    seen: list[list[object]] = []
-    real = _atomic.write_all
+    """put writes the caller's own buffer and putv each part in turn: no join, no copy.
 
-    def spy(fd: int, parts: list[memoryview]) -> int:
-        seen.append([part.obj for part in parts])
-        return real(fd, parts)
-
-    monkeypatch.setattr(_atomic, "write_all", spy)
+    Seen from the kernel's side: every write into a file under the root comes straight from
+    one of the caller's buffers, in order, and nothing else is written there.
+    """
+    seen: list[tuple[str, object]] = []
+    os_writes_under(monkeypatch, root, seen=seen)
     data = bytearray(blob(3 * MiB, 1))
     parts = [bytes(blob(MiB, 2)), bytearray(blob(10, 3)), bytes(blob(2 * MiB, 4))]
-    async with LocalTier(root) as tier:
+    async with LocalTier(root, spare_files=0) as tier:
         await tier.put("one", data)
         await tier.putv("many", parts)
         assert await tier.get("many") == b"".join(parts)
-    assert len(seen) == 2
-    assert seen[0][0] is data
-    assert len(seen[1]) == 3
-    assert all(a is b for a, b in zip(seen[1], parts, strict=True))
+    sources: list[object] = []
+    for _fd, written in seen:
+        source = written.obj if isinstance(written, memoryview) else written
+        if not sources or sources[-1] is not source:  # a short write continues the same part
+            sources.append(source)
+    assert len(sources) == 4
+    assert all(a is b for a, b in zip(sources, [data, *parts], strict=True))
+    assert sum(memoryview(w).nbytes for _fd, w in seen) == len(data) + sum(map(len, parts))  # type: ignore[arg-type]
 
 
-async def test_file_work_runs_in_worker_threads(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Writes, reads, reservations, listing and deletes never run on the event-loop thread."""
+class _FileCalls:
+    """The file-system calls this process makes (its audit events), and their threads."""
+
+    #: Audit events of calls that touch files or folders (see Python's audit events table).
+    EVENTS = frozenset(
+        {
+            "open",
+            "os.rename",
+            "os.remove",
+            "os.rmdir",
+            "os.mkdir",
+            "os.scandir",
+            "os.listdir",
+            "os.truncate",
+            "os.chmod",
+            "mmap.__new__",
+            "fcntl.flock",
+        }
+    )
+    recording: dict[str, set[int]] | None = None
+    installed = False
+
+    @classmethod
+    def hook(cls, event: str, args: tuple[object, ...]) -> None:
+        record = cls.recording
+        if record is not None and event in cls.EVENTS:
+            record.setdefault(event, set()).add(threading.get_ident())
+
+    @classmethod
+    @contextlib.contextmanager
+    def record(cls) -> Iterator[dict[str, set[int]]]:
+        if not cls.installed:  # audit hooks cannot be removed: one for the process, idle after
+            sys.addaudithook(cls.hook)
+            cls.installed = True
+        cls.recording = {}
+        try:
+            yield cls.recording
+        finally:
+            cls.recording = None
+
+
+async def test_file_work_runs_in_worker_threads(root: Path) -> None:
+    """Writes, reads, reservations, listing and deletes never run on the event-loop thread.
+
+    Seen through the interpreter's audit events: every call that opens, maps, lists, renames,
+    locks or removes a file happens on another thread than the loop's.
+    """
     loop_thread = threading.get_ident()
-    threads: dict[str, set[int]] = {}
-
-    def spy(name: str, fn: object) -> object:
-        def wrapper(*args: object, **kwargs: object) -> object:
-            threads.setdefault(name, set()).add(threading.get_ident())
-            return fn(*args, **kwargs)  # type: ignore[operator]
-
-        return wrapper
-
-    for name in ("write_all", "create_temp", "publish", "prune_empty_dirs"):
-        monkeypatch.setattr(_atomic, name, spy(name, getattr(_atomic, name)))
-    monkeypatch.setattr(local, "_read_exactly", spy("read", local._read_exactly))
-    monkeypatch.setattr(local, "_map_private", spy("map_private", local._map_private))
-    monkeypatch.setattr(local, "_walk_keys", spy("walk", local._walk_keys))
-    monkeypatch.setattr(local.mmap, "mmap", spy("mmap", local.mmap.mmap))
-    async with LocalTier(root) as tier:
-        await tier.put("a/b", blob(MiB, 1))
-        await tier.get("a/b")  # large: mapped
-        await tier.put("a/s", b"small")
-        await tier.get("a/s")  # small: read
-        reservation = await tier.reserve("a/c", 100)
-        reservation.buffer[:] = b"z" * 100
-        await reservation.commit()
-        reservation.release()
-        assert [k async for k in tier.list("a/")]
-        await tier.delete("a/b")
-        await tier.delete("a/c")
-        await tier.delete("a/s")
-    expected = {
-        "write_all", "create_temp", "publish", "prune_empty_dirs", "read", "map_private",
-        "walk", "mmap",
-    }  # fmt: skip
-    assert set(threads) == expected
-    for name, idents in threads.items():
-        assert loop_thread not in idents, name
+    with _FileCalls.record() as calls:
+        async with LocalTier(root) as tier:
+            await tier.put("a/b", blob(MiB, 1))
+            await tier.get("a/b")  # large: mapped
+            await tier.put("a/s", b"small")
+            await tier.get("a/s")  # small: read
+            reservation = await tier.reserve("a/c", 100)
+            reservation.buffer[:] = b"z" * 100
+            await reservation.commit()
+            reservation.release()
+            assert [k async for k in tier.list("a/")]
+            await tier.delete("a/b")
+            await tier.delete("a/c")
+            await tier.delete("a/s")
+    assert {"open", "os.rename", "os.scandir", "mmap.__new__", "fcntl.flock"} <= set(calls)
+    for event, idents in calls.items():
+        assert loop_thread not in idents, event
 
 
 @pytest.mark.slow
@@ -506,14 +569,14 @@ async def test_usage_starts_from_what_the_root_holds(root: Path) -> None:
 
 
 async def test_filesystem_full_is_tier_full(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENOSPC from the filesystem raises TierFull; no temporary file is left behind."""
+    """ENOSPC from the filesystem raises TierFull; no temporary file is left behind.
 
-    def full(fd: int, parts: object) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
+    (A really full tmpfs: tests/tiers/test_local_full.py, slow. Here the kernel's writes into
+    files under the root answer ENOSPC.)
+    """
     async with LocalTier(root) as tier:
         await tier.put("k", b"old")
-        monkeypatch.setattr(_atomic, "write_all", full)
+        os_writes_under(monkeypatch, root, fail=errno.ENOSPC)
         with pytest.raises(TierFull):
             await tier.put("k", b"new")
         assert await tier.get("k") == b"old"
@@ -534,15 +597,17 @@ async def test_only_new_pages_are_backed_ahead_of_time(
     """posix_fallocate backs the pages a reservation has not got yet: all of a fresh file's,
     the growth of a recycled one, prepared memory (ahead of time). A recycled file's own pages
     and a reserve that takes prepared memory (the save's critical path) cost no allocation."""
-    real = local._posix_fallocate
-    assert real is not None  # Linux
+    real = getattr(os, "posix_fallocate", None)
+    if real is None:
+        pytest.skip("os.posix_fallocate does not exist on this platform")
     calls: list[tuple[int, int]] = []
 
     def recording(fd: int, offset: int, length: int) -> None:
-        calls.append((offset, length))
+        if _under(fd, root):
+            calls.append((offset, length))
         real(fd, offset, length)
 
-    monkeypatch.setattr(local, "_posix_fallocate", recording)
+    monkeypatch.setattr(os, "posix_fallocate", recording)
     async with LocalTier(root, spare_files=4) as tier:
         await _reserve_filled(tier, "a", blob(MiB, 1))
         assert calls == [(0, MiB)]
@@ -575,7 +640,7 @@ async def test_a_filesystem_that_cannot_preallocate_is_used_without(
         calls.append(length)
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(local, "_posix_fallocate", unsupported)
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
     caplog.set_level(logging.INFO, logger="tiercheck")
     async with LocalTier(root, spare_files=0) as tier:
         for seed, key in enumerate(["a", "b"]):
@@ -593,13 +658,9 @@ async def test_other_os_errors_are_storage_errors(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An I/O error while writing raises StorageError (cause chained), the old blob intact."""
-
-    def broken(fd: int, parts: object) -> int:
-        raise OSError(errno.EIO, "Input/output error")
-
     async with LocalTier(root) as tier:
         await tier.put("k", b"old")
-        monkeypatch.setattr(_atomic, "write_all", broken)
+        os_writes_under(monkeypatch, root, fail=errno.EIO)
         with pytest.raises(StorageError) as info:
             await tier.put("k", b"new")
         assert isinstance(info.value.__cause__, OSError)
@@ -775,62 +836,36 @@ async def test_dead_writers_debris_is_cleaned_on_open(root: Path) -> None:
 
 # --- a model-based check of accounting and recycling --------------------------------------------
 
-OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["put", "reserve", "abort", "delete", "hold"]),
-        st.sampled_from(["k0", "k1", "d/k2", "d/k3"]),
-        st.integers(min_value=0, max_value=3000),
-    ),
-    max_size=25,
-)
 
+class LocalTierMachine(TierStateMachine):
+    """The shipped state machine on the local tier, plus its accounting after every step.
 
-@given(ops=OPS)
-def test_random_operations_match_a_dict(ops: list[tuple[str, str, int]]) -> None:
-    """Any sequence of puts, reserves, aborts and deletes leaves the tier equal to a dict.
-
-    After every step: every key reads back its model value, the listing equals the model's keys,
-    usage equals the model's total size, and spares stay within their limit. Some committed
-    buffers are held (not released) to the end and must keep their bytes throughout.
+    Any sequence of puts, reserves (committed, aborted, dropped or held), deletes and reopens
+    leaves the tier equal to a dict: every key reads back its model value, the listing equals
+    the model's keys (the shipped invariants); and here, usage equals the model's total size,
+    spares stay within their limit. Some committed buffers are held (not released) across
+    steps and must keep their bytes throughout.
     """
-    asyncio.run(_run_model(ops))
+
+    keys = ("k0", "k1", "d/k2", "d/k3")
+
+    async def make_tier(self, folder: Path) -> Tier:
+        return LocalTier(folder / "root", spare_files=2)
+
+    async def reopen_tier(self, tier: Tier, folder: Path) -> Tier:
+        return LocalTier(folder / "root", spare_files=2)
+
+    @invariant()
+    def usage_and_spares_are_accounted(self) -> None:
+        tier = self.tier
+        assert isinstance(tier, LocalTier)
+        self.run(tier.exists(self.keys[0]))  # a new instance counts its root on first use
+        assert tier.usage == sum(len(v) for v in self.model.values())
+        assert tier.spare_count <= 2
 
 
-async def _run_model(ops: list[tuple[str, str, int]]) -> None:
-    with tempfile.TemporaryDirectory() as folder:
-        model: dict[str, bytes] = {}
-        held: list[tuple[object, bytes]] = []
-        async with LocalTier(Path(folder) / "root", spare_files=2) as tier:
-            for step, (op, key, size) in enumerate(ops):
-                data = blob(size, step)
-                if op == "put":
-                    await tier.put(key, data)
-                    model[key] = data
-                elif op in ("reserve", "hold", "abort"):
-                    reservation = await tier.reserve(key, size)
-                    reservation.buffer[:] = data
-                    if op == "abort":
-                        await reservation.abort()
-                        reservation.release()
-                    else:
-                        await reservation.commit()
-                        model[key] = data
-                        if op == "hold":
-                            held.append((reservation, data))
-                        else:
-                            reservation.release()
-                else:
-                    await tier.delete(key)
-                    model.pop(key, None)
-                for k, v in model.items():
-                    assert await tier.get(k) == v, (step, k)
-                assert sorted([k async for k in tier.list()]) == sorted(model)
-                assert tier.usage == sum(len(v) for v in model.values())
-                assert tier.spare_count <= 2
-                for reservation, data in held:
-                    assert reservation.buffer == data  # type: ignore[attr-defined]
-            for reservation, _ in held:
-                reservation.release()  # type: ignore[attr-defined]
+LocalTierMachine.TestCase.settings = settings(stateful_step_count=25)
+TestLocalTierMachine = LocalTierMachine.TestCase
 
 
 # --- prepare: memory made ready ahead of a reserve ------------------------------------------

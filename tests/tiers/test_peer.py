@@ -110,6 +110,33 @@ class TestPeerTier(TierTests):
             timeout=60,
         )
 
+    async def reopen_tier(self, tier: Tier, tmp_path: Path) -> Tier:
+        """A new requester over the same replicas: the holder kept them."""
+        assert isinstance(tier, PeerTier)
+        return PeerTier(
+            topology=Topology(0, 2, 1),
+            holder_root=tmp_path / "holder0",
+            namespace=tier.namespace,
+            session="conformance",
+            group=self.job["group"],
+            serve=False,
+            chunk_bytes=8 << 20,
+            timeout=60,
+        )
+
+    # The back door: the holder's files (rank 1 keeps rank 0's replicas under namespace/r00000).
+    def _held(self, tier: Tier, key: str) -> Path:
+        assert isinstance(tier, PeerTier)
+        return Path(self.job["root"]) / "holder1" / tier.namespace / "r00000" / key
+
+    async def raw_get(self, tier: Tier, key: str) -> bytes:
+        return self._held(tier, key).read_bytes()
+
+    async def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        path = self._held(tier, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
 
 def test_the_peer_tier_refuses_a_single_node_job(tmp_path: Path) -> None:
     """A replica on the same node would die with it: one node is a configuration error."""

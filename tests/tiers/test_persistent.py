@@ -17,9 +17,11 @@ from typing import Any, ClassVar
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from hypothesis import settings
 
 from tiercheck.errors import BlobNotFound, ConfigError, StorageError
-from tiercheck.tiers import PersistentTier, RetryPolicy, _atomic, persistent
+from tiercheck.testing import TierStateMachine
+from tiercheck.tiers import PersistentTier, RetryPolicy, Tier, _atomic, persistent
 from tiercheck.tiers.persistent import is_transient
 
 from .conftest import S3Server
@@ -448,3 +450,39 @@ async def test_s3_missing_bucket_is_a_storage_error(s3_server: S3Server) -> None
         await tier.put("k", b"x")
     with pytest.raises(BlobNotFound):
         await tier.get("k")
+
+
+# --- the shipped state machine: the persistent tier behaves like a dict, reopens included ------
+
+
+class FileURLMachine(TierStateMachine):
+    """The persistent tier on a file:// folder (temporary file, fsync, rename)."""
+
+    async def make_tier(self, folder: Path) -> Tier:
+        return PersistentTier((folder / "durable").as_uri())
+
+    async def reopen_tier(self, tier: Tier, folder: Path) -> Tier:
+        return PersistentTier((folder / "durable").as_uri())
+
+
+class MemoryURLMachine(TierStateMachine):
+    """The persistent tier on fsspec's memory:// (whole-object puts), one prefix per run."""
+
+    async def make_tier(self, folder: Path) -> Tier:
+        return PersistentTier(f"memory://tiercheck-machine/{uuid.uuid4().hex}")
+
+    async def reopen_tier(self, tier: Tier, folder: Path) -> Tier:
+        assert isinstance(tier, PersistentTier)
+        return PersistentTier(tier.url)
+
+    async def destroy_tier(self, tier: Tier) -> None:
+        assert isinstance(tier, PersistentTier)
+        path = tier.url.removeprefix("memory://")
+        if tier.fs.exists(path):
+            tier.fs.rm(path, recursive=True)
+
+
+FileURLMachine.TestCase.settings = settings(stateful_step_count=25)
+MemoryURLMachine.TestCase.settings = settings(stateful_step_count=25)
+TestFileURLMachine = FileURLMachine.TestCase
+TestMemoryURLMachine = MemoryURLMachine.TestCase

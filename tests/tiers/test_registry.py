@@ -249,6 +249,17 @@ class TestPluginTierConformance(TierTests):
     async def make_tier(self, tmp_path: Path) -> Tier:
         return get_tier_class("dict")()
 
+    # The back door: the dict itself (a dict tier keeps nothing across instances: no reopen).
+    async def raw_get(self, tier: Tier, key: str) -> bytes:
+        blobs: dict[str, bytes] = tier.blobs  # type: ignore[attr-defined]
+        try:
+            return blobs[key]
+        except KeyError:
+            raise FileNotFoundError(key) from None
+
+    async def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        tier.blobs[key] = bytes(data)  # type: ignore[attr-defined]
+
 
 def test_plugin_module_source_is_importable_as_is() -> None:
     """The plugin source only uses public tiercheck names (so a third party could ship it)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tiercheck.errors import BlobNotFound
 from tiercheck.testing import TierTests
 from tiercheck.tiers import Buffer, Tier, validate_key
 
@@ -74,6 +75,41 @@ class TestReservingDictTier(TierTests):
 
     async def make_tier(self, tmp_path: Path) -> Tier:
         return ReservingDictTier()
+
+
+class SharedDictTier(ReservingDictTier):
+    """A correct dict tier over a dict that outlives it (a stand-in for a disk): reopenable."""
+
+    def __init__(self, disk: dict[str, bytes] | None = None) -> None:
+        super().__init__()
+        if disk is not None:
+            self.blobs = disk
+
+
+class _DiskSuite(TierTests):
+    """The suite with its optional hooks wired to a SharedDictTier's dict."""
+
+    async def make_tier(self, tmp_path: Path) -> Tier:
+        return SharedDictTier()
+
+    async def reopen_tier(self, tier: Tier, tmp_path: Path) -> Tier:
+        assert isinstance(tier, SharedDictTier)
+        return type(tier)(tier.blobs)
+
+    async def raw_get(self, tier: Tier, key: str) -> bytes:
+        assert isinstance(tier, DictTier)
+        try:
+            return tier.blobs[key]
+        except KeyError:
+            raise FileNotFoundError(key) from None
+
+    async def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        assert isinstance(tier, DictTier)
+        tier.blobs[key] = bytes(data)
+
+
+class TestSharedDictTier(_DiskSuite):
+    """The suite passes a correct tier that keeps its blobs across a reopen, hooks and all."""
 
 
 # --- broken tiers, one bug each ------------------------------------------------------------------
@@ -150,6 +186,116 @@ class RecyclesTooEarly(ReservingDictTier):
         reservation = await super().reserve(key, nbytes)
         self.live = [*getattr(self, "live", []), reservation]
         return reservation
+
+
+class CachesInsteadOfStoring(SharedDictTier):
+    """Answers from a cache of its own; what it claims to store never reaches the disk."""
+
+    async def put(self, key: str, data: Buffer) -> None:
+        validate_key(key)
+        self.cache = {**getattr(self, "cache", {}), key: memoryview(data).tobytes()}
+
+    async def get(self, key: str) -> bytes:
+        cache: dict[str, bytes] = getattr(self, "cache", {})
+        return cache[key] if key in cache else await super().get(key)
+
+
+class ReadsAStaleCopy(SharedDictTier):
+    """Reads a copy of the disk taken when it was made, not what the disk holds now."""
+
+    def __init__(self, disk: dict[str, bytes] | None = None) -> None:
+        super().__init__(disk)
+        self.copy = dict(self.blobs)
+
+    async def put(self, key: str, data: Buffer) -> None:
+        await super().put(key, data)
+        self.copy[key] = self.blobs[key]
+
+    async def get(self, key: str) -> bytes:
+        validate_key(key)
+        try:
+            return self.copy[key]
+        except KeyError:
+            raise BlobNotFound(key) from None
+
+
+class DeletesOnlyInMemory(SharedDictTier):
+    """Hides deleted blobs in memory; the disk keeps them, so they come back on a reopen."""
+
+    def __init__(self, disk: dict[str, bytes] | None = None) -> None:
+        super().__init__(disk)
+        self.hidden: set[str] = set()
+
+    async def put(self, key: str, data: Buffer) -> None:
+        await super().put(key, data)
+        self.hidden.discard(key)
+
+    async def reserve(self, key: str, nbytes: int) -> DictReservation:
+        reservation = await super().reserve(key, nbytes)
+        commit = reservation.commit
+
+        async def commit_and_show() -> None:
+            await commit()
+            self.hidden.discard(key)
+
+        reservation.commit = commit_and_show  # type: ignore[method-assign]
+        return reservation
+
+    async def delete(self, key: str) -> None:
+        validate_key(key)
+        self.hidden.add(key)
+
+    async def get(self, key: str) -> bytes:
+        if key in self.hidden:
+            raise BlobNotFound(key)
+        return await super().get(key)
+
+    async def exists(self, key: str) -> bool:
+        return key not in self.hidden and await super().exists(key)
+
+    async def list(self, prefix: str = "") -> AsyncIterator[str]:
+        async for key in super().list(prefix):
+            if key not in self.hidden:
+                yield key
+
+
+class CommitsOnClose(SharedDictTier):
+    """Publishes open reservations when it closes, although nobody committed them."""
+
+    async def reserve(self, key: str, nbytes: int) -> DictReservation:
+        reservation = await super().reserve(key, nbytes)
+        self.open = [*getattr(self, "open", []), reservation]
+        return reservation
+
+    async def aclose(self) -> None:
+        for reservation in getattr(self, "open", []):
+            if reservation.open:
+                await reservation.commit()
+        await super().aclose()
+
+
+DISK_SUITE = _DiskSuite()
+DiskCheck = Callable[[TierTests, Tier, Path], Awaitable[None]]
+
+BROKEN_STORAGE: list[tuple[type[Tier], DiskCheck]] = [
+    (CachesInsteadOfStoring, lambda s, t, p: s.test_backing_storage_holds_what_put_stored(t, 10)),
+    (ReadsAStaleCopy, lambda s, t, p: s.test_backing_storage_follows_overwrites(t)),
+    (DeletesOnlyInMemory, lambda s, t, p: s.test_reopen_keeps_what_was_stored(t, p)),
+    (CommitsOnClose, lambda s, t, p: s.test_reopen_shows_no_uncommitted_reservation(t, p)),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "check"), BROKEN_STORAGE, ids=[c.__name__ for c, _ in BROKEN_STORAGE]
+)
+async def test_hooks_catch_a_tier_that_breaks_its_storage(
+    cls: type[Tier], check: DiskCheck, tmp_path: Path
+) -> None:
+    """Each of these tiers passes for itself; the back door or the reopen shows the lie."""
+    tier = cls()
+    await SUITE.test_round_trip_small(tier, "bytes")
+    with pytest.raises(FAILED):
+        await check(DISK_SUITE, cls(), tmp_path)
 
 
 Check = Callable[[TierTests, Tier], Awaitable[None]]

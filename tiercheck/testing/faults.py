@@ -10,16 +10,18 @@ process had been killed between two writes. Operations listed in ``fail_at`` rai
 Example::
 
     plan = FaultPlan(die_at=7)
-    tiers = [FaultyTier.wrap(LocalTier(root), plan), FaultyTier.wrap(PersistentTier(url), plan)]
+    tiers = [FaultyTier(LocalTier(root), plan), FaultyTier(PersistentTier(url), plan)]
     ckpt = Checkpointer("job", tiers=tiers, ...)
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import Callable, Collection
+from typing import Final
 
-from tiercheck.tiers.base import Buffer, Reservation, SupportsReserve, Tier
+from tiercheck.tiers.base import Tier
+from tiercheck.tiers.wrapper import DelegatingTier
 
 __all__ = ["FaultPlan", "FaultyTier", "InjectedFault", "SimulatedCrash"]
 
@@ -96,103 +98,35 @@ class FaultPlan:
             raise SimulatedCrash(f"process is dead; {op} {tier}:{key} not done")
 
 
-class FaultyTier(Tier):
+# How each forwarded operation counts in the plan: a mutation of stored data, a read, or
+# neither (aborting and closing write nothing, and stay possible after death).
+_WRITES: Final = {"put": "put", "putv": "put", "delete": "delete", "commit": "commit"}
+_READS: Final = frozenset({"get", "get_size", "exists", "list", "reserve", "prepare"})
+
+
+class FaultyTier(DelegatingTier):
     """Wraps a tier, consulting a :class:`FaultPlan` before every operation.
 
-    Use :meth:`wrap`, which keeps the optional abilities (such as ``reserve``) of the inner tier.
+    A :class:`~tiercheck.tiers.DelegatingTier`: it has the optional abilities (``reserve``,
+    ``prepare``, ...) of the tier it wraps. ``put``, ``putv``, ``delete`` and a reservation's
+    ``commit`` are the plan's numbered writes; ``get``, ``get_size``, ``exists``, ``list``,
+    ``reserve`` and ``prepare`` fail once the process is dead; ``abort``, ``stop_serving`` and
+    ``aclose`` always go through (they store nothing).
     """
 
     def __init__(self, inner: Tier, plan: FaultPlan) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.plan = plan
-        self.name = inner.name
-        self.survives = inner.survives
 
     @classmethod
     def wrap(cls, inner: Tier, plan: FaultPlan) -> FaultyTier:
-        """A faulty wrapper with the same optional abilities as ``inner``."""
-        if isinstance(inner, SupportsReserve):
-            return _FaultyReservingTier(inner, plan)
+        """The same as ``FaultyTier(inner, plan)`` (kept for callers written before it was)."""
         return cls(inner, plan)
 
-    async def put(self, key: str, data: Buffer) -> None:
-        """Put, unless the plan says this operation fails or the process is dead."""
-        self.plan.write("put", self.name, key)
-        await self.inner.put(key, data)
-
-    async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Put a sequence of parts, under the same plan as :meth:`put`."""
-        self.plan.write("put", self.name, key)
-        await self.inner.putv(key, parts)
-
-    async def get(self, key: str) -> Buffer:
-        """Get, unless the process is dead."""
-        self.plan.read("get", self.name, key)
-        return await self.inner.get(key)
-
-    async def delete(self, key: str) -> None:
-        """Delete, unless the plan says this operation fails or the process is dead."""
-        self.plan.write("delete", self.name, key)
-        await self.inner.delete(key)
-
-    async def exists(self, key: str) -> bool:
-        """Exists, unless the process is dead."""
-        self.plan.read("exists", self.name, key)
-        return await self.inner.exists(key)
-
-    async def list(self, prefix: str = "") -> AsyncIterator[str]:
-        """List, unless the process is dead."""
-        self.plan.read("list", self.name, prefix)
-        async for key in self.inner.list(prefix):
-            yield key
-
-    async def get_size(self, key: str) -> int:
-        """Size, unless the process is dead."""
-        self.plan.read("get_size", self.name, key)
-        return await self.inner.get_size(key)
-
-    async def aclose(self) -> None:
-        """Close the inner tier (closing is allowed even when dead: it writes nothing)."""
-        await super().aclose()
-        await self.inner.aclose()
-
-    def __repr__(self) -> str:
-        return f"FaultyTier({self.inner!r})"
-
-
-class _FaultyReservation:
-    """A reservation whose commit is one operation of the plan."""
-
-    def __init__(self, inner: Reservation, plan: FaultPlan, tier: str) -> None:
-        self._inner = inner
-        self._plan = plan
-        self._tier = tier
-
-    @property
-    def key(self) -> str:
-        return self._inner.key
-
-    @property
-    def buffer(self) -> memoryview:
-        return self._inner.buffer
-
-    async def commit(self) -> None:
-        self._plan.write("commit", self._tier, self._inner.key)
-        await self._inner.commit()
-
-    async def abort(self) -> None:
-        await self._inner.abort()
-
-    def release(self) -> None:
-        self._inner.release()
-
-
-class _FaultyReservingTier(FaultyTier):
-    """A faulty wrapper of a tier that supports ``reserve``."""
-
-    async def reserve(self, key: str, nbytes: int) -> Reservation:
-        """Reserve in the inner tier; the plan governs the commit."""
-        self.plan.read("reserve", self.name, key)
-        assert isinstance(self.inner, SupportsReserve)
-        inner = await self.inner.reserve(key, nbytes)
-        return _FaultyReservation(inner, self.plan, self.name)
+    async def before(self, op: str, key: str) -> None:
+        """Account for ``op`` in the plan; raise if it fails or the process is dead."""
+        write = _WRITES.get(op)
+        if write is not None:
+            self.plan.write(write, self.name, key)
+        elif op in _READS:
+            self.plan.read(op, self.name, key)

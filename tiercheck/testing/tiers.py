@@ -139,10 +139,31 @@ class TierTests:
             async def destroy_tier(self, tier: Tier) -> None:
                 ...  # optional: remove what the test stored, if tmp_path does not hold it
 
+            async def reopen_tier(self, tier: Tier, tmp_path: Path) -> Tier:
+                return MyTier(root=tmp_path / "store")  # optional: the same storage, anew
+
+            async def raw_get(self, tier: Tier, key: str) -> bytes:
+                return (tmp_root_of(tier) / key).read_bytes()  # optional: the back door
+
+            async def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+                ...  # optional: write straight into the backing storage
+
     Hooks and settings
         * ``make_tier(tmp_path)`` (required): a fresh, empty tier for one test. ``tmp_path``
           is pytest's per-test folder, for tiers that store files.
         * ``destroy_tier(tier)`` (optional): called after each test, once the tier is closed.
+        * ``reopen_tier(tier, tmp_path)`` (optional): a new tier instance over the storage of
+          ``tier``, which is closed. Define it for a tier whose blobs outlive the instance that
+          stored them (a file, a store, another process's memory); the ``test_reopen_*`` tests
+          then check that what was stored, overwritten and deleted is so after a reopen, and
+          that nothing uncommitted shows. Without it they are skipped, saying why.
+        * ``raw_get(tier, key)`` and ``raw_put(tier, key, data)`` (optional, both or neither):
+          a back door that reads and writes the tier's backing storage directly, without
+          calling the tier -- the files under its root, the objects in its bucket. ``raw_get``
+          raises :class:`FileNotFoundError` (or :class:`~tiercheck.errors.BlobNotFound`) where
+          nothing is stored. With them, the ``test_backing_*`` tests check that ``put`` really
+          stores what it claims where it claims, that ``get`` reads what is there, and that
+          ``delete`` removes it; without them they are skipped, saying why.
         * ``large_size``, ``race_size``, ``race_rounds``, ``concurrency``: sizes and counts
           used below; lower them only where a backend is too slow for the defaults.
         * A tier that needs other fixtures (a server, credentials) gets them through an
@@ -174,6 +195,56 @@ class TierTests:
 
     async def destroy_tier(self, tier: Tier) -> None:
         """Clean up after one test (the tier is already closed). Does nothing by default."""
+
+    async def reopen_tier(self, tier: Tier, tmp_path: Path) -> Tier:
+        """Return a new tier over the storage of ``tier`` (closed by then). Optional.
+
+        Not defined by default: the ``test_reopen_*`` tests are then skipped.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define reopen_tier")
+
+    async def raw_get(self, tier: Tier, key: str) -> bytes:
+        """The bytes stored under ``key``, read from the backing storage without ``tier``.
+
+        Optional (with :meth:`raw_put`); raise :class:`FileNotFoundError` where nothing is
+        stored. Not defined by default: the ``test_backing_*`` tests are then skipped.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define raw_get")
+
+    async def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` in the backing storage without ``tier``. Optional."""
+        raise NotImplementedError(f"{type(self).__name__} does not define raw_put")
+
+    def _require(self, *hooks: str) -> None:
+        """Skip the test, saying why, unless the subclass defines every one of ``hooks``."""
+        missing = [h for h in hooks if getattr(type(self), h) is getattr(TierTests, h)]
+        if missing:
+            why = {
+                "reopen_tier": "a tier whose blobs outlive the instance that stored them",
+                "raw_get": "a back door to the tier's backing storage",
+                "raw_put": "a back door to the tier's backing storage",
+            }
+            pytest.skip(
+                f"{type(self).__name__} does not define {' and '.join(missing)} "
+                f"(define it for {why[missing[0]]})"
+            )
+
+    async def _raw_stored(self, tier: Tier, key: str, what: str) -> bytes:
+        """What the backing storage holds under ``key``; a failed test if it holds nothing."""
+        try:
+            return await self.raw_get(tier, key)
+        except FileNotFoundError:
+            raise AssertionError(
+                f"{what}: the backing storage holds nothing under {key!r}"
+            ) from None
+
+    async def _raw_missing(self, tier: Tier, key: str) -> bool:
+        """Whether the backing storage holds nothing under ``key`` (by the back door)."""
+        try:
+            await self.raw_get(tier, key)
+        except FileNotFoundError:
+            return True
+        return False
 
     @pytest_asyncio.fixture
     async def tier(self, tmp_path: Path) -> AsyncIterator[Tier]:
@@ -489,6 +560,172 @@ class TierTests:
         assert tier.closed
         with pytest.raises(TierClosed):
             await tier.get("ctx")
+
+    # --- closing and reopening (subclasses that define reopen_tier) ----------------------------
+
+    async def _reopened(self, tier: Tier, tmp_path: Path) -> Tier:
+        """Close ``tier`` and open its storage anew."""
+        await tier.aclose()
+        again = await self.reopen_tier(tier, tmp_path)
+        assert again is not tier, "reopen_tier must return a new instance"
+        assert not again.closed
+        return again
+
+    async def _assert_holds(self, tier: Tier, expected: dict[str, bytes], gone: list[str]) -> None:
+        assert await _listed(tier) == sorted(expected)
+        for key, data in expected.items():
+            assert await tier.exists(key), key
+            assert await tier.get_size(key) == len(data), key
+            assert_same_bytes(await tier.get(key), data, key)
+        for key in gone:
+            assert not await tier.exists(key), key
+            with pytest.raises(BlobNotFound):
+                await tier.get(key)
+
+    async def test_reopen_keeps_what_was_stored(self, tier: Tier, tmp_path: Path) -> None:
+        """Blobs stored (put, putv, reserve), overwritten and deleted stay so after a reopen."""
+        self._require("reopen_tier")
+        expected = {
+            "keep/small": _blob(1000, 60),
+            "keep/empty": b"",
+            "keep/deep/er/blob": _blob(2 * _MiB + 3, 61),
+            "keep/vector": _blob(300, 62) + _blob(5000, 63),
+            "keep/over": _blob(10, 64),
+            UNUSUAL_KEYS[1]: UNUSUAL_KEYS[1].encode(),
+        }
+        for key in ("keep/small", "keep/empty", "keep/deep/er/blob", UNUSUAL_KEYS[1]):
+            await tier.put(key, expected[key])
+        await tier.putv("keep/vector", [_blob(300, 62), _blob(5000, 63)])
+        await tier.put("keep/over", _blob(7000, 65))
+        await tier.put("keep/over", expected["keep/over"])
+        await tier.put("gone/deleted", b"deleted")
+        await tier.delete("gone/deleted")
+        if isinstance(tier, SupportsReserve):
+            expected["keep/reserved"] = _blob(4096, 66)
+            await self._write(tier, "keep/reserved", expected["keep/reserved"], reserve=True)
+        again = await self._reopened(tier, tmp_path)
+        try:
+            await self._assert_holds(again, expected, ["gone/deleted"])
+        finally:
+            await again.aclose()
+
+    async def test_reopen_keeps_changes_made_after_a_reopen(
+        self, tier: Tier, tmp_path: Path
+    ) -> None:
+        """A reopened tier overwrites, deletes and adds, and a second reopen sees just that."""
+        self._require("reopen_tier")
+        await tier.put("a", b"first a")
+        await tier.put("b/c", b"first b/c")
+        await tier.put("d", b"first d")
+        again = await self._reopened(tier, tmp_path)
+        try:
+            await again.put("a", b"second a")
+            await again.delete("b/c")
+            await again.put("e/f", b"new e/f")
+            await self._assert_holds(
+                again, {"a": b"second a", "d": b"first d", "e/f": b"new e/f"}, ["b/c"]
+            )
+            third = await self._reopened(again, tmp_path)
+        finally:
+            await again.aclose()
+        try:
+            await self._assert_holds(
+                third, {"a": b"second a", "d": b"first d", "e/f": b"new e/f"}, ["b/c"]
+            )
+        finally:
+            await third.aclose()
+
+    async def test_reopen_shows_no_uncommitted_reservation(
+        self, tier: Tier, tmp_path: Path
+    ) -> None:
+        """A reservation still open when the tier closes never becomes a blob, nor hides one."""
+        self._require("reopen_tier")
+        reserving = self._reserving(tier)
+        await tier.put("res/old", b"old blob")
+        fresh = await reserving.reserve("res/new", 4096)
+        over = await reserving.reserve("res/old", 4096)
+        try:
+            fresh.buffer[:] = b"\x01" * 4096
+            over.buffer[:] = b"\x02" * 4096
+            again = await self._reopened(tier, tmp_path)
+        finally:
+            fresh.release()
+            over.release()
+        try:
+            await self._assert_holds(again, {"res/old": b"old blob"}, ["res/new"])
+        finally:
+            await again.aclose()
+
+    # --- the backing storage (subclasses that define raw_get and raw_put) ----------------------
+
+    @pytest.mark.parametrize("size", [0, 1000, 2 * _MiB + 3])
+    async def test_backing_storage_holds_what_put_stored(self, tier: Tier, size: int) -> None:
+        """put and putv store their bytes in the backing storage, under the key given."""
+        self._require("raw_get", "raw_put")
+        data = _blob(size, 70)
+        await tier.put("back/put", data)
+        assert_same_bytes(await self._raw_stored(tier, "back/put", "put"), data, "backing put")
+        half = size // 2
+        await tier.putv("back/deep/putv", [data[:half], b"", data[half:]])
+        stored = await self._raw_stored(tier, "back/deep/putv", "putv")
+        assert_same_bytes(stored, data, "backing putv")
+        assert await self._raw_missing(tier, "back/other")
+
+    async def test_backing_storage_holds_a_committed_reservation(self, tier: Tier) -> None:
+        """A reservation is absent from the backing storage until commit, then it is there."""
+        self._require("raw_get", "raw_put")
+        reserving = self._reserving(tier)
+        data = _blob(_MiB + 5, 71)
+        reservation = await reserving.reserve("back/reserved", len(data))
+        try:
+            reservation.buffer[:] = data
+            assert await self._raw_missing(tier, "back/reserved")
+            await reservation.commit()
+        finally:
+            reservation.release()
+        stored = await self._raw_stored(tier, "back/reserved", "commit")
+        assert_same_bytes(stored, data, "backing reserve")
+
+    @pytest.mark.parametrize("size", [0, 1000, 2 * _MiB + 3])
+    async def test_backing_storage_is_what_get_reads(self, tier: Tier, size: int) -> None:
+        """Blobs put into the backing storage directly are found, sized, read and listed."""
+        self._require("raw_get", "raw_put")
+        data = _blob(size, 72)
+        await self.raw_put(tier, "raw/blob", data)
+        await self.raw_put(tier, "raw/deep/er", b"deeper")
+        assert await tier.exists("raw/blob")
+        assert await tier.get_size("raw/blob") == size
+        assert_same_bytes(await tier.get("raw/blob"), data, "get of a raw blob")
+        assert_same_bytes(await tier.get("raw/deep/er"), b"deeper", "get of a raw blob")
+        assert await _listed(tier) == ["raw/blob", "raw/deep/er"]
+        assert await _listed(tier, "raw/d") == ["raw/deep/er"]
+
+    async def test_backing_storage_loses_what_delete_removed(self, tier: Tier) -> None:
+        """delete removes the blob from the backing storage, whoever wrote it there."""
+        self._require("raw_get", "raw_put")
+        await tier.put("del/put", b"by put")
+        await self.raw_put(tier, "del/raw", b"by the back door")
+        await tier.delete("del/put")
+        await tier.delete("del/raw")
+        assert await self._raw_missing(tier, "del/put")
+        assert await self._raw_missing(tier, "del/raw")
+        assert await _listed(tier) == []
+
+    async def test_backing_storage_follows_overwrites(self, tier: Tier) -> None:
+        """An overwrite by put replaces what the back door wrote, and the other way round; a
+        failed put changes nothing there."""
+        self._require("raw_get", "raw_put")
+        await self.raw_put(tier, "over/key", _blob(5000, 73))
+        await tier.put("over/key", b"by put")
+        stored = await self._raw_stored(tier, "over/key", "put")
+        assert_same_bytes(stored, b"by put", "after put")
+        with pytest.raises(TypeError):
+            await tier.put("over/key", 12345)  # type: ignore[arg-type]
+        stored = await self._raw_stored(tier, "over/key", "a failed put")
+        assert_same_bytes(stored, b"by put", "after a failed put")
+        await self.raw_put(tier, "over/key", b"by the back door")
+        assert_same_bytes(await tier.get("over/key"), b"by the back door", "get after raw put")
+        assert await tier.get_size("over/key") == len(b"by the back door")
 
     # --- keys ---------------------------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 * :class:`LocalTier` -- this node's shared memory (survives a process crash).
 * ``PeerTier`` -- a copy in another node's memory (survives the loss of a node).
 * :class:`PersistentTier` -- any fsspec URL (survives the loss of every node).
+* :class:`DelegatingTier` -- forwards everything to another tier; the base of tiers that add
+  behaviour around one (fault injection, latency, metrics).
 
 Third-party tiers are found by name through :func:`get_tier_class` (entry-point group
 ``tiercheck.tiers``); :mod:`tiercheck.testing` ships the conformance suite every tier runs.
@@ -25,9 +27,11 @@ from tiercheck.tiers.base import (
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.persistent import PersistentTier, RetryPolicy
 from tiercheck.tiers.registry import available_tiers, get_tier_class
+from tiercheck.tiers.wrapper import DelegatingTier
 
 __all__ = [
     "Buffer",
+    "DelegatingTier",
     "FailureScope",
     "LocalTier",
     "PersistentTier",

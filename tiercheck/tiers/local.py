@@ -64,8 +64,14 @@ _FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 # What a filesystem that cannot preallocate answers to posix_fallocate (glibc emulates it on
 # most; these remain where it cannot).
 _NO_FALLOCATE_ERRNOS: Final = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
-# Looked up here so that a platform without it (not Linux) simply does without backing.
-_posix_fallocate: Callable[[int, int, int], None] | None = getattr(os, "posix_fallocate", None)
+
+
+def _posix_fallocate() -> Callable[[int, int, int], None] | None:
+    """``os.posix_fallocate``, or ``None`` on a platform without it (which does without).
+
+    Looked up at each use, like any other ``os`` call, rather than bound once at import.
+    """
+    return getattr(os, "posix_fallocate", None)
 
 
 def _valid_key(key: str) -> bool:
@@ -238,7 +244,7 @@ class LocalTier(Tier):
         self._spare_bytes = 0
         self._reservations: set[LocalReservation] = set()
         # Turned off for good, for this root, the first time its filesystem cannot preallocate.
-        self._fallocate_ok = _posix_fallocate is not None
+        self._fallocate_ok = _posix_fallocate() is not None
 
     def __repr__(self) -> str:
         return f"LocalTier(root={self._root!r})"
@@ -585,7 +591,8 @@ class LocalTier(Tier):
         old_size = os.fstat(fd).st_size
         if old_size != nbytes:
             os.ftruncate(fd, nbytes)
-        if nbytes == 0 or not self._fallocate_ok or _posix_fallocate is None:
+        fallocate = _posix_fallocate()
+        if nbytes == 0 or not self._fallocate_ok or fallocate is None:
             return
         kept = min(old_size, nbytes)
         # A file whose allocated blocks cover its kept bytes has no hole in them: only the
@@ -594,7 +601,7 @@ class LocalTier(Tier):
         if start >= nbytes:
             return
         try:
-            _posix_fallocate(fd, start, nbytes - start)
+            fallocate(fd, start, nbytes - start)
         except OSError as exc:
             if exc.errno not in _NO_FALLOCATE_ERRNOS:
                 raise

@@ -1,0 +1,1 @@
+"""Tests of the shipped test helpers (tiercheck.testing)."""
