@@ -108,7 +108,8 @@ def open_manifests_through(monkeypatch: pytest.MonkeyPatch, wrap: Any) -> None:
     The checkpointer has no option for its manifest (a product seam is proposed in the issue's
     report: a documented ``manifest=`` factory); until it has one, this replaces the name it
     opens manifests by -- not the class, which stays as it is for every other user. It fails
-    loudly (monkeypatch raises) if that name moves, rather than running without the faults.
+    loudly if that name moves: monkeypatch raises where it is gone, and the machine checks that
+    its first checkpointer did open a manifest through ``wrap`` where it stays but is unused.
     """
 
     def open_manifest(*args: Any, **kwargs: Any) -> Any:
@@ -157,7 +158,13 @@ class CrashMachine(RuleBasedStateMachine):
         # Faults of the manifest come through a wrapper (see open_manifests_through); the plan
         # is looked up when a manifest opens, so each life's manifest follows its own plan.
         self._patch = pytest.MonkeyPatch()
-        open_manifests_through(self._patch, lambda m: FaultyManifest(m, self.plan))
+        self.manifests: list[FaultyManifest] = []
+
+        def faulty(manifest: Manifest) -> FaultyManifest:
+            self.manifests.append(FaultyManifest(manifest, self.plan))
+            return self.manifests[-1]
+
+        open_manifests_through(self._patch, faulty)
         # What happened, for the failure message: a failure that depends on background timing
         # cannot be replayed by Hypothesis, so the message has to carry the story itself.
         self.history: list[str] = []
@@ -215,6 +222,9 @@ class CrashMachine(RuleBasedStateMachine):
         self.persist = persist
         self.ckpt = self._open()
         self.ckpt.open()
+        # Should the checkpointer open its manifest by another name than the one patched, the
+        # machine would run without manifest faults: it stops here instead.
+        assert self.manifests, "the checkpointer opened its manifest around the fault wrapper"
 
     def teardown(self) -> None:
         if self.ckpt is not None:

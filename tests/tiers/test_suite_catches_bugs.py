@@ -1,15 +1,24 @@
-"""The conformance suite fails tiers that break the contract (so its tests can fail at all)."""
+"""The test kit fails tiers that break the contract (so its tests can fail at all).
+
+Each broken tier below has one bug and is otherwise sound. :class:`~tiercheck.testing.TierTests`
+catches the ones a single call shows; its optional hooks catch those that only the backing
+storage (``raw_get``/``raw_put``) or a reopen (``reopen_tier``) shows; and
+:class:`~tiercheck.testing.TierStateMachine` catches those that only a sequence of steps shows.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
 from tiercheck.errors import BlobNotFound
-from tiercheck.testing import TierTests
+from tiercheck.testing import TierStateMachine, TierTests
 from tiercheck.tiers import Buffer, Tier, validate_key
 
 from .dict_tier import DictTier
@@ -17,6 +26,23 @@ from .dict_tier import DictTier
 SUITE = TierTests()
 # What a failing conformance test raises: a failed assert, or pytest.fail().
 FAILED = (AssertionError, pytest.fail.Exception)
+
+# Fixed examples, so that "the machine finds the bug" is a property of the code, not of luck;
+# no shrinking (finding is the point here, and shrinking a stateful run takes long), one bug.
+# A hunt stops at the bug it finds; the room to search is for the bugs that take several
+# steps in a row to show (RecyclesHeldBuffers needs tens of examples).
+SEARCH = settings(
+    max_examples=300,
+    stateful_step_count=20,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    report_multiple_bugs=False,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+# The same, for the runs that must pass: they run every example, so fewer of them.
+PASS = settings(SEARCH, max_examples=100)
 
 
 class DictReservation:
@@ -274,6 +300,14 @@ class CommitsOnClose(SharedDictTier):
         await super().aclose()
 
 
+class ForgetsOnReopen(SharedDictTier):
+    """Keeps its blobs in memory of its own, never on the disk it is opened over: every call
+    of one instance answers right, and a reopen finds nothing (data lost on a restart)."""
+
+    def __init__(self, disk: dict[str, bytes] | None = None) -> None:
+        super().__init__()
+
+
 DISK_SUITE = _DiskSuite()
 DiskCheck = Callable[[TierTests, Tier, Path], Awaitable[None]]
 
@@ -281,12 +315,16 @@ BROKEN_STORAGE: list[tuple[type[Tier], DiskCheck]] = [
     (CachesInsteadOfStoring, lambda s, t, p: s.test_backing_storage_holds_what_put_stored(t, 10)),
     (ReadsAStaleCopy, lambda s, t, p: s.test_backing_storage_follows_overwrites(t)),
     (DeletesOnlyInMemory, lambda s, t, p: s.test_reopen_keeps_what_was_stored(t, p)),
+    (ForgetsOnReopen, lambda s, t, p: s.test_reopen_keeps_what_was_stored(t, p)),
+    (ForgetsOnReopen, lambda s, t, p: s.test_reopen_keeps_changes_made_after_a_reopen(t, p)),
     (CommitsOnClose, lambda s, t, p: s.test_reopen_shows_no_uncommitted_reservation(t, p)),
 ]
 
 
 @pytest.mark.parametrize(
-    ("cls", "check"), BROKEN_STORAGE, ids=[c.__name__ for c, _ in BROKEN_STORAGE]
+    ("cls", "check"),
+    BROKEN_STORAGE,
+    ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(BROKEN_STORAGE)],
 )
 async def test_hooks_catch_a_tier_that_breaks_its_storage(
     cls: type[Tier], check: DiskCheck, tmp_path: Path
@@ -296,6 +334,14 @@ async def test_hooks_catch_a_tier_that_breaks_its_storage(
     await SUITE.test_round_trip_small(tier, "bytes")
     with pytest.raises(FAILED):
         await check(DISK_SUITE, cls(), tmp_path)
+
+
+async def test_the_storage_checks_say_which_hook_is_missing(tmp_path: Path) -> None:
+    """Without the hooks, the reopen and back-door tests skip, naming the hook to define."""
+    with pytest.raises(pytest.skip.Exception, match="does not define reopen_tier"):
+        await SUITE.test_reopen_keeps_what_was_stored(ForgetsOnReopen(), tmp_path)
+    with pytest.raises(pytest.skip.Exception, match="does not define raw_get and raw_put"):
+        await SUITE.test_backing_storage_holds_what_put_stored(CachesInsteadOfStoring(), 10)
 
 
 Check = Callable[[TierTests, Tier], Awaitable[None]]
@@ -330,3 +376,143 @@ async def test_broken_tiers_pass_the_other_checks(cls: type[Tier]) -> None:
     """The broken tiers are otherwise sound: a plain round trip works (the bug is targeted)."""
     tier = cls()
     await SUITE.test_round_trip_small(tier, "bytes")
+
+
+# --- the state machine: tiers with a bug that no single call shows --------------------------
+
+
+class RecyclesHeldBuffers(SharedDictTier):
+    """Hands a buffer out again as soon as its key is deleted, although it is still held."""
+
+    def __init__(self, disk: dict[str, bytes] | None = None) -> None:
+        super().__init__(disk)
+        self.held: list[DictReservation] = []
+
+    async def reserve(self, key: str, nbytes: int) -> DictReservation:
+        reservation = await super().reserve(key, nbytes)
+        self.held.append(reservation)
+        release = reservation.release
+
+        def release_and_forget() -> None:
+            self.held.remove(reservation)
+            release()
+
+        reservation.release = release_and_forget  # type: ignore[method-assign]
+        return reservation
+
+    async def delete(self, key: str) -> None:
+        await super().delete(key)
+        for reservation in self.held:
+            if reservation.key == key:
+                self.pool.insert(0, reservation.buffer.obj)  # type: ignore[arg-type]
+
+
+class RemembersTheFirstSize(SharedDictTier):
+    """Answers get_size from what a key first held, not what it holds."""
+
+    async def get_size(self, key: str) -> int:
+        sizes: dict[str, int] = self.__dict__.setdefault("sizes", {})
+        return sizes.setdefault(key, await super().get_size(key))
+
+
+class PutvKeepsTheFirstPart(SharedDictTier):
+    """Stores only the first part of a putv."""
+
+    async def putv(self, key: str, parts: Any) -> None:
+        await self.put(key, parts[0] if parts else b"")
+
+
+class AbortPublishes(SharedDictTier):
+    """Publishes an aborted reservation."""
+
+    async def reserve(self, key: str, nbytes: int) -> DictReservation:
+        reservation = await super().reserve(key, nbytes)
+
+        async def abort() -> None:
+            await reservation.commit()
+
+        reservation.abort = abort  # type: ignore[method-assign]
+        return reservation
+
+
+class WritesBackOnClose(SharedDictTier):
+    """Keeps a copy of every put and writes it back on close, forgetting deletes: a blob
+    deleted before a reopen comes back."""
+
+    async def put(self, key: str, data: Buffer) -> None:
+        await super().put(key, data)
+        self.__dict__.setdefault("written", {})[key] = self.blobs[key]
+
+    async def aclose(self) -> None:
+        self.blobs.update(self.__dict__.get("written", {}))
+        await super().aclose()
+
+
+BUGGY = [RecyclesHeldBuffers, RemembersTheFirstSize, PutvKeepsTheFirstPart, AbortPublishes]
+BUGGY_ON_REOPEN = [DeletesOnlyInMemory, WritesBackOnClose, ForgetsOnReopen]
+
+
+class BugHunt(TierStateMachine):
+    """One key and small blobs: every step meets the others on it."""
+
+    keys = ("k",)
+    max_size = 64
+
+
+def _hunt(cls: type[SharedDictTier]) -> BugHunt:
+    return BugHunt(
+        lambda folder: cls(),
+        reopen_tier=lambda tier, folder: cls(tier.blobs),  # type: ignore[attr-defined]
+    )
+
+
+@pytest.mark.parametrize("cls", BUGGY + BUGGY_ON_REOPEN, ids=lambda c: c.__name__)
+def test_the_machine_catches_a_tier_that_drifts_from_the_dict(cls: type[SharedDictTier]) -> None:
+    """Each of these tiers answers single calls plausibly; a sequence of steps shows the bug."""
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(lambda: _hunt(cls), settings=SEARCH)
+
+
+# A short sequence that shows each bug, as (rule, arguments). The search above finds these
+# (or longer ones) by itself; these pin down that the machine's invariants see the bug, whatever
+# examples Hypothesis draws in a given session (its generation also draws on constants it finds
+# in the loaded modules, so the number of examples a search needs varies from run to run).
+SHORT: dict[type[SharedDictTier], list[tuple[str, tuple[object, ...]]]] = {
+    RecyclesHeldBuffers: [
+        ("reserve", (0, 10, 1, "hold")),
+        ("delete", (0,)),
+        ("reserve", (0, 10, 2, "commit")),
+    ],
+    RemembersTheFirstSize: [("put", (0, 10, 1)), ("put", (0, 20, 2))],
+    PutvKeepsTheFirstPart: [("putv", (0, [20, 20], 1))],
+    AbortPublishes: [("reserve", (0, 10, 1, "abort"))],
+    DeletesOnlyInMemory: [("put", (0, 10, 1)), ("delete", (0,)), ("reopen", ())],
+    WritesBackOnClose: [("put", (0, 10, 1)), ("delete", (0,)), ("reopen", ())],
+    ForgetsOnReopen: [("put", (0, 10, 1)), ("reopen", ())],
+}
+
+
+def _steps(machine: BugHunt, steps: list[tuple[str, tuple[object, ...]]]) -> None:
+    """Take ``steps`` and check the machine's invariants after each, as Hypothesis would."""
+    try:
+        for rule, args in steps:
+            getattr(machine, rule)(*args)
+            machine.every_key_reads_back_its_value()
+            machine.listing_matches()
+            machine.held_buffers_keep_their_bytes()
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("cls", list(SHORT), ids=lambda c: c.__name__)
+def test_a_short_sequence_shows_the_bug(cls: type[SharedDictTier]) -> None:
+    """The sequence passes the correct tier and fails the broken one."""
+    _steps(_hunt(SharedDictTier), SHORT[cls])
+    with pytest.raises(AssertionError):
+        _steps(_hunt(cls), SHORT[cls])
+
+
+@pytest.mark.parametrize("cls", BUGGY_ON_REOPEN, ids=lambda c: c.__name__)
+def test_those_that_lose_data_only_on_reopen_pass_without_it(cls: type[SharedDictTier]) -> None:
+    """(So it is the reopen step that catches them.)"""
+    run_state_machine_as_test(lambda: BugHunt(lambda folder: cls()), settings=PASS)

@@ -29,6 +29,10 @@ A subclass may add its own ``@invariant``\\ s (the tier is :attr:`TierStateMachi
 dict :attr:`TierStateMachine.model`; :meth:`TierStateMachine.run` runs a coroutine), and change
 :attr:`~TierStateMachine.keys` and :attr:`~TierStateMachine.max_size`. The factories may be
 plain functions or coroutine functions.
+
+The rules and invariants are plain methods: to replay a failure by hand (or pin one down in a
+test), make the machine, call the steps Hypothesis reported and then the invariants, and call
+:meth:`~TierStateMachine.teardown` at the end.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from hypothesis import note
+from hypothesis import currently_in_test_context, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -141,7 +145,7 @@ class TierStateMachine(RuleBasedStateMachine):
     def put(self, which: int, size: int, seed: int) -> None:
         """Store a blob (or replace one)."""
         key, data = self._key(which), _data(self._size(size), seed)
-        note(f"put {key!r}: {len(data)} bytes")
+        _note(f"put {key!r}: {len(data)} bytes")
         self.run(self.tier.put(key, data))
         self.model[key] = data
 
@@ -150,7 +154,7 @@ class TierStateMachine(RuleBasedStateMachine):
         """Store the concatenation of a few parts (some may be empty, or none at all)."""
         key = self._key(which)
         parts = [_data(self._size(s) // 2, seed + i) for i, s in enumerate(sizes)]
-        note(f"putv {key!r}: parts of {[len(p) for p in parts]} bytes")
+        _note(f"putv {key!r}: parts of {[len(p) for p in parts]} bytes")
         self.run(self.tier.putv(key, parts))
         self.model[key] = b"".join(parts)
 
@@ -158,7 +162,7 @@ class TierStateMachine(RuleBasedStateMachine):
     def delete(self, which: int) -> None:
         """Delete a key, stored or not."""
         key = self._key(which)
-        note(f"delete {key!r}")
+        _note(f"delete {key!r}")
         self.run(self.tier.delete(key))
         self.model.pop(key, None)
 
@@ -172,7 +176,7 @@ class TierStateMachine(RuleBasedStateMachine):
     def reserve(self, which: int, size: int, seed: int, end: str) -> None:
         """Fill a reservation, then commit (and release or hold it), abort, or just release."""
         key, data = self._key(which), _data(self._size(size), seed)
-        note(f"reserve {key!r}: {len(data)} bytes, then {end}")
+        _note(f"reserve {key!r}: {len(data)} bytes, then {end}")
         tier = self.tier
         assert isinstance(tier, SupportsReserve)
         reservation = self.run(tier.reserve(key, len(data)))
@@ -192,14 +196,14 @@ class TierStateMachine(RuleBasedStateMachine):
     def release(self, which: int) -> None:
         """Release one held reservation."""
         reservation, _ = self.held.pop(which % len(self.held))
-        note(f"release the held reservation of {reservation.key!r}")
+        _note(f"release the held reservation of {reservation.key!r}")
         reservation.release()
 
     @precondition(lambda self: self.reopens)
     @rule()
     def reopen(self) -> None:
         """Close the tier and open its storage anew (held reservations stay held)."""
-        note("reopen")
+        _note("reopen")
         old = self.tier
         self.run(old.aclose())
         self.tier = self.run(self.reopen_tier(old, self.folder))
@@ -261,6 +265,13 @@ class TierStateMachine(RuleBasedStateMachine):
         finally:
             self._loop.close()
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _note(text: str) -> None:
+    """Note a step for Hypothesis's report; outside a Hypothesis run (steps taken by hand, as
+    when replaying a failure), there is nothing to note it in."""
+    if currently_in_test_context():
+        note(text)
 
 
 async def _resolve(made: Tier | Awaitable[Tier]) -> Tier:

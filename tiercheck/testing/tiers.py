@@ -143,7 +143,7 @@ class TierTests:
                 return MyTier(root=tmp_path / "store")  # optional: the same storage, anew
 
             async def raw_get(self, tier: Tier, key: str) -> bytes:
-                return (tmp_root_of(tier) / key).read_bytes()  # optional: the back door
+                return (tier.root / key).read_bytes()  # optional: the back door
 
             async def raw_put(self, tier: Tier, key: str, data: bytes) -> None:
                 ...  # optional: write straight into the backing storage
