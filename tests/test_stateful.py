@@ -49,6 +49,7 @@ def test_what_counts_as_stateful() -> None:
     assert not is_stateful({"state_dict": 1})
     assert not is_stateful(torch.zeros(2))
     assert not is_stateful(3)
+    assert not is_stateful(Counter)  # the class, not an instance
 
 
 def test_a_state_without_stateful_objects_is_handed_over_as_it_is() -> None:

@@ -55,10 +55,11 @@ _PLAIN = frozenset(
 def is_stateful(obj: object) -> bool:
     """Whether ``obj`` follows the ``Stateful`` protocol (``state_dict``, ``load_state_dict``).
 
-    Containers, tensors and numpy arrays are never Stateful here.
+    Containers, tensors, numpy arrays and classes (whose methods need an instance) are never
+    Stateful here.
     """
     t = type(obj)
-    if t in _PLAIN or t in _CONTAINERS or isinstance(obj, (torch.Tensor, np.ndarray)):
+    if t in _PLAIN or t in _CONTAINERS or isinstance(obj, (torch.Tensor, np.ndarray, type)):
         return False
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
