@@ -63,13 +63,16 @@ def test_a_state_without_stateful_objects_is_handed_over_as_it_is() -> None:
 
 def test_saving_copies_only_the_containers_on_the_way_to_a_stateful() -> None:
     untouched = {"w": torch.zeros(2)}
-    counter = Counter(1.0)
-    state = {"plain": untouched, "nested": [counter], "step": 1}
+    counter, other = Counter(1.0), Counter(2.0)
+    state = {"plain": untouched, "nested": [counter], "pair": (1, other), "step": 1}
     saved = for_save(state)
     assert saved is not state
     assert saved["plain"] is untouched
     assert saved["nested"][0]["weights"] is counter.weights
+    assert saved["pair"][0] == 1
+    assert saved["pair"][1]["weights"] is other.weights
     assert state["nested"][0] is counter  # the caller's containers are not modified
+    assert state["pair"][1] is other
 
 
 def test_restore_calls_load_state_dict_with_values_of_their_own(tmp_path: Path) -> None:
