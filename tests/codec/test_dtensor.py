@@ -299,6 +299,26 @@ def test_checkpointer_round_trip_of_dtensors(mesh: DeviceMesh, tmp_path: Path) -
             ckpt.restore(bad)
 
 
+def test_export_writes_local_shards_and_says_so(
+    mesh: DeviceMesh, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiercheck.cli import EXIT_OK, main
+
+    durable = tmp_path / "d"
+    state = _state(mesh, 8)
+    with SyncCheckpointer("dtx", local_root=tmp_path / "shm", persistent=durable.as_uri()) as ckpt:
+        ckpt.save(0, state)
+        ckpt.wait()
+    out = tmp_path / "out" / "state"
+    code = main(["export", str(durable / "dtx"), str(out), "--format", "pt"])
+    captured = capsys.readouterr()
+    assert code == EXIT_OK, captured.err
+    assert "2 DTensors were exported as rank 0's local shards" in captured.out + captured.err
+    loaded = torch.load(out.with_suffix(".pt"), weights_only=True)
+    assert torch.equal(loaded["w"], state["w"].to_local())
+    assert torch.equal(loaded["b"], state["b"].to_local())
+
+
 def test_skeleton_record_is_plain_msgpack(mesh: DeviceMesh) -> None:
     layout, _ = flatten({"w": _state(mesh)["w"]})
     seen: list[Any] = []
