@@ -68,6 +68,25 @@ def test_a_fresh_start_leaves_a_fresh_optimizer_untouched(tmp_path: Path) -> Non
     assert opt.state_dict()["state"] == {}
 
 
+def test_saving_before_the_first_step_changes_nothing(tmp_path: Path) -> None:
+    reference, ref_opt = _model_and_opt()
+    _train(reference, ref_opt, range(3))
+    model, opt = _model_and_opt()
+    with SyncCheckpointer(
+        "first", local_root=tmp_path / "shm", persistent=(tmp_path / "d").as_uri()
+    ) as ckpt:
+        ckpt.save(0, {"app": ModelAndOptimizer(model, opt)})  # before any step
+        ckpt.wait()
+        assert opt.state_dict()["state"] == {}
+        fresh, fresh_opt = _model_and_opt()
+        assert ckpt.restore({"app": ModelAndOptimizer(fresh, fresh_opt)}) is not None
+    assert fresh_opt.state_dict()["state"] == {}
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        _train(m, o, range(3))
+        for a, b in zip(m.state_dict().values(), reference.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+
+
 def test_rng_states_are_plain_data_and_restore_every_stream(tmp_path: Path) -> None:
     random.seed(11)
     np.random.seed(12)

@@ -57,11 +57,35 @@ class ModelAndOptimizer:
         )
         self.options = options
 
+    def _optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        if isinstance(self.optimizers, torch.optim.Optimizer):
+            return (self.optimizers,)
+        return tuple(self.optimizers)
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": model state, "optim": optimizer state}`` (DTensors where sharded)."""
+        """``{"model": model state, "optim": optimizer state}`` (DTensors where sharded).
+
+        An optimizer that has not stepped yet is saved without per-parameter state and left as
+        it was: ``get_state_dict`` initializes it with a zero-gradient step, after which its
+        step counter would be 1 and its next real step would differ from a run that never
+        saved.
+        """
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        fresh = [opt for opt in self._optimizers() if not opt.state]
         model_state, optim_state = get_state_dict(self.model, self.optimizers, options=self.options)
+        if fresh:
+            fresh_ids = {
+                id(p) for opt in fresh for group in opt.param_groups for p in group["params"]
+            }
+            for opt in fresh:
+                opt.state.clear()  # undo the initialization (its gradients are None again)
+            names = {
+                name
+                for name, param in _params_by_name(self.model).items()
+                if id(param) in fresh_ids
+            }
+            optim_state = _without(optim_state, names)
         return {"model": model_state, "optim": optim_state}
 
     def tiercheck_restore_target(self) -> dict[str, Any]:
@@ -76,13 +100,8 @@ class ModelAndOptimizer:
             get_optimizer_state_dict,
         )
 
-        optimizers = (
-            (self.optimizers,)
-            if isinstance(self.optimizers, torch.optim.Optimizer)
-            else self.optimizers
-        )
         model_state = get_model_state_dict(self.model, options=self.options)
-        if not all(opt.state for opt in optimizers):
+        if not all(opt.state for opt in self._optimizers()):
             return {"model": model_state, "optim": {}}
         optim_state = get_optimizer_state_dict(self.model, self.optimizers, options=self.options)
         return {"model": model_state, "optim": optim_state}
@@ -112,6 +131,16 @@ class ModelAndOptimizer:
             optim_state_dict=optim_state,
             options=self.options,
         )
+
+
+def _without(optim_state: Any, names: set[str]) -> Any:
+    """``optim_state`` (nested, or flattened by ``flatten_optimizer_state_dict``) without the
+    per-parameter state of the parameters ``names``."""
+    if "state" in optim_state:
+        per_param = optim_state["state"]
+        return {**optim_state, "state": {k: v for k, v in per_param.items() if k not in names}}
+    prefixes = tuple(f"state.{name}." for name in names)
+    return {k: v for k, v in optim_state.items() if not k.startswith(prefixes)}
 
 
 def _params_by_name(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
