@@ -247,8 +247,9 @@ def _can_rebuild(shard: DTensorShard) -> bool:
         return False
     if shard.coord is not None and shard.coord != (dist.get_rank(),):
         return False
-    # A CUDA mesh over a gloo default group makes torch create a new (collective) group.
-    return not (shard.device != "cpu" and dist.get_backend() == "gloo")
+    # With CUDA present and a gloo default group, torch gives a new mesh a new process group
+    # of its own (a collective call) rather than the default one.
+    return not (torch.cuda.is_available() and dist.get_backend() == "gloo")
 
 
 def materialize(state: Any) -> Any:
@@ -260,8 +261,9 @@ def materialize(state: Any) -> Any:
     from the default process group, with no collective call. Any other layout (several mesh
     dimensions, no process group, another world size) gives the local tensor: building meshes
     there would create process groups collectively, which a restore must not do behind the
-    caller's back. Dicts and lists are updated in place (they are the restore's own objects);
-    tuples are rebuilt where they hold a shard.
+    caller's back. So does CUDA present with a gloo default group: torch then gives each new
+    mesh a process group of its own. Dicts and lists are updated in place (they are the
+    restore's own objects); tuples are rebuilt where they hold a shard.
     """
     meshes: dict[tuple[str, tuple[str, ...] | None], Any] = {}
 
