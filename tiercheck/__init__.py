@@ -18,7 +18,7 @@ from tiercheck.checkpointer import (
     SaveStats,
     TierPolicy,
 )
-from tiercheck.codec import CodecOptions
+from tiercheck.codec import CodecOptions, DTensorShard
 from tiercheck.errors import (
     BaseMismatch,
     BlobNotFound,
@@ -34,6 +34,7 @@ from tiercheck.errors import (
     SaveSkipped,
     StaleMemory,
     StateChanged,
+    StatefulError,
     StateMismatch,
     StorageError,
     Superseded,
@@ -63,6 +64,7 @@ __all__ = [
     "ChecksumMismatch",
     "CodecOptions",
     "ConfigError",
+    "DTensorShard",
     "FailureScope",
     "FormatError",
     "InvalidKey",
@@ -80,6 +82,7 @@ __all__ = [
     "StaleMemory",
     "StateChanged",
     "StateMismatch",
+    "StatefulError",
     "StorageError",
     "Superseded",
     "SyncCheckpointer",

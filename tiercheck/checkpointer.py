@@ -51,6 +51,7 @@ from typing import Any, Literal
 import msgpack
 import torch
 
+from tiercheck import stateful
 from tiercheck._loop import LoopThread
 from tiercheck._threads import DaemonExecutor
 from tiercheck.codec import (
@@ -2612,9 +2613,12 @@ class Checkpointer(_CheckpointerCore):
 
     async def save(self, version: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` as ``version`` and return once training may modify it again
-        (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
+        (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`).
+        ``Stateful`` objects in it are saved as their ``state_dict()``; DTensors as their local
+        shard and layout."""
         marks = caller_marks()
         loop, engine = await self._ensure_open()
+        state = stateful.for_save(state)  # Stateful objects -> their state_dict()
         return await loop.run(engine.save(version, state, marks))
 
     async def restore(
@@ -2637,9 +2641,19 @@ class Checkpointer(_CheckpointerCore):
         (the version's are added, the state's are left alone). Any mismatch raises
         :class:`~tiercheck.errors.StateMismatch` listing the paths, before anything is written
         into the state or removed from storage.
+
+        ``Stateful`` objects in ``state`` (``state_dict``/``load_state_dict``: a module, an
+        optimizer, :mod:`tiercheck.adapters`) get their restored value through
+        ``load_state_dict`` (see :mod:`tiercheck.stateful`); DTensors are filled shard by shard
+        after their layout was checked. Without ``state``, stored DTensors come back as
+        DTensors where their mesh can be rebuilt from the default process group, else as their
+        local shards (see :func:`tiercheck.codec.dtensor.materialize`).
         """
         loop, engine = await self._ensure_open()
-        return await loop.run(engine.restore(state, version, strict))
+        prepared = None if state is None else stateful.for_restore(state)
+        target = None if prepared is None else prepared.target
+        restored = await loop.run(engine.restore(target, version, strict))
+        return stateful.finish_restore(state, prepared, restored)
 
     async def wait(self) -> dict[str, int | None]:
         """Wait until every save so far is committed or failed in each of its tiers.

@@ -100,6 +100,11 @@ class UnsupportedObject(TiercheckError, TypeError):
 # --- checkpointer ----------------------------------------------------------------------------
 
 
+class StatefulError(TiercheckError, RuntimeError):
+    """A ``Stateful`` object of the state refused its restored value (its
+    ``load_state_dict`` raised; the cause is chained). The version was restored whole."""
+
+
 class ConfigError(TiercheckError, ValueError):
     """An option given to a tiercheck object is invalid."""
 

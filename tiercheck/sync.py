@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiercheck import stateful
 from tiercheck.checkpointer import CloseMode, Restored, SaveHandle, _CheckpointerCore
 from tiercheck.staging import caller_marks
 
@@ -44,6 +45,7 @@ class SyncCheckpointer(_CheckpointerCore):
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
         marks = caller_marks()
         loop, engine = self.open()._start()
+        state = stateful.for_save(state)  # Stateful objects -> their state_dict()
         return loop.call(engine.save(version, state, marks))
 
     def restore(
@@ -51,7 +53,10 @@ class SyncCheckpointer(_CheckpointerCore):
     ) -> Restored | None:
         """Restore the newest version every rank can rebuild; see :meth:`Checkpointer.restore`."""
         loop, engine = self.open()._start()
-        return loop.call(engine.restore(state, version, strict))
+        prepared = None if state is None else stateful.for_restore(state)
+        target = None if prepared is None else prepared.target
+        restored = loop.call(engine.restore(target, version, strict))
+        return stateful.finish_restore(state, prepared, restored)
 
     def wait(self) -> dict[str, int | None]:
         """Block until every save so far is committed or failed in each of its tiers.

@@ -18,7 +18,7 @@ from tiercheck.catalog.base import Location, NullProgress, Progress
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.read import decode_blob
 from tiercheck.catalog.scan import Catalog
-from tiercheck.codec import own_copy
+from tiercheck.codec import DTensorShard, own_copy
 
 __all__ = ["EXPORT_MODE", "ExportResult", "export", "safetensors_payload"]
 
@@ -183,6 +183,29 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> int:
     return path.stat().st_size
 
 
+def _local_shards(state: Any) -> tuple[Any, int]:
+    """``state`` with every stored DTensor replaced by its local tensor, and how many."""
+    count = 0
+
+    def convert(obj: Any) -> Any:
+        nonlocal count
+        if isinstance(obj, DTensorShard):
+            count += 1
+            return obj.local
+        if isinstance(obj, dict):
+            for key, value in list(obj.items()):
+                obj[key] = convert(value)
+            return obj
+        if type(obj) is list:
+            obj[:] = [convert(v) for v in obj]
+            return obj
+        if type(obj) is tuple:
+            return tuple(convert(v) for v in obj)
+        return obj
+
+    return convert(state), count
+
+
 async def export(
     opened: OpenLocation,
     catalog: Catalog,
@@ -215,7 +238,14 @@ async def export(
         raw = await decode_blob(opened, catalog, blob)
         count = len(raw.layout.specs)
         state = own_copy(raw.state(allow_pickle=allow_pickle))
+        has_dtensors = raw.layout.has_dtensors
         del raw
+        if has_dtensors:
+            state, count_shards = _local_shards(state)
+            warnings.append(
+                f"{count_shards} DTensors were exported as rank {rank}'s local shards; their "
+                "layout (global shape, placements, mesh, offsets) is not in the exported files"
+            )
         progress.advance()
         await asyncio.to_thread(out.parent.mkdir, parents=True, exist_ok=True)
         if "pt" in formats:

@@ -33,6 +33,7 @@ from tiercheck.codec.blob import (
 )
 from tiercheck.codec.delta import match_base, xor_bits, xor_bytes
 from tiercheck.codec.digest import raw_digest
+from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.codec.dtypes import supported_dtypes
 from tiercheck.codec.flatten import (
     ALIGNMENT,
@@ -56,6 +57,7 @@ __all__ = [
     "BaseRef",
     "BlobMeta",
     "CodecOptions",
+    "DTensorShard",
     "FlattenStage",
     "Layout",
     "PlanesStage",

@@ -22,7 +22,12 @@ naming the path of the object, unless ``allow_pickle=True``):
   ``nn.Parameter`` is saved as its data and comes back as a plain tensor -- :func:`load_into`
   restores it into the live parameter);
 * numpy arrays and numpy scalars (they come back as numpy): dtypes torch has travel as typed
-  tensors, any other fixed-size dtype (``>f4``, ``datetime64``, ``U5``...) as its raw bytes.
+  tensors, any other fixed-size dtype (``>f4``, ``datetime64``, ``U5``...) as its raw bytes;
+* ``DTensor``s (FSDP2 and tensor-parallel state): the local shard travels as a tensor and the
+  layout (global shape and stride, placements, mesh shape, shard offsets) as plain data in the
+  skeleton (see :mod:`~tiercheck.codec.dtensor`). They come back from :func:`unflatten` as
+  :class:`~tiercheck.codec.dtensor.DTensorShard`; :func:`load_into` copies each into the local
+  shard of a live DTensor whose layout matches. A blob holding one names ``tiercheck.flatten/2``.
 
 RNG states need nothing special: ``torch.get_rng_state()`` is a ``uint8`` tensor,
 ``random.getstate()`` a tuple of ints, numpy's legacy ``get_state()`` a tuple holding an array,
@@ -41,6 +46,7 @@ in a ``state_dict``). Restoring with :func:`unflatten` gives independent tensors
 from __future__ import annotations
 
 import collections
+import dataclasses
 import operator
 import pickle
 from collections.abc import Sequence
@@ -52,12 +58,15 @@ import msgpack
 import numpy as np
 import torch
 
+from tiercheck.codec.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.dtypes import dtype_name, is_supported_dtype
 from tiercheck.errors import FormatError, StateMismatch, UnsupportedObject
 
 __all__ = [
     "ALIGNMENT",
+    "DTensorShard",
     "Layout",
+    "Lenient",
     "TensorSpec",
     "check_into",
     "flatten",
@@ -71,7 +80,7 @@ __all__ = [
 #: multiple of every element size, so typed views into the payload are always legal).
 ALIGNMENT = 64
 
-# msgpack extension codes of the skeleton. Part of the ``tiercheck.flatten/1`` format: never
+# msgpack extension codes of the skeleton. Part of the ``tiercheck.flatten`` format: never
 # renumber; add new codes only together with a new stage version.
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
@@ -84,6 +93,8 @@ _EXT_DTYPE = 8
 _EXT_DEVICE = 9
 _EXT_BYTEARRAY = 10
 _EXT_PICKLE = 11
+# Added with ``tiercheck.flatten/2`` (a blob whose skeleton holds one names that stage).
+_EXT_DTENSOR = 12
 
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
@@ -242,6 +253,29 @@ class Layout:
             [[s.path, dtype_name(s.dtype), list(s.shape)] for s in self.specs], use_bin_type=True
         )
 
+    @cached_property
+    def has_dtensors(self) -> bool:
+        """Whether the skeleton holds a DTensor record (such blobs name ``tiercheck.flatten/2``).
+
+        Known without a scan for layouts made by :func:`flatten` and the cached plan; otherwise
+        found by walking the skeleton once (a malformed one counts as ``False``: decoding it
+        reports the problem).
+        """
+        found = False
+
+        def hook(code: int, data: bytes) -> None:
+            nonlocal found
+            if code == _EXT_DTENSOR:
+                found = True
+            elif code in (_EXT_TUPLE, _EXT_ODICT):
+                msgpack.unpackb(data, ext_hook=hook, strict_map_key=False, raw=True)
+
+        try:
+            msgpack.unpackb(self.skeleton, ext_hook=hook, strict_map_key=False, raw=True)
+        except (msgpack.UnpackException, ValueError, TypeError):
+            return False
+        return found
+
     def with_skeleton(self, skeleton: bytes) -> Layout:
         """The same tensors at the same offsets under another skeleton.
 
@@ -291,6 +325,7 @@ class _Flattener:
         self.tensors: list[torch.Tensor] = []
         self.entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self.seen_paths: set[str] = set()
+        self.dtensors = 0
         # ids of the containers on the current path: a container inside itself is a cycle.
         self.active: set[int] = set()
 
@@ -367,6 +402,8 @@ class _Flattener:
             return msgpack.ExtType(_EXT_DEVICE, str(obj).encode())
         if t is bytearray:
             return msgpack.ExtType(_EXT_BYTEARRAY, bytes(obj))
+        if t is DTensorShard:
+            return self.shard(obj.local, obj.record(), path)
         return self.refuse(obj, path)
 
     def container(self, obj: Any, path: str) -> Any:
@@ -384,6 +421,8 @@ class _Flattener:
         return msgpack.ExtType(_EXT_ODICT, _pack([mapping, meta]))
 
     def tensor(self, obj: torch.Tensor, path: str) -> Any:
+        if type(obj) not in _TENSOR_TYPES and is_dtensor(obj):
+            return self.dtensor(obj, path)
         if type(obj) not in _TENSOR_TYPES:
             return self.refuse(obj, path, f"tensor subclass {type(obj).__qualname__}")
         if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
@@ -391,6 +430,23 @@ class _Flattener:
         if not is_supported_dtype(obj.dtype):
             return self.refuse(obj, path, f"tensor dtype {obj.dtype}")
         return msgpack.ExtType(_EXT_TENSOR, _pack(self.add_tensor(obj, path)))
+
+    def dtensor(self, obj: Any, path: str) -> Any:
+        try:
+            record = layout_of(obj)
+        except ValueError as exc:
+            return self.refuse(obj, path, str(exc))
+        return self.shard(obj.to_local(), record, path)
+
+    def shard(self, local: torch.Tensor, record: dict[str, Any], path: str) -> Any:
+        if type(local) not in _TENSOR_TYPES:
+            return self.refuse(local, path, f"DTensor local tensor {type(local).__qualname__}")
+        if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+            return self.refuse(local, path, f"tensor layout {local.layout} on {local.device}")
+        if not is_supported_dtype(local.dtype):
+            return self.refuse(local, path, f"tensor dtype {local.dtype}")
+        self.dtensors += 1
+        return msgpack.ExtType(_EXT_DTENSOR, _pack([self.add_tensor(local, path), record]))
 
     def ndarray(self, obj: Any, path: str) -> Any:
         parts = ndarray_parts(obj)
@@ -434,8 +490,11 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Layout, list[tor
     skeleton instead.
     """
     walker = _Flattener(allow_pickle)
-    skeleton = _pack(walker.walk(state, ""))
-    return Layout.build(skeleton, walker.entries), walker.tensors
+    with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
+        skeleton = _pack(walker.walk(state, ""))
+    layout = Layout.build(skeleton, walker.entries)
+    layout.__dict__["has_dtensors"] = walker.dtensors > 0  # known: spare the skeleton scan
+    return layout, walker.tensors
 
 
 # --- unflatten -------------------------------------------------------------------------------
@@ -499,6 +558,11 @@ class _Unflattener:
             return torch.device(data.decode())
         if code == _EXT_BYTEARRAY:
             return bytearray(data)
+        if code == _EXT_DTENSOR:
+            index, record = self.unpack(data)
+            if type(record) is not dict:
+                raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
+            return DTensorShard.from_record(self.tensor(index), record)
         if code == _EXT_PICKLE:
             if not self.allow_pickle:
                 raise UnsupportedObject(
@@ -586,12 +650,33 @@ def write_payload(
 _MAX_MISMATCH_LINES = 50
 
 
+class Lenient:
+    """The restore target standing for a ``Stateful`` object: its current ``state_dict()``.
+
+    :func:`check_into` compares the version with ``template`` allowing keys that only one side
+    holds (a fresh optimizer has no state yet), and reports a version that lacks the entry
+    altogether; :func:`load_into` fills ``template`` in place and returns it, for the caller to
+    hand to ``owner.load_state_dict`` (see :mod:`tiercheck.stateful`).
+    """
+
+    __slots__ = ("owner", "template")
+
+    def __init__(self, owner: Any, template: Any) -> None:
+        self.owner = owner
+        self.template = template
+
+
 def _kind(obj: Any) -> str:
-    """The structural kind of ``obj``: ``tensor``, ``array``, ``mapping``, ``list``, ``tuple``,
-    or ``leaf`` (a value, replaced whole by a restore)."""
-    if isinstance(obj, torch.Tensor):
-        return "tensor"
+    """The structural kind of ``obj``: ``tensor``, ``dtensor`` (a live DTensor or a stored
+    one), ``array``, ``mapping``, ``list``, ``tuple``, ``stateful`` (a
+    :class:`Lenient` target), or ``leaf`` (a value, replaced whole by a restore)."""
     t = type(obj)
+    if t is DTensorShard:
+        return "dtensor"
+    if isinstance(obj, torch.Tensor):
+        return "tensor" if t in _PLAIN_TENSORS or not is_dtensor(obj) else "dtensor"
+    if t is Lenient:
+        return "stateful"
     if t is np.ndarray:
         return "array"
     if t is dict or t is collections.OrderedDict:
@@ -622,6 +707,12 @@ def _describe(obj: Any) -> str:
     kind = _kind(obj)
     if kind == "tensor":
         return f"a tensor {_typed_shape(obj)}"
+    if kind == "dtensor":
+        if type(obj) is DTensorShard:
+            return obj.describe()
+        return f"a DTensor {_typed_shape(obj)} placed {tuple(obj.placements)}"
+    if kind == "stateful":
+        return f"a Stateful {type(obj.owner).__qualname__}"
     if kind == "array":
         return f"a numpy array {_typed_shape(obj)}"
     if kind == "mapping":
@@ -667,6 +758,12 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
             )
         return
     tk, sk = _kind(target), _kind(source)
+    if tk == "stateful":
+        # A Stateful object's current state_dict(): a fresh object (an optimizer before its
+        # first step) lacks entries the version holds, so keys only one side holds are fine;
+        # its load_state_dict() judges what it is given.
+        _check(target.template, source, path, False, out)
+        return
     if tk != sk:
         # Two values of different types are not structure: the version's value replaces the
         # target's. Anything else (a tensor where the version holds an int...) is.
@@ -689,6 +786,20 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
                 f"{_typed_shape(target)}, which cannot be written outside "
                 "torch.inference_mode()"
             )
+    elif tk == "dtensor":
+        if type(target) is DTensorShard or type(source) is not DTensorShard:
+            out.append(
+                f"{_where(path)}: the target holds {_describe(target)}, "
+                f"the version {_describe(source)}"
+            )
+            return
+        differences = source.differences(target)
+        if differences:
+            out.append(
+                f"{_where(path)}: the target's DTensor differs from the version's: "
+                + "; ".join(differences)
+                + " (the target's value first)"
+            )
     elif tk == "array":
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
@@ -706,6 +817,12 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
                 _check(target[key], value, (path, key), strict, out)
             elif strict:
                 out.append(f"{_where(path)}: the version holds key {key!r} that the target lacks")
+        out.extend(
+            f"{_where(path)}: the target holds a Stateful at key {key!r} that the version lacks "
+            "(nothing to load into it)"
+            for key, value in target.items()
+            if not strict and type(value) is Lenient and key not in source
+        )
         if strict:
             out.extend(
                 f"{_where(path)}: the target holds key {key!r} that the version lacks"
@@ -766,6 +883,14 @@ def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torc
         copies[0].append(target)
         copies[1].append(source)
         return target
+    if kind == "dtensor" and type(source) is DTensorShard:
+        with torch.no_grad():
+            copies[0].append(target.to_local())
+        copies[1].append(source.local)
+        return target
+    if kind == "stateful":
+        target.template = _apply(target.template, source, copies)
+        return target.template
     if kind == "array" and type(source) is np.ndarray:
         if np.shares_memory(target, source):
             return source
@@ -884,6 +1009,8 @@ def own_copy(obj: Any) -> Any:
     the wrong bytes. Containers are rebuilt (dicts, lists, tuples; an ``OrderedDict`` keeps its
     ``_metadata``, as a module's ``state_dict`` has); other leaves are returned as they are.
     """
+    if type(obj) is DTensorShard:
+        return dataclasses.replace(obj, local=obj.local.clone())
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, np.ndarray):

@@ -47,8 +47,10 @@ import msgpack
 import numpy as np
 import torch
 
+from tiercheck.codec.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.dtypes import is_supported_dtype
 from tiercheck.codec.flatten import (
+    _EXT_DTENSOR,
     _EXT_NDARRAY,
     _EXT_ODICT,
     _EXT_TENSOR,
@@ -87,6 +89,7 @@ _TENSOR = 0
 _LEAF = 1
 _NODE = 2
 _ARRAY = 3
+_DTENSOR = 4
 
 # Only scalars go through it, which never touches its per-walk state: safe to share.
 _LEAF_WALKER = _Flattener(allow_pickle=False)
@@ -176,6 +179,31 @@ class _Array:
         return parts[0]
 
 
+class _DSlot:
+    """A DTensor (or a restored :class:`~.dtensor.DTensorShard`): its local tensor travels; its
+    layout record must stay the same (a new layout is a new structure)."""
+
+    __slots__ = ("cls", "record")
+
+    cls: Any  # the exact type (Any: a comparison with it must not narrow)
+
+    def __init__(self, cls: Any, record: dict[str, Any]) -> None:
+        self.cls = cls
+        self.record = record
+
+    def tensor(self, value: Any) -> torch.Tensor:
+        if type(value) is not self.cls:
+            raise _Miss
+        if self.cls is DTensorShard:
+            if value.record() != self.record:
+                raise _Miss
+            return value.local  # type: ignore[no-any-return]
+        record = layout_of(value)
+        if record is not self.record and record != self.record:
+            raise _Miss
+        return value.to_local()  # type: ignore[no-any-return]  # under no_grad: the local
+
+
 class _Node:
     """A container of the state: its slots, and its encoding kept up to date."""
 
@@ -210,7 +238,7 @@ class _Node:
                 if slot.visit(value, out):
                     encs[i] = slot.enc
                     dirty = True
-            else:
+            else:  # an array or a DTensor
                 out.append(slot.tensor(value))
             i += stride
         return dirty
@@ -342,6 +370,10 @@ class _Compiler:
             finally:
                 self.active.discard(id(obj))
             return _NODE, node, node.enc
+        if t is DTensorShard or (
+            isinstance(obj, torch.Tensor) and t not in _TENSOR_TYPES and is_dtensor(obj)
+        ):
+            return self.dtensor(obj)
         if isinstance(obj, torch.Tensor):
             if (
                 t not in _TENSOR_TYPES
@@ -367,6 +399,27 @@ class _Compiler:
             leaf = _Leaf(obj, _encode_leaf(obj))
             return _LEAF, leaf, leaf.enc
         raise _Uncacheable
+
+    def dtensor(self, obj: Any) -> tuple[int, Any, bytes]:
+        if type(obj) is DTensorShard:
+            record, local = obj.record(), obj.local
+        else:
+            try:
+                record = layout_of(obj)
+            except ValueError:
+                raise _Uncacheable from None  # flatten refuses it, or pickles it
+            local = obj.to_local()
+        if (
+            type(local) not in _TENSOR_TYPES
+            or local.layout != torch.strided
+            or local.is_quantized
+            or local.device.type == "meta"
+            or not is_supported_dtype(local.dtype)
+        ):
+            raise _Uncacheable
+        index = len(self.tensors)
+        self.tensors.append(local)
+        return _DTENSOR, _DSlot(type(obj), record), _ext(_EXT_DTENSOR, _pack([index, record]))
 
 
 class StatePlan:
@@ -395,7 +448,8 @@ class StatePlan:
             return None
         compiler = _Compiler()
         try:
-            kind, root, enc = compiler.slot(state, "")
+            with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
+                kind, root, enc = compiler.slot(state, "")
         except _Uncacheable:
             return None
         # The plan must reproduce flatten exactly; anything it models differently is left to
@@ -420,7 +474,8 @@ class StatePlan:
         """
         out: list[torch.Tensor] = []
         try:
-            dirty = self.root.visit(state, out)
+            with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
+                dirty = self.root.visit(state, out)
         except _Miss:
             return None
         if (
@@ -430,7 +485,9 @@ class StatePlan:
         ):
             return None
         if dirty:
+            has_dtensors = self.layout.has_dtensors
             self.layout = self.layout.with_skeleton(self.root.enc)
+            self.layout.__dict__["has_dtensors"] = has_dtensors  # same structure
         return self.layout, out
 
 

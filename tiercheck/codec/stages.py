@@ -29,25 +29,39 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class FlattenStage:
-    """``tiercheck.flatten/1``: msgpack skeleton + raw payload (see :mod:`.flatten`)."""
+    """``tiercheck.flatten/1``: msgpack skeleton + raw payload (see :mod:`.flatten`).
+
+    ``tiercheck.flatten/2`` is the same format with one more skeleton extension, the DTensor
+    record (:mod:`.dtensor`): blobs whose state holds a DTensor name it, so that a reader that
+    predates DTensors refuses them as a newer format rather than calling them malformed. Every
+    other blob still names ``/1``, byte for byte as before. This build reads both.
+    """
+
+    major: int = 1
 
     BASE: ClassVar[str] = "tiercheck.flatten"
-    MAJOR: ClassVar[int] = 1
+    MAJOR: ClassVar[int] = 2
+    MAJORS: ClassVar[tuple[int, ...]] = (1, 2)
+
+    @classmethod
+    def for_layout(cls, has_dtensors: bool) -> FlattenStage:
+        """The stage that a blob of a layout (with or without DTensors) names."""
+        return cls(2 if has_dtensors else 1)
 
     @property
     def name(self) -> str:
         """Versioned name recorded in the header."""
-        return f"{self.BASE}/{self.MAJOR}"
+        return f"{self.BASE}/{self.major}"
 
     def params(self) -> dict[str, Any]:
         """Parameters recorded in the header."""
         return {}
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> FlattenStage:
+    def from_params(cls, params: dict[str, Any], major: int = 1) -> FlattenStage:
         """Rebuild from header parameters."""
         del params
-        return cls()
+        return cls(major)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +175,13 @@ def parse_stage(name: object, params: object) -> Stage:
             f"blob needs codec stage {name!r}, which this build of tiercheck does not know; "
             "upgrade tiercheck to read it"
         )
+    if cls is FlattenStage:
+        if int(major_text) not in FlattenStage.MAJORS:
+            raise UnsupportedFormat(
+                f"blob needs codec stage {name!r}; this build reads {base}/1 and {base}/2 "
+                "only. Use the tiercheck version that wrote it (or a newer one)."
+            )
+        return FlattenStage.from_params(params, int(major_text))
     if int(major_text) != cls.MAJOR:
         raise UnsupportedFormat(
             f"blob needs codec stage {name!r}; this build reads {base}/{cls.MAJOR} only. "

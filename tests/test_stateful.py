@@ -1,0 +1,147 @@
+"""``Stateful`` objects in the state: saved through ``state_dict()``, restored through
+``load_state_dict()`` (one process; FSDP2 across ranks: tests/distributed/test_fsdp2.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiercheck import StatefulError, StateMismatch, SyncCheckpointer
+from tiercheck.stateful import for_restore, for_save, is_stateful
+
+
+class Counter:
+    """A user's own Stateful: records what it was given."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        self.weights = torch.full((4,), value)
+        self.calls = 0
+        self.loaded: list[Any] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
+        return {"weights": self.weights, "calls": self.calls}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded.append(state_dict)
+        self.weights = state_dict["weights"]
+        self.calls = state_dict["calls"]
+
+
+class Refuses(Counter):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise ValueError("this object refuses everything")
+
+
+def _ckpt(tmp_path: Path) -> SyncCheckpointer:
+    return SyncCheckpointer(
+        "stateful", local_root=tmp_path / "shm", persistent=(tmp_path / "d").as_uri()
+    )
+
+
+def test_what_counts_as_stateful() -> None:
+    assert is_stateful(Counter())
+    assert is_stateful(torch.nn.Linear(2, 2))
+    assert is_stateful(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    assert not is_stateful({"state_dict": 1})
+    assert not is_stateful(torch.zeros(2))
+    assert not is_stateful(3)
+    assert not is_stateful(Counter)  # the class, not an instance
+
+
+def test_a_state_without_stateful_objects_is_handed_over_as_it_is() -> None:
+    inner = {"w": torch.zeros(2)}
+    state = {"model": inner, "items": [1, (2, torch.ones(1))], "step": 3}
+    assert for_save(state) is state
+    prepared = for_restore(state)
+    assert prepared.target is state
+    assert prepared.lenients == []
+
+
+def test_saving_copies_only_the_containers_on_the_way_to_a_stateful() -> None:
+    untouched = {"w": torch.zeros(2)}
+    counter, other = Counter(1.0), Counter(2.0)
+    state = {"plain": untouched, "nested": [counter], "pair": (1, other), "step": 1}
+    saved = for_save(state)
+    assert saved is not state
+    assert saved["plain"] is untouched
+    assert saved["nested"][0]["weights"] is counter.weights
+    assert saved["pair"][0] == 1
+    assert saved["pair"][1]["weights"] is other.weights
+    assert state["nested"][0] is counter  # the caller's containers are not modified
+    assert state["pair"][1] is other
+
+
+def test_restore_calls_load_state_dict_with_values_of_their_own(tmp_path: Path) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        saved = Counter(2.5)
+        ckpt.save(1, {"obj": saved, "step": 7, "extra": {"t": torch.arange(3)}})
+        ckpt.wait()
+        fresh = Counter()
+        extra = {"t": torch.zeros(3, dtype=torch.int64)}
+        state = {"obj": fresh, "step": 0, "extra": extra}
+        restored = ckpt.restore(state)
+        assert restored is not None
+        assert restored.state is state
+        assert state["obj"] is fresh
+        assert state["step"] == 7
+        assert state["extra"] is extra
+        assert torch.equal(extra["t"], torch.arange(3))
+        assert len(fresh.loaded) == 1
+        assert torch.equal(fresh.weights, torch.full((4,), 2.5))
+        assert fresh.calls == 1
+        # Filled in place: the object's own tensor, not a view of the restore's buffer.
+        assert fresh.weights.untyped_storage().nbytes() == fresh.weights.nbytes
+        # Without a target: the state_dict as saved.
+        plain = ckpt.restore()
+        assert plain is not None
+        assert torch.equal(plain.state["obj"]["weights"], torch.full((4,), 2.5))
+
+
+def test_a_stateful_may_be_the_whole_state(tmp_path: Path) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.save(1, Counter(4.0))
+        ckpt.wait()
+        fresh = Counter()
+        restored = ckpt.restore(fresh)
+        assert restored is not None
+        assert restored.state is fresh
+        assert torch.equal(fresh.weights, torch.full((4,), 4.0))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_stateful_the_version_lacks_is_refused_before_anything_is_written(
+    tmp_path: Path, strict: bool
+) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.save(1, {"a": Counter(1.0)})
+        ckpt.wait()
+        a, b = Counter(), Counter()
+        with pytest.raises(StateMismatch, match="'b'"):
+            ckpt.restore({"a": a, "b": b}, strict=strict)
+        assert a.loaded == []
+        assert b.loaded == []
+        assert torch.equal(a.weights, torch.zeros(4))
+
+
+def test_load_state_dict_raising_is_a_typed_error(tmp_path: Path) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.save(1, {"a": Counter(1.0)})
+        ckpt.wait()
+        with pytest.raises(StatefulError, match=r"Refuses\.load_state_dict") as info:
+            ckpt.restore({"a": Refuses()})
+        assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_shape_mismatch_inside_a_stateful_is_still_a_mismatch(tmp_path: Path) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.save(1, {"m": torch.nn.Linear(3, 2)})
+        ckpt.wait()
+        other = torch.nn.Linear(4, 2)
+        before = other.weight.detach().clone()
+        with pytest.raises(StateMismatch, match=r"float32\(2, 4\)"):
+            ckpt.restore({"m": other})
+        assert torch.equal(other.weight, before)

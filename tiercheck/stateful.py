@@ -1,0 +1,218 @@
+"""``Stateful`` objects in a state, and what a restore without a target gives for DTensors.
+
+The protocol is that of ``torch.distributed.checkpoint.stateful.Stateful``: an object with
+``state_dict()`` and ``load_state_dict(state_dict)`` (a module, an optimizer, a scheduler, a
+stateful dataloader, :class:`~tiercheck.adapters.ModelAndOptimizer`,
+:class:`~tiercheck.adapters.RNGState`, a user's own). Placed anywhere in the state handed to
+``save`` -- as a value of a ``dict``/``OrderedDict``, an item of a ``list``/``tuple``, or the
+state itself -- such an object is saved as its ``state_dict()`` (stored as it is: a Stateful
+inside the returned value is not looked into).
+
+``restore(state)`` in place treats each one as its current ``state_dict()`` (or, where the
+object has one, what its ``tiercheck_restore_target()`` returns: a ``state_dict()`` without its
+side effects, see :class:`~tiercheck.adapters.ModelAndOptimizer`): the version's
+entry is checked against it and copied into its tensors like any target, except that keys
+present on one side only are allowed there (a fresh optimizer has no state yet; its
+``load_state_dict`` judges what it gets), and a version that lacks the entry is a
+:class:`~tiercheck.errors.StateMismatch` before anything is written. Once the version is
+restored, each object's ``load_state_dict`` is called with the filled value, in which every
+tensor has storage of its own and every stored DTensor is rebuilt (see
+:func:`~tiercheck.codec.dtensor.materialize`). If it raises,
+:class:`~tiercheck.errors.StatefulError` names the object (the version stays restored: the
+stored data is fine, the object refused it).
+
+The entry points (:class:`~tiercheck.Checkpointer` and :class:`~tiercheck.SyncCheckpointer`)
+call :func:`for_save` and :func:`for_restore` / :func:`finish_restore`; the containers of the
+caller's state are never modified on save, and only where a restore writes values back into
+them on restore (as before).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tiercheck.codec.dtensor import materialize
+from tiercheck.codec.flatten import Lenient
+from tiercheck.errors import StatefulError
+
+if TYPE_CHECKING:
+    from tiercheck.checkpointer import Restored
+
+__all__ = ["Prepared", "finish_restore", "for_restore", "for_save", "is_stateful"]
+
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
+# Values that are never Stateful, tested first (most of a state's values are tensors).
+_PLAIN = frozenset(
+    {torch.Tensor, torch.nn.Parameter, int, float, str, bytes, bool, type(None), np.ndarray}
+)
+
+
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` follows the ``Stateful`` protocol (``state_dict``, ``load_state_dict``).
+
+    Containers, tensors, numpy arrays and classes (whose methods need an instance) are never
+    Stateful here.
+    """
+    t = type(obj)
+    if t in _PLAIN or t in _CONTAINERS or isinstance(obj, (torch.Tensor, np.ndarray, type)):
+        return False
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _rebuild(obj: Any, convert: Any) -> Any:
+    """``obj`` with ``convert`` applied to its values; the same object where nothing changed
+    (containers are copied only on the path to a change).
+
+    Values of the plain types (most of a state: tensors, numbers) are skipped inline: a call
+    per value would cost milliseconds per save in a state of tens of thousands of tensors.
+    """
+    plain = _PLAIN
+    t = type(obj)
+    if t is dict or t is collections.OrderedDict:
+        changed = {}
+        for key, value in obj.items():
+            if type(value) in plain:
+                continue
+            new = convert(value)
+            if new is not value:
+                changed[key] = new
+        if not changed:
+            return obj
+        out = obj.copy()  # an OrderedDict's copy keeps its ``_metadata``
+        if t is collections.OrderedDict and hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        out.update(changed)
+        return out
+    if t is list or t is tuple:
+        items = None
+        for i, value in enumerate(obj):
+            if type(value) in plain:
+                continue
+            new = convert(value)
+            if new is not value:
+                if items is None:
+                    items = list(obj)
+                items[i] = new
+        if items is None:
+            return obj
+        return items if t is list else tuple(items)
+    return obj
+
+
+def for_save(state: Any) -> Any:
+    """``state`` with each Stateful object replaced by its ``state_dict()``; ``state`` itself
+    (the same object) when it holds none."""
+
+    def convert(obj: Any) -> Any:
+        t = type(obj)
+        if t in _PLAIN:
+            return obj
+        if t in _CONTAINERS:
+            return _rebuild(obj, convert)
+        if is_stateful(obj):
+            return obj.state_dict()
+        return obj
+
+    return convert(state)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A restore target with its Stateful objects stood in for (see :func:`for_restore`)."""
+
+    #: What the engine restores into.
+    target: Any
+    #: The stand-ins, in walk order.
+    lenients: list[Lenient]
+    #: id of each copied container of the caller's state -> its copy in ``target``.
+    copies: dict[int, Any]
+
+
+def for_restore(state: Any) -> Prepared:
+    """The target to restore into for ``state``: each Stateful object stood in for by a
+    :class:`~tiercheck.codec.flatten.Lenient` holding its current ``state_dict()``."""
+    lenients: list[Lenient] = []
+    copies: dict[int, Any] = {}
+
+    def convert(obj: Any) -> Any:
+        t = type(obj)
+        if t in _PLAIN:
+            return obj
+        if t in _CONTAINERS:
+            new = _rebuild(obj, convert)
+            if new is not obj:
+                copies[id(obj)] = new
+            return new
+        if is_stateful(obj):
+            target = getattr(obj, "tiercheck_restore_target", None)
+            lenient = Lenient(obj, target() if callable(target) else obj.state_dict())
+            lenients.append(lenient)
+            return lenient
+        return obj
+
+    return Prepared(convert(state), lenients, copies)
+
+
+def _write_back(orig: Any, filled: Any, prepared: Prepared) -> Any:
+    """Carry what the restore put into the copies back into the caller's containers; returns
+    the object that stands for ``orig`` in the result."""
+    if is_stateful(orig):
+        return orig
+    if prepared.copies.get(id(orig)) is None:
+        return filled  # not a copy: restored in place (or replaced) as any target
+    t = type(orig)
+    if t is dict or t is collections.OrderedDict:
+        for key, value in filled.items():
+            if key in orig:
+                new = _write_back(orig[key], value, prepared)
+                if new is not orig[key]:
+                    orig[key] = new
+            else:
+                orig[key] = value
+        return orig
+    if t is list:
+        for i, value in enumerate(filled):
+            new = _write_back(orig[i], value, prepared)
+            if new is not orig[i]:
+                orig[i] = new
+        return orig
+    items = tuple(_write_back(o, f, prepared) for o, f in zip(orig, filled, strict=True))
+    return orig if all(a is b for a, b in zip(items, orig, strict=True)) else items
+
+
+def finish_restore(
+    state: Any, prepared: Prepared | None, restored: Restored | None
+) -> Restored | None:
+    """Complete ``restored`` (a :class:`~tiercheck.Restored` or ``None``).
+
+    Without a target (``state is None``), stored DTensors in ``restored.state`` are rebuilt
+    where possible (see :func:`~tiercheck.codec.dtensor.materialize`). With one, each Stateful
+    object's ``load_state_dict`` gets its filled value, and ``restored.state`` is the caller's
+    own ``state`` with everything restored into it.
+    """
+    if restored is None:
+        return restored
+    if prepared is None or (not prepared.lenients and not prepared.copies):
+        if state is None:
+            return dataclasses.replace(restored, state=materialize(restored.state))
+        return restored
+    for lenient in prepared.lenients:
+        value = materialize(lenient.template)
+        try:
+            lenient.owner.load_state_dict(value)
+        except Exception as exc:
+            raise StatefulError(
+                f"{type(lenient.owner).__qualname__}.load_state_dict() refused the restored "
+                f"value: {type(exc).__name__}: {exc}. The version itself was restored whole; "
+                "build the object as it was when saved (same parameters, same optimizer "
+                "configuration), or restore without a state and inspect what was saved."
+            ) from exc
+    result = _write_back(state, restored.state, prepared)
+    return dataclasses.replace(restored, state=result)
