@@ -93,7 +93,9 @@ def test_rng_states_are_plain_data_and_restore_every_stream(tmp_path: Path) -> N
     torch.manual_seed(13)
     rng = RNGState()
     layout, tensors = flatten(rng.state_dict())  # refuses anything it would have to pickle
-    assert len(tensors) == 3  # python words, numpy key, torch state (no CUDA here)
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # python words, numpy key, torch state, and one state per CUDA device where there are any
+    assert len(tensors) == 3 + cuda_devices
 
     def ext_codes(data: bytes) -> list[int]:
         codes: list[int] = []
@@ -110,6 +112,7 @@ def test_rng_states_are_plain_data_and_restore_every_stream(tmp_path: Path) -> N
     ) as ckpt:
         ckpt.save(1, {"rng": rng})
         expected = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
+        expected_cuda = [torch.rand(3, device=f"cuda:{d}") for d in range(cuda_devices)]
         ckpt.wait()
         random.seed(0)
         np.random.seed(0)
@@ -117,6 +120,8 @@ def test_rng_states_are_plain_data_and_restore_every_stream(tmp_path: Path) -> N
         np.random.randn()  # leaves a cached Gaussian behind: it must be replaced too
         assert ckpt.restore({"rng": RNGState()}) is not None
     got = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
+    got_cuda = [torch.rand(3, device=f"cuda:{d}") for d in range(cuda_devices)]
+    assert all(torch.equal(a, b) for a, b in zip(got_cuda, expected_cuda, strict=True))
     assert got[0] == expected[0]
     assert np.array_equal(got[1], expected[1])
     assert torch.equal(got[2], expected[2])

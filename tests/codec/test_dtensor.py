@@ -39,6 +39,11 @@ from tiercheck.codec.plan import Planner
 from tiercheck.codec.stages import FlattenStage, parse_stage
 from tiercheck.errors import UnsupportedFormat
 
+# The tests' process group is gloo. Where CUDA is present, torch would give a rebuilt mesh a new
+# process group of its own (a collective call), so tiercheck returns the local shard instead
+# (tiercheck.codec.dtensor.materialize documents it); these tests expect what applies here.
+REBUILDS = not torch.cuda.is_available()
+
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
@@ -128,6 +133,10 @@ def test_named_mesh_and_partial_dtensor_round_trip(mesh: DeviceMesh) -> None:
     assert back.names == ("dp",)
     assert back.placements == (("partial", "sum"),)
     rebuilt = materialize({"p": back})["p"]
+    if not REBUILDS:
+        assert type(rebuilt) is torch.Tensor
+        assert torch.equal(rebuilt, torch.arange(4.0))
+        return
     assert isinstance(rebuilt, DTensor)
     assert rebuilt.device_mesh.mesh_dim_names == ("dp",)
     assert rebuilt.placements == (Partial(),)
@@ -251,10 +260,14 @@ def test_restore_without_a_target_rebuilds_dtensors_on_a_one_dimensional_mesh(
     saved = _state(mesh, 6)
     layout, tensors = flatten(saved)
     back = materialize(unflatten(layout, tensors))
-    assert isinstance(back["w"], DTensor)
-    assert back["w"].placements == (Shard(0),)
-    assert back["w"].shape == (6, 4)
-    assert torch.equal(back["w"].to_local(), tensors[0])
+    if REBUILDS:
+        assert isinstance(back["w"], DTensor)
+        assert back["w"].placements == (Shard(0),)
+        assert back["w"].shape == (6, 4)
+        assert torch.equal(back["w"].to_local(), tensors[0])
+    else:
+        assert type(back["w"]) is torch.Tensor
+        assert torch.equal(back["w"], tensors[0])
     # A two-dimensional mesh cannot be made without new process groups: the local tensor.
     two_d = {
         **back,
@@ -291,8 +304,11 @@ def test_checkpointer_round_trip_of_dtensors(mesh: DeviceMesh, tmp_path: Path) -
         assert torch.equal(target["w"].to_local(), state["w"].to_local())
         plain = ckpt.restore()
         assert plain is not None
-        assert isinstance(plain.state["w"], DTensor)
-        assert torch.equal(plain.state["w"].to_local(), state["w"].to_local())
+        if REBUILDS:
+            assert isinstance(plain.state["w"], DTensor)
+            assert torch.equal(plain.state["w"].to_local(), state["w"].to_local())
+        else:
+            assert torch.equal(plain.state["w"], state["w"].to_local())
         bad = _zeros_like(state)
         bad["w"] = distribute_tensor(torch.zeros(6, 4), mesh, [Replicate()])
         with pytest.raises(StateMismatch, match="placements"):
