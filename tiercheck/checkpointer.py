@@ -87,11 +87,18 @@ from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict,
 from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.defaults import (
-    DEFAULT_KEEP,
     NodeRoot,
-    default_persistent_url,
-    default_root,
     persistent_job_url,
+)
+from tiercheck.engine.options import (
+    BusyPolicy,
+    CloseMode,
+    Options,
+    StalePolicy,
+    TierEncoding,
+    TierPolicy,
+    VersionSelector,
+    resolve_options,
 )
 from tiercheck.errors import (
     BlobNotFound,
@@ -152,56 +159,7 @@ __all__ = [
 
 logger = logging.getLogger("tiercheck")
 
-TierEncoding = Literal["full", "packed"]
-BusyPolicy = Literal["wait", "skip"]
-StalePolicy = Literal["error", "discard"]
-VersionSelector = Literal["all", "base"] | Callable[[int], bool]
-#: How a checkpointer closes: ``"collective"`` -- the normal end, every save finished and the
-#: ranks leaving the store and each other in order; ``"bounded"`` -- leaving on an exception,
-#: pending saves get at most ``close_timeout`` seconds, no agreement with other ranks;
-#: ``"now"`` -- no waiting for saves at all (``close(flush=False)``).
-CloseMode = Literal["collective", "bounded", "now"]
-
-
 # --- public value types ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TierPolicy:
-    """What one tier receives and keeps.
-
-    Attributes:
-        keep: how many committed versions the tier retains (bases that kept deltas need are
-            kept on top).
-        encoding: ``"full"`` stores the raw payload as is (fastest to write and read, no base
-            needed); ``"packed"`` stores deltas against a base, byte planes and zstd (smallest).
-        versions: ``"all"``, ``"base"`` (only versions scheduled as bases), or a predicate on
-            the version (bases are always included, since a delta needs its base in the tier).
-    """
-
-    keep: int = 2
-    encoding: TierEncoding = "packed"
-    versions: VersionSelector = "all"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"a tier must keep at least 1 version, got keep={self.keep!r}")
-        if self.encoding not in ("full", "packed"):
-            raise ConfigError(f"encoding must be 'full' or 'packed', got {self.encoding!r}")
-        if not (self.versions in ("all", "base") or callable(self.versions)):
-            raise ConfigError(
-                "versions must be 'all', 'base' or a callable(version) -> bool, "
-                f"got {self.versions!r}"
-            )
-
-    def targets(self, version: int, scheduled_base: bool) -> bool:
-        """Whether ``version`` goes to this tier."""
-        if self.versions == "all":
-            return True
-        if self.versions == "base":
-            return scheduled_base
-        assert callable(self.versions)
-        return scheduled_base or bool(self.versions(version))
 
 
 @dataclass
@@ -383,43 +341,6 @@ class SaveHandle:
         return f"SaveHandle(version={self.version}, kind={self.stats.kind!r}, tiers={states})"
 
 
-# --- configuration ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Config:
-    job_id: str
-    overlap: bool
-    topology: Topology
-    node_root: Path
-    tiers: tuple[str | Tier, ...]
-    policies: Mapping[str, TierPolicy]
-    persistent_url: str
-    base_every: int
-    on_busy: BusyPolicy
-    max_pending: int
-    tier_queue: int
-    codec: CodecOptions
-    allow_pickle: bool
-    coordinator: Coordinator | None
-    local_capacity: int | None
-    peer_replicas: int
-    peer_timeout: float
-    threads: int
-    storage_options: Mapping[str, Any]
-    stale_memory: StalePolicy
-    close_timeout: float
-
-
-def _check_job_id(job_id: object) -> str:
-    if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
-        raise ConfigError(
-            f"job_id must be a non-empty name without '/', got {job_id!r}; "
-            "it names the job's folders in every tier"
-        )
-    return job_id
-
-
 # --- pipeline internals ----------------------------------------------------------------------
 
 
@@ -483,21 +404,21 @@ class _Base:
 class _Engine:
     """All state and logic; lives on the private loop. See the module docstring."""
 
-    def __init__(self, config: _Config) -> None:
+    def __init__(self, config: Options) -> None:
         self.cfg = config
-        self.topo = config.topology
-        self.rank = config.topology.rank
+        self.topo = config.job.topology
+        self.rank = config.job.topology.rank
         self.stats = CheckpointerStats()
         self.tiers: list[Tier] = []
         self.manifest: Manifest | None = None
         self.coordinator: Coordinator = SoloCoordinator()
         self.pool = StagingPool()
         # The previous save's structure: a repeating state is not walked and encoded anew.
-        self.planner = Planner(allow_pickle=config.allow_pickle)
+        self.planner = Planner(allow_pickle=config.encode.allow_pickle)
         # Overlapped snapshot copies not done yet; read by fence() from the caller's thread.
         self.copies: set[SnapshotCopy] = set()
         self.copies_lock = threading.Lock()
-        self.cpu = ThreadPoolExecutor(config.threads, thread_name_prefix="tiercheck-cpu")
+        self.cpu = ThreadPoolExecutor(config.encode.threads, thread_name_prefix="tiercheck-cpu")
         self.manifest_exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
         # One thread per channel keeps its exchanges in order; daemon threads, because an
         # exchange may wait on a dead rank for minutes and must never delay the process's exit.
@@ -525,7 +446,7 @@ class _Engine:
         self.opened = False
         self.session = ""
         self.closed = False
-        self.lock = RankLock(config.node_root, config.topology.rank)
+        self.lock = RankLock(config.job.node_root, config.job.topology.rank)
         # The job's incarnation (see tiercheck.consistency.identity) and, per durable tier, the
         # writer generation this opening claimed there.
         self.job_token = ""
@@ -551,16 +472,18 @@ class _Engine:
         # create them in the same order (the coordinator's, then the peer tier's).
         self.channel_exec["control"] = DaemonExecutor(1, "tiercheck-sync-control")
         loop = asyncio.get_running_loop()
-        if cfg.coordinator is not None:
-            self.coordinator = cfg.coordinator
+        if cfg.coordination.coordinator is not None:
+            self.coordinator = cfg.coordination.coordinator
         elif self.topo.world_size > 1:
             from tiercheck.consistency.coordinator import TorchCoordinator
 
-            names = [t.name if isinstance(t, Tier) else t for t in cfg.tiers]
+            names = [t.name if isinstance(t, Tier) else t for t in cfg.tiers.specs]
             # Creating groups waits on every rank: on a daemon thread, like every exchange.
             self.coordinator = await loop.run_in_executor(
                 self.channel_exec["control"],
-                lambda: TorchCoordinator(["control", *names], timeout=cfg.peer_timeout),
+                lambda: TorchCoordinator(
+                    ["control", *names], timeout=cfg.coordination.peer_timeout
+                ),
             )
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
@@ -568,20 +491,20 @@ class _Engine:
         self.session = str((await self._exchange("control", {"token": token}))[0]["token"])
         # Every tier but the peer tier: constructing that one is a collective, so it waits
         # until every rank has passed the checks below (which fail on every rank alike).
-        for spec in cfg.tiers:
+        for spec in cfg.tiers.specs:
             if isinstance(spec, Tier):
                 self.tiers.append(spec)
             elif spec != "peer":
                 self.tiers.append(await asyncio.to_thread(self._make_tier, spec))
         await self._guard()
-        if "peer" in cfg.tiers:
+        if "peer" in cfg.tiers.specs:
             self.tiers.append(await asyncio.to_thread(self._make_tier, "peer"))
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.tiers.sort(key=lambda t: int(t.survives))
         try:
-            self.manifest = await asyncio.to_thread(Manifest, NodeRoot(cfg.node_root).manifest)
+            self.manifest = await asyncio.to_thread(Manifest, NodeRoot(cfg.job.node_root).manifest)
         except TiercheckError as exc:
             self.stats.manifest_errors += 1
             logger.error("tiercheck: running without a manifest: %s", exc)
@@ -656,12 +579,12 @@ class _Engine:
             except (TiercheckError, OSError) as exc:
                 mine["job_error"] = f"{type(exc).__name__}: {exc}"
         try:
-            identity = await asyncio.to_thread(read_identity, cfg.node_root)
+            identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
             mine["identity"] = None if identity is None else identity.to_bytes().decode()
         except (TiercheckError, OSError) as exc:
             mine["identity_error"] = str(exc)
         try:
-            mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.node_root)
+            mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
         except OSError:
             mine["has_data"] = True  # cannot look: assume there is something to protect
         if self.rank == 0:
@@ -673,10 +596,10 @@ class _Engine:
             logger.warning(
                 "tiercheck: discarding the memory of node %s at %s (stale_memory='discard'): %s",
                 topo.node_index,
-                cfg.node_root,
+                cfg.job.node_root,
                 stale[topo.node_index],
             )
-            await asyncio.to_thread(discard_node_memory, cfg.node_root)
+            await asyncio.to_thread(discard_node_memory, cfg.job.node_root)
         claimed: dict[str, int] = {}
         failure = ""
         if self.rank == 0 and durable:
@@ -693,7 +616,8 @@ class _Engine:
         decided = await self._exchange("control", {"generations": claimed, "failure": failure})
         if decided[0]["failure"]:
             raise StorageError(
-                f"cannot claim job {cfg.job_id!r} in its durable storage: {decided[0]['failure']}"
+                f"cannot claim job {cfg.job.job_id!r} in its durable storage: "
+                f"{decided[0]['failure']}"
             )
         for tier in durable:
             if tier.name not in self.fences:
@@ -703,19 +627,19 @@ class _Engine:
         me = everyone[self.rank]
         if topo.local_rank == 0 and (me.get("identity") is None or topo.node_index in stale):
             identity = NodeIdentity(
-                job_id=cfg.job_id,
+                job_id=cfg.job.job_id,
                 token=self.job_token,
                 world_size=topo.world_size,
                 persistent=self._location(durable[0]) if durable else None,
                 created=time.time(),
             )
             try:
-                await asyncio.to_thread(write_identity, cfg.node_root, identity)
+                await asyncio.to_thread(write_identity, cfg.job.node_root, identity)
             except OSError as exc:  # memory that cannot take a small file takes no blob either
                 logger.warning("tiercheck: cannot record the node's identity: %r", exc)
 
     async def _write_job_record(self) -> None:
-        record = JobRecord(self.cfg.job_id, self.job_token, self.topo.world_size, time.time())
+        record = JobRecord(self.cfg.job.job_id, self.job_token, self.topo.world_size, time.time())
         for tier in self._durable_tiers():
             await write_job_record(tier, record)
 
@@ -753,13 +677,13 @@ class _Engine:
         if broken:
             raise StorageError(
                 "the durable storage of job "
-                f"{cfg.job_id!r} cannot be used, so the job does not start:\n  "
+                f"{cfg.job.job_id!r} cannot be used, so the job does not start:\n  "
                 + "\n  ".join(broken[:8])
             )
         first = everyone[0]
         if first.get("job_error"):
             raise StorageError(
-                f"cannot read or write the job record of {cfg.job_id!r}: {first['job_error']}"
+                f"cannot read or write the job record of {cfg.job.job_id!r}: {first['job_error']}"
             )
         nodes: dict[int, Mapping[str, Any]] = {}
         for e in everyone:
@@ -780,7 +704,7 @@ class _Engine:
         ours = {
             i.token: i
             for i in identities.values()
-            if i is not None and i.job_id == cfg.job_id and i.persistent == here
+            if i is not None and i.job_id == cfg.job.job_id and i.persistent == here
         }
         absent = job is not None and job["state"] == "absent"
         if job is not None and job["state"] == "found":
@@ -799,7 +723,7 @@ class _Engine:
                         "nodes' memory holds this job's checkpoints written there: the location "
                         "was emptied. Using the memory and writing the job record again.",
                         here,
-                        cfg.job_id,
+                        cfg.job.job_id,
                     )
             else:
                 token = first["fresh_token"]
@@ -808,7 +732,7 @@ class _Engine:
             tokens = {i.token for i in identities.values() if i is not None}
             if len(tokens) > 1:
                 raise StaleMemory(
-                    f"the nodes of job {cfg.job_id!r} hold memory of different runs "
+                    f"the nodes of job {cfg.job.job_id!r} hold memory of different runs "
                     f"(tokens {sorted(tokens)}); with no durable tier to tell which is this "
                     "run's, none is used. Pass stale_memory='discard' to start over, or "
                     "another job_id."
@@ -819,7 +743,7 @@ class _Engine:
             where = "in the nodes' memory"
         if world_size != topo.world_size:
             raise WorldSizeMismatch(
-                f"job {cfg.job_id!r} {where} was saved by {world_size} ranks; this run has "
+                f"job {cfg.job.job_id!r} {where} was saved by {world_size} ranks; this run has "
                 f"{topo.world_size}. Restoring onto another number of ranks is not supported "
                 f"yet: restart with {world_size} ranks, or give this run another job_id. "
                 "Nothing stored was read or changed."
@@ -832,16 +756,16 @@ class _Engine:
                     stale[n] = (
                         "it holds checkpoints from before this job's durable location existed"
                     )
-            elif identity.job_id != cfg.job_id or identity.token != token:
+            elif identity.job_id != cfg.job.job_id or identity.token != token:
                 stale[n] = (
                     f"it belongs to another run of {identity.job_id!r} (token "
                     f"{identity.token[:8]}, durable location {identity.persistent})"
                 )
         self.job_token = token
-        if stale and cfg.stale_memory != "discard":
+        if stale and cfg.job.stale_memory != "discard":
             lines = [f"node {n}: {why}" for n, why in sorted(stale.items())]
             raise StaleMemory(
-                f"the shared memory of job {cfg.job_id!r} (for this rank: {cfg.node_root}) "
+                f"the shared memory of job {cfg.job.job_id!r} (for this rank: {cfg.job.node_root}) "
                 "holds checkpoints of another run with the same name; they are not restored as "
                 "this run's:\n  "
                 + "\n  ".join(lines)
@@ -856,13 +780,13 @@ class _Engine:
         if name == "local":
             from tiercheck.tiers.local import LocalTier
 
-            return LocalTier(NodeRoot(cfg.node_root).blobs, capacity=cfg.local_capacity)
+            return LocalTier(NodeRoot(cfg.job.node_root).blobs, capacity=cfg.tiers.local_capacity)
         if name == "persistent":
             from tiercheck.tiers.persistent import PersistentTier
 
             return PersistentTier(
-                persistent_job_url(cfg.persistent_url, cfg.job_id),
-                storage_options=cfg.storage_options,
+                persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
+                storage_options=cfg.job.storage_options,
             )
         from tiercheck.tiers.registry import get_tier_class
 
@@ -871,11 +795,11 @@ class _Engine:
             peer: Any = get_tier_class("peer")
             tier: Tier = peer(
                 topology=self.topo,
-                holder_root=NodeRoot(cfg.node_root).replicas,
-                replicas=cfg.peer_replicas,
-                timeout=cfg.peer_timeout,
-                namespace=cfg.job_id,
-                session=f"{cfg.job_id}.{self.session}",
+                holder_root=NodeRoot(cfg.job.node_root).replicas,
+                replicas=cfg.tiers.peer_replicas,
+                timeout=cfg.coordination.peer_timeout,
+                namespace=cfg.job.job_id,
+                session=f"{cfg.job.job_id}.{self.session}",
             )
             return tier
 
@@ -889,10 +813,7 @@ class _Engine:
             ) from exc
 
     def policy(self, tier: str) -> TierPolicy:
-        try:
-            return self.cfg.policies[tier]
-        except KeyError:
-            raise ConfigError(f"no policy for tier {tier!r}") from None
+        return self.cfg.tiers.policy(tier)
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -976,19 +897,21 @@ class _Engine:
         layout = flat.layout
         if not self.session_started:
             await self._check_fresh_start(version)
-        scheduled_base = self.count % self.cfg.base_every == 0
+        scheduled_base = self.count % self.cfg.schedule.base_every == 0
         targets = {
             t.name: self.policy(t.name).encoding
             for t in self.tiers
             if self.policy(t.name).targets(version, scheduled_base)
         }
-        busy = len(self.pending) >= self.cfg.max_pending
-        if busy and self.cfg.on_busy == "skip":
+        busy = len(self.pending) >= self.cfg.schedule.max_pending
+        if busy and self.cfg.schedule.on_busy == "skip":
             self._consume(version)
             return self._skip(version, targets, started)
         if busy:
             async with self.slot_freed:
-                await self.slot_freed.wait_for(lambda: len(self.pending) < self.cfg.max_pending)
+                await self.slot_freed.wait_for(
+                    lambda: len(self.pending) < self.cfg.schedule.max_pending
+                )
         kind: Literal["base", "delta"] = (
             "base" if scheduled_base or self.planned_base is None or self.force_base else "delta"
         )
@@ -1068,7 +991,7 @@ class _Engine:
                     write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
                     whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
                     payload = whole[offset : offset + layout.payload_nbytes]
-                    copy = SnapshotCopy(flat, payload, marks=marks, watch=self.cfg.overlap)
+                    copy = SnapshotCopy(flat, payload, marks=marks, watch=self.cfg.schedule.overlap)
                     await self._copy(job, copy)
                 except BaseException:
                     await reservation.abort()
@@ -1080,7 +1003,7 @@ class _Engine:
         lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
         try:
             copy = SnapshotCopy(
-                flat, lent.data, cache=lent.cache, marks=marks, watch=self.cfg.overlap
+                flat, lent.data, cache=lent.cache, marks=marks, watch=self.cfg.schedule.overlap
             )
             await self._copy(job, copy)
         except BaseException:
@@ -1092,7 +1015,7 @@ class _Engine:
     async def _copy(self, job: _Job, copy: SnapshotCopy) -> None:
         """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
         with the handle's fence set to it (overlapped saves; the pipeline awaits it)."""
-        if not self.cfg.overlap:
+        if not self.cfg.schedule.overlap:
             await asyncio.to_thread(copy.run)
             copy.done.result()  # the copy's error, if any, is the caller's: save raises it
             return
@@ -1124,7 +1047,9 @@ class _Engine:
         # Retention runs after each commit round; the previous version's may still be on
         # its way to freeing an old one. Bounded: training waits seconds at most.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(idle.wait(), timeout=min(self.cfg.peer_timeout, 10.0))
+            await asyncio.wait_for(
+                idle.wait(), timeout=min(self.cfg.coordination.peer_timeout, 10.0)
+            )
         return await tier.reserve(key, size)
 
     def _skip_tier(self, job: _Job, name: str, exc: BaseException) -> None:
@@ -1219,13 +1144,13 @@ class _Engine:
                 if encoding not in encoded:
                     encoded[encoding] = await self._encode(raw, encoding, base)
                 parts, meta = encoded[encoding]
-                if self.lanes[name].qsize() >= self.cfg.tier_queue:
+                if self.lanes[name].qsize() >= self.cfg.tiers.tier_queue:
                     self._lane_done(
                         job,
                         name,
                         None,
                         TierWriteFailed(
-                            f"the {name!r} tier is {self.cfg.tier_queue} versions behind; "
+                            f"the {name!r} tier is {self.cfg.tiers.tier_queue} versions behind; "
                             f"version {job.version} was dropped for it"
                         ),
                     )
@@ -1315,7 +1240,12 @@ class _Engine:
         if encoding == "full":
             return encode_full(raw, rank=self.rank)
         return await asyncio.to_thread(
-            encode_packed, raw, rank=self.rank, base=base, options=self.cfg.codec, executor=self.cpu
+            encode_packed,
+            raw,
+            rank=self.rank,
+            base=base,
+            options=self.cfg.encode.codec,
+            executor=self.cpu,
         )
 
     def _durable(self, job: _Job, tier: str, key: str, meta: BlobMeta) -> Durable:
@@ -1404,7 +1334,7 @@ class _Engine:
         """Before durable data is written: is this opening still the job's writer there?"""
         if self.superseded:
             raise Superseded(
-                f"a newer opening of job {self.cfg.job_id!r} took over the {tier.name!r} tier; "
+                f"a newer opening of job {self.cfg.job.job_id!r} took over the {tier.name!r} tier; "
                 "this run no longer writes there"
             )
         fence = self.fences.get(tier.name)
@@ -1605,7 +1535,7 @@ class _Engine:
                         ok, why = False, "base-missing"
                 if ok:
                     record = CommitRecord(
-                        job_id=self.cfg.job_id,
+                        job_id=self.cfg.job.job_id,
                         version=version,
                         world_size=len(everyone),
                         time=time.time(),
@@ -1690,7 +1620,7 @@ class _Engine:
         if stored:
             newest = max(v for _, v in stored)
             raise VersionError(
-                f"job {self.cfg.job_id!r} already stores version {newest} (>= {version}) in "
+                f"job {self.cfg.job.job_id!r} already stores version {newest} (>= {version}) in "
                 f"{sorted({n for n, _ in stored})}; call restore() first to continue that run, "
                 "use a new job_id to start another, or remove the old versions with `tiercheck gc`"
             )
@@ -1884,7 +1814,7 @@ class _Engine:
         if not possible:
             if unlisted:
                 raise RestoreError(
-                    f"cannot tell what job {self.cfg.job_id!r} stores, so nothing is restored "
+                    f"cannot tell what job {self.cfg.job.job_id!r} stores, so nothing is restored "
                     "and nothing is deleted:\n  " + "\n  ".join(unlisted)
                 )
             if any(inv.versions() for inv in everyone):
@@ -1894,7 +1824,7 @@ class _Engine:
                 logger.warning(
                     "tiercheck: job %r stores no whole version, only pieces of saves that never "
                     "committed (%s); removing them",
-                    self.cfg.job_id,
+                    self.cfg.job.job_id,
                     sorted(mine.versions()),
                 )
                 await self._truncate_from(0, reason="restore: torn, never committed")
@@ -1996,7 +1926,7 @@ class _Engine:
             # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
             # Large ones stay views of the payload: no second copy.
             tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
-        rebuilt = unflatten(raw.layout, tensors, allow_pickle=self.cfg.allow_pickle)
+        rebuilt = unflatten(raw.layout, tensors, allow_pickle=self.cfg.encode.allow_pickle)
         if state is not None:
             mismatches = check_into(state, rebuilt, strict=strict)
             if mismatches:
@@ -2014,7 +1944,7 @@ class _Engine:
 
     def _rejection_report(self, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
         lines = [
-            f"no version of job {self.cfg.job_id!r} could be restored; nothing was deleted "
+            f"no version of job {self.cfg.job.job_id!r} could be restored; nothing was deleted "
             "(blobs that failed verification were set aside under quarantine/). Why each "
             "version was rejected:"
         ]
@@ -2144,7 +2074,7 @@ class _Engine:
         other ranks: they may be failing too. Once an exchange with the other ranks has
         failed, no pending save can commit any more (a commit needs every rank): stop there."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.close_timeout
+        deadline = loop.time() + self.cfg.coordination.close_timeout
         for tier in self.tiers:  # fastest first: the order of survival scopes
             futures = [
                 job.handle._futures[tier.name]
@@ -2165,7 +2095,8 @@ class _Engine:
                     tier.name,
                     f"an exchange with the other ranks failed ({broken})"
                     if broken is not None
-                    else f"still pending after close_timeout ({self.cfg.close_timeout:.0f}s)",
+                    else "still pending after close_timeout "
+                    f"({self.cfg.coordination.close_timeout:.0f}s)",
                 )
                 return
 
@@ -2202,7 +2133,7 @@ class _Engine:
             return
         # Idle workers end at their sentinel within a turn of the loop; the grace only
         # matters after a failed wait(), when something may still block.
-        _, stuck = await asyncio.wait(tasks, timeout=max(self.cfg.close_timeout, 1.0))
+        _, stuck = await asyncio.wait(tasks, timeout=max(self.cfg.coordination.close_timeout, 1.0))
         for task in stuck:
             task.cancel()
         for task in tasks:
@@ -2215,7 +2146,7 @@ class _Engine:
         for tier in self.tiers:
             if isinstance(tier, SupportsStopServing):
                 try:
-                    stopped &= await tier.stop_serving(self.cfg.close_timeout)
+                    stopped &= await tier.stop_serving(self.cfg.coordination.close_timeout)
                 except Exception as exc:
                     logger.warning("tiercheck: stopping the %r tier's server: %r", tier.name, exc)
                     stopped = False
@@ -2390,100 +2321,34 @@ class _CheckpointerCore:
         a second copy is held as the delta base when a packed tier receives deltas, and each
         tier's queue holds at most ``tier_queue`` encoded versions.
         """
-        job_id = _check_job_id(job_id)
-        if not isinstance(base_every, int) or base_every < 1:
-            raise ConfigError(f"base_every must be a positive int, got {base_every!r}")
-        if on_busy not in ("wait", "skip"):
-            raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
-        if not isinstance(overlap, bool):
-            raise ConfigError(f"overlap must be True or False, got {overlap!r}")
-        if max_pending < 1 or tier_queue < 1:
-            raise ConfigError("max_pending and tier_queue must be at least 1")
-        if stale_memory not in ("error", "discard"):
-            raise ConfigError(f"stale_memory must be 'error' or 'discard', got {stale_memory!r}")
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(
-                f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
-            )
-        if not isinstance(close_timeout, (int, float)) or not close_timeout >= 0:
-            raise ConfigError(
-                f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}"
-            )
-        topology = Topology.detect(rank, world_size, ranks_per_node)
-        if coordinator is not None and (
-            coordinator.rank != topology.rank or coordinator.world_size != topology.world_size
-        ):
-            raise ConfigError(
-                f"the coordinator is rank {coordinator.rank} of {coordinator.world_size}, "
-                f"the checkpointer rank {topology.rank} of {topology.world_size}"
-            )
-        if tiers is None:
-            tiers = (
-                ("local", "peer", "persistent")
-                if topology.num_nodes > 1
-                else ("local", "persistent")
-            )
-        if not tiers:
-            raise ConfigError("a checkpointer needs at least one tier")
-        tier_names = [t.name if isinstance(t, Tier) else t for t in tiers]
-        for t in tiers:
-            if not isinstance(t, (str, Tier)):
-                raise ConfigError(f"a tier is a name or a Tier instance, got {t!r}")
-        keep_map: dict[str, int] = {}
-        for name in tier_names:
-            if isinstance(keep, int):
-                keep_map[name] = keep
-            elif keep is not None and name in keep:
-                keep_map[name] = keep[name]
-            else:
-                keep_map[name] = DEFAULT_KEEP.get(name, 2)
-        if isinstance(keep, Mapping):
-            unknown = set(keep) - set(tier_names)
-            if unknown:
-                raise ConfigError(f"keep names tiers that are not in use: {sorted(unknown)}")
-        resolved: dict[str, TierPolicy] = {}
-        for spec, name in zip(tiers, tier_names, strict=True):
-            durable = (
-                spec.survives >= FailureScope.CLUSTER
-                if isinstance(spec, Tier)
-                else name == "persistent"
-            )
-            encoding: TierEncoding = (encodings or {}).get(
-                name, "full" if name == "local" else "packed"
-            )
-            resolved[name] = TierPolicy(
-                keep=keep_map[name], encoding=encoding, versions=persist if durable else "all"
-            )
-        resolved.update(policies or {})
-        if persistent is None:
-            persistent = default_persistent_url()
-        root = (
-            Path(local_root)
-            if local_root is not None
-            else default_root(job_id, node or topology.node_name)
-        )
-        self._config = _Config(
-            job_id=job_id,
-            overlap=overlap,
-            topology=topology,
-            node_root=root,
-            tiers=tuple(tiers),
-            policies=resolved,
-            persistent_url=persistent,
+        self._config = resolve_options(
+            job_id,
+            persistent=persistent,
+            local_root=local_root,
+            tiers=tiers,
             base_every=base_every,
+            keep=keep,
+            persist=persist,
+            encodings=encodings,
+            policies=policies,
             on_busy=on_busy,
             max_pending=max_pending,
+            overlap=overlap,
             tier_queue=tier_queue,
-            codec=codec or CodecOptions(),
+            codec=codec,
             allow_pickle=allow_pickle,
+            rank=rank,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+            node=node,
             coordinator=coordinator,
             local_capacity=local_capacity,
             peer_replicas=peer_replicas,
             peer_timeout=peer_timeout,
-            threads=threads or os.cpu_count() or 1,
-            storage_options=dict(storage_options or {}),
+            threads=threads,
+            storage_options=storage_options,
             stale_memory=stale_memory,
-            close_timeout=float(close_timeout),
+            close_timeout=close_timeout,
         )
         self._loop: LoopThread | None = None
         self._engine: _Engine | None = None
@@ -2494,36 +2359,36 @@ class _CheckpointerCore:
     @property
     def job_id(self) -> str:
         """The job's name."""
-        return self._config.job_id
+        return self._config.job.job_id
 
     @property
     def topology(self) -> Topology:
         """Where this rank sits."""
-        return self._config.topology
+        return self._config.job.topology
 
     @property
     def tier_names(self) -> list[str]:
         """The tiers in use, fastest first (after opening; configuration order before)."""
         if self._engine is not None and self._engine.tiers:
             return [t.name for t in self._engine.tiers]
-        return [t.name if isinstance(t, Tier) else t for t in self._config.tiers]
+        return [t.name if isinstance(t, Tier) else t for t in self._config.tiers.specs]
 
     @property
     def policies(self) -> Mapping[str, TierPolicy]:
         """The policy of each tier."""
-        return dict(self._config.policies)
+        return dict(self._config.tiers.policies)
 
     @property
     def node_root(self) -> Path:
         """This node's shared-memory folder."""
-        return self._config.node_root
+        return self._config.job.node_root
 
     @property
     def persistent_job_url(self) -> str:
         """The job's folder in the built-in persistent tier: the ``persistent=`` URL plus the
         job id (where a ``"persistent"`` tier stores; a :class:`Tier` instance stores elsewhere).
         """
-        return persistent_job_url(self._config.persistent_url, self._config.job_id)
+        return persistent_job_url(self._config.job.persistent_url, self._config.job.job_id)
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -2551,7 +2416,7 @@ class _CheckpointerCore:
             raise TierClosed(f"the checkpointer of job {self.job_id!r} is closed")
         if self._engine is None or self._loop is None:
             self._loop = LoopThread(
-                f"tiercheck-{self._config.job_id}-r{self._config.topology.rank}"
+                f"tiercheck-{self._config.job.job_id}-r{self._config.job.topology.rank}"
             )
             self._engine = _Engine(self._config)
         return self._loop, self._engine

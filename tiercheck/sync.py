@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiercheck.checkpointer import CloseMode, Restored, SaveHandle, _CheckpointerCore
+from tiercheck.checkpointer import Restored, SaveHandle, _CheckpointerCore
+from tiercheck.engine.options import CloseMode
 from tiercheck.staging import caller_marks
 
 __all__ = ["SyncCheckpointer"]
