@@ -42,13 +42,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-import msgpack
 import torch
 
 from tiercheck._loop import LoopThread
@@ -56,7 +54,6 @@ from tiercheck._threads import DaemonExecutor
 from tiercheck.codec import (
     BlobMeta,
     CodecOptions,
-    Layout,
     RawState,
     check_into,
     decode,
@@ -71,25 +68,24 @@ from tiercheck.codec import (
     write_full_blob,
 )
 from tiercheck.codec.plan import Flat, Planner, paused_gc
-from tiercheck.consistency.commit import CommitEntry, CommitRecord
-from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
-from tiercheck.consistency.identity import JobRecord, NodeIdentity, quarantine_key
+from tiercheck.consistency.commit import CommitRecord
+from tiercheck.consistency.coordinator import Coordinator
+from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import (
     MAX_VERSION,
-    BlobKind,
     blob_key,
     commit_key,
     parse_blob_key,
-    parse_commit_key,
     version_prefix,
 )
-from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest, Record
+from tiercheck.consistency.manifest import Abort, Begin, Commit, Record
 from tiercheck.consistency.recovery import Inventory, agree, candidates
-from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.defaults import (
     NodeRoot,
     persistent_job_url,
 )
+from tiercheck.engine.context import Context
+from tiercheck.engine.jobs import HeldBase, Holder, Job, LaneResult, OwnBlob
 from tiercheck.engine.options import (
     BusyPolicy,
     CloseMode,
@@ -100,50 +96,38 @@ from tiercheck.engine.options import (
     VersionSelector,
     resolve_options,
 )
+from tiercheck.engine.results import (
+    OWN_STORAGE_BYTES,
+    CheckpointerStats,
+    Restored,
+    SaveHandle,
+    SaveStats,
+    TierSaveStats,
+)
+from tiercheck.engine.tier import TierPipeline, build_tier, commit_versions, writes_commit_records
 from tiercheck.errors import (
     BlobNotFound,
     ChecksumMismatch,
     ConfigError,
     FormatError,
-    JobLocked,
-    PeerUnavailable,
     RestoreError,
     SaveSkipped,
-    StaleMemory,
     StateChanged,
     StateMismatch,
-    StorageError,
-    Superseded,
     TiercheckError,
     TierClosed,
-    TierFull,
-    TierNotTargeted,
     TierWriteFailed,
     UnsupportedFormat,
     UnsupportedObject,
     VersionError,
-    WorldSizeMismatch,
-)
-from tiercheck.guard import (
-    Fence,
-    RankLock,
-    discard_node_memory,
-    node_holds_data,
-    probe,
-    read_identity,
-    read_job_record,
-    write_identity,
-    write_job_record,
 )
 from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool, caller_marks
 from tiercheck.tiers.base import (
     Buffer,
-    FailureScope,
-    Reservation,
-    SupportsPrepare,
     SupportsReserve,
     SupportsStopServing,
     Tier,
+    TierSetup,
 )
 from tiercheck.topology import Topology
 
@@ -159,246 +143,7 @@ __all__ = [
 
 logger = logging.getLogger("tiercheck")
 
-# --- public value types ----------------------------------------------------------------------
-
-
-@dataclass
-class TierSaveStats:
-    """How one version fared in one tier."""
-
-    state: Literal["pending", "committed", "failed", "skipped"] = "pending"
-    #: Bytes written to the tier for this rank.
-    bytes: int = 0
-    #: Seconds from the start of ``save`` until committed (or failed).
-    seconds: float | None = None
-    error: str | None = None
-
-
-@dataclass
-class SaveStats:
-    """Figures of one save."""
-
-    version: int
-    kind: Literal["base", "delta", "skipped"]
-    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy; with
-    #: ``overlap=True`` the copy is not included).
-    stall_s: float = 0.0
-    #: Seconds from the start of ``save`` until the snapshot was copied (staged), once it is.
-    staged_s: float | None = None
-    #: Bytes of the raw payload (every tensor, laid out flat).
-    raw_bytes: int = 0
-    tiers: dict[str, TierSaveStats] = field(default_factory=dict)
-
-
-@dataclass
-class CheckpointerStats:
-    """Running totals of a checkpointer."""
-
-    saves: int = 0
-    skipped: int = 0
-    committed: dict[str, int] = field(default_factory=dict)
-    failed: dict[str, int] = field(default_factory=dict)
-    last_committed: dict[str, int] = field(default_factory=dict)
-    evicted: dict[str, int] = field(default_factory=dict)
-    stall_s_total: float = 0.0
-    manifest_errors: int = 0
-    restore_fallbacks: int = 0
-    #: Versions a tier could not take at all (full, unusable when staging), by tier; they
-    #: still went to the other tiers.
-    tier_skips: dict[str, int] = field(default_factory=dict)
-    #: Blobs that failed verification during a restore and were set aside (``quarantine/``).
-    quarantined: int = 0
-    #: Whether a newer opening of the job took over its durable tiers (this one stopped
-    #: writing there; see :class:`~tiercheck.errors.Superseded`).
-    superseded: bool = False
-
-
-#: Restored tensors up to this size have storage of their own; larger ones are views into one
-#: shared buffer (see :class:`Restored`).
-OWN_STORAGE_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Restored:
-    """The result of a restore.
-
-    Without a live state to fill, tensors larger than :data:`OWN_STORAGE_BYTES` are views into
-    one buffer holding the whole version (no copy beyond the read); they are valid for as long
-    as they are referenced. Smaller ones (RNG states, counters, scalars) have storage of their
-    own, so code that reads a tensor's storage from its start (``torch.set_rng_state``) gets
-    the right bytes.
-    """
-
-    version: int
-    #: The restored state: the caller's own object, filled in place, when one was passed.
-    state: Any
-    #: The tier this rank read from.
-    source_tier: str
-    #: The tier every rank read from, by rank.
-    source_tiers: Mapping[int, str]
-    seconds: float
-    #: Newer versions that were passed over, and why (by version: one line per rank and tier).
-    rejected: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
-
-
-def _resolved() -> concurrent.futures.Future[None]:
-    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-    fut.set_result(None)
-    return fut
-
-
-class SaveHandle:
-    """What ``save`` returns: a way to wait for the version to be committed in each tier.
-
-    ``await handle.done("local")`` resolves once the version is committed in that tier (for
-    every rank); ``handle.result("local", timeout)`` is the blocking form. Asking about a tier
-    the version does not go to raises :class:`~tiercheck.errors.TierNotTargeted` at once; a
-    version that could not be committed raises :class:`~tiercheck.errors.TierWriteFailed`;
-    a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
-
-    With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
-    ``await handle.staged_async()``) is the fence to pass before changing the state.
-    """
-
-    def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:
-        self.version = version
-        #: The tiers this version goes to.
-        self.tiers = tuple(tiers)
-        self.stats = stats
-        self._futures: dict[str, concurrent.futures.Future[None]] = {
-            t: concurrent.futures.Future() for t in tiers
-        }
-        # Resolved once the snapshot is copied (at once for a blocking or skipped save).
-        self._staged: concurrent.futures.Future[None] = _resolved()
-        for t in tiers:
-            stats.tiers[t] = TierSaveStats()
-
-    def staged(self, timeout: float | None = None) -> None:
-        """Block until the snapshot copy is done: from then on the state may change.
-
-        The fence of an overlapped save (``Checkpointer(..., overlap=True)``); returns at once
-        for a blocking save. It never raises the copy's own failure (that failure, such as
-        :class:`~tiercheck.errors.StateChanged`, is raised by :meth:`done` for every tier); only
-        :class:`TimeoutError` when ``timeout`` passes first -- the state must then not change.
-        """
-        concurrent.futures.wait([self._staged], timeout)
-        if not self._staged.done():
-            raise TimeoutError(f"version {self.version} was not staged within {timeout} s")
-
-    async def staged_async(self) -> None:
-        """Wait, without blocking the event loop, until the snapshot copy is done."""
-        await asyncio.wait([asyncio.wrap_future(self._staged)])
-
-    @property
-    def is_staged(self) -> bool:
-        """Whether the snapshot copy is done (never blocks)."""
-        return self._staged.done()
-
-    @property
-    def skipped(self) -> bool:
-        """Whether the save was skipped by back-pressure."""
-        return self.stats.kind == "skipped"
-
-    def _futures_for(self, tier: str | None) -> list[concurrent.futures.Future[None]]:
-        if tier is None:
-            return list(self._futures.values())
-        try:
-            return [self._futures[tier]]
-        except KeyError:
-            raise TierNotTargeted(
-                f"version {self.version} does not go to the {tier!r} tier "
-                f"(it goes to {list(self.tiers)}); check the tier's `versions` policy"
-            ) from None
-
-    async def done(self, tier: str | None = None) -> None:
-        """Wait until the version is committed in ``tier`` (every targeted tier if ``None``)."""
-        for fut in self._futures_for(tier):
-            await asyncio.wrap_future(fut)
-
-    def result(self, tier: str | None = None, timeout: float | None = None) -> None:
-        """Blocking form of :meth:`done`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for fut in self._futures_for(tier):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            fut.result(left)
-
-    def committed(self, tier: str) -> bool:
-        """Whether the version is committed in ``tier`` already (never blocks)."""
-        fut = self._futures_for(tier)[0]
-        return fut.done() and fut.exception() is None
-
-    def _resolve(self, tier: str, error: BaseException | None = None) -> None:
-        fut = self._futures[tier]
-        if fut.done():
-            return
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(error)
-
-    def __repr__(self) -> str:
-        states = {t: s.state for t, s in self.stats.tiers.items()}
-        return f"SaveHandle(version={self.version}, kind={self.stats.kind!r}, tiers={states})"
-
-
-# --- pipeline internals ----------------------------------------------------------------------
-
-
-class _Holder:
-    """Reference count on a staging buffer or reservation; frees it when the last user is done."""
-
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release: Callable[[], None] | None = release
-        self._refs = 1
-
-    def acquire(self) -> None:
-        self._refs += 1
-
-    def drop(self) -> None:
-        self._refs -= 1
-        if self._refs == 0 and self._release is not None:
-            # Forget the callback too: it references the memory, which must not outlive this.
-            release, self._release = self._release, None
-            release()
-
-
-@dataclass(frozen=True, slots=True)
-class _LaneResult:
-    durable: Durable | None
-    error: BaseException | None = None
-
-
-@dataclass(eq=False)
-class _Job:
-    version: int
-    kind: Literal["base", "delta", "skipped"]
-    base_version: int | None
-    targets: dict[str, TierEncoding]
-    handle: SaveHandle
-    started: float
-    layout: Layout | None = None
-    payload: torch.Tensor | None = None
-    # The snapshot copy still running after save returned (overlapped saves only).
-    copy: SnapshotCopy | None = None
-    holder: _Holder | None = None
-    reservation: Reservation | None = None
-    previous: _Job | None = None
-    encoded: asyncio.Event = field(default_factory=asyncio.Event)
-    results: dict[str, asyncio.Future[_LaneResult]] = field(default_factory=dict)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    rounds_left: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _OwnBlob:
-    key: str
-    base: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Base:
-    raw: RawState
-    holder: _Holder
+# --- the engine ---------------------------------------------------------------------------
 
 
 class _Engine:
@@ -406,81 +151,56 @@ class _Engine:
 
     def __init__(self, config: Options) -> None:
         self.cfg = config
+        self.ctx = Context(config)
         self.topo = config.job.topology
         self.rank = config.job.topology.rank
-        self.stats = CheckpointerStats()
+        self.stats = self.ctx.stats
         self.tiers: list[Tier] = []
-        self.manifest: Manifest | None = None
-        self.coordinator: Coordinator = SoloCoordinator()
+        #: Each tier's pipeline, by name, fastest first.
+        self.pipes: dict[str, TierPipeline] = {}
         self.pool = StagingPool()
         # The previous save's structure: a repeating state is not walked and encoded anew.
         self.planner = Planner(allow_pickle=config.encode.allow_pickle)
         # Overlapped snapshot copies not done yet; read by fence() from the caller's thread.
         self.copies: set[SnapshotCopy] = set()
         self.copies_lock = threading.Lock()
-        self.cpu = ThreadPoolExecutor(config.encode.threads, thread_name_prefix="tiercheck-cpu")
-        self.manifest_exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
-        # One thread per channel keeps its exchanges in order; daemon threads, because an
-        # exchange may wait on a dead rank for minutes and must never delay the process's exit.
-        self.channel_exec: dict[str, DaemonExecutor] = {}
-        self.lanes: dict[str, asyncio.Queue[tuple[_Job, list[Buffer], BlobMeta] | None]] = {}
-        self.round_queues: dict[str, asyncio.Queue[_Job | None]] = {}
-        # Set while a tier's round worker has nothing left to do (retention included).
-        self.idle: dict[str, asyncio.Event] = {}
-        self.workers: list[asyncio.Task[None]] = []
+        self.cpu = self.ctx.cpu
         self.pipelines: set[asyncio.Task[None]] = set()
-        self.jobs: set[_Job] = set()
-        self.own: dict[str, dict[int, _OwnBlob]] = {}
-        self.committed: dict[str, set[int]] = {}
-        self.settled: dict[str, int] = {}
-        self.pending: list[_Job] = []
+        self.jobs = self.ctx.jobs
+        self.pending: list[Job] = []
         self.slot_freed = asyncio.Condition()
         self.save_lock = asyncio.Lock()
-        self.last_job: _Job | None = None
+        self.last_job: Job | None = None
         self.last_version: int | None = None
         self.count = 0
         self.planned_base: int | None = None
-        self.base: _Base | None = None
+        self.base: HeldBase | None = None
         self.session_started = False
-        self.reserve_size = 0  # size of the last local reservation: the next is likely the same
         self.opened = False
-        self.session = ""
         self.closed = False
-        self.lock = RankLock(config.job.node_root, config.job.topology.rank)
-        # The job's incarnation (see tiercheck.consistency.identity) and, per durable tier, the
-        # writer generation this opening claimed there.
-        self.job_token = ""
-        self.fences: dict[str, Fence] = {}
-        self.superseded = False
+        self.lock = self.ctx.claim.lock
         # A delta's base vanished from a tier: the next save is encoded as a base.
         self.force_base = False
-        # Tiers this rank could not list: retention never deletes from them blindly.
-        self.unlisted: set[str] = set()
-        # (tier, reason) pairs already logged as skips; cleared when the tier takes a version.
-        self.skip_logged: set[tuple[str, str]] = set()
-        self.manifest_failing = False
         self.closing = False
         self.close_warned = False
-        # Tiers whose trouble with another rank was logged (once per spell, see _peer_trouble).
-        self.peer_warned: set[str] = set()
 
     # --- opening ------------------------------------------------------------------------------
 
     async def open(self) -> None:
-        cfg = self.cfg
+        cfg, ctx = self.cfg, self.ctx
         # Coordination first: creating process groups is a collective, and every rank must
         # create them in the same order (the coordinator's, then the peer tier's).
-        self.channel_exec["control"] = DaemonExecutor(1, "tiercheck-sync-control")
+        ctx.channels["control"] = DaemonExecutor(1, "tiercheck-sync-control")
         loop = asyncio.get_running_loop()
         if cfg.coordination.coordinator is not None:
-            self.coordinator = cfg.coordination.coordinator
+            ctx.coordinator = cfg.coordination.coordinator
         elif self.topo.world_size > 1:
             from tiercheck.consistency.coordinator import TorchCoordinator
 
-            names = [t.name if isinstance(t, Tier) else t for t in cfg.tiers.specs]
+            names = cfg.tier_names
             # Creating groups waits on every rank: on a daemon thread, like every exchange.
-            self.coordinator = await loop.run_in_executor(
-                self.channel_exec["control"],
+            ctx.coordinator = await loop.run_in_executor(
+                ctx.channels["control"],
                 lambda: TorchCoordinator(
                     ["control", *names], timeout=cfg.coordination.peer_timeout
                 ),
@@ -488,371 +208,63 @@ class _Engine:
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
         token = os.urandom(8).hex()
-        self.session = str((await self._exchange("control", {"token": token}))[0]["token"])
+        ctx.session = str((await ctx.exchange("control", {"token": token}))[0]["token"])
+        setup = TierSetup(
+            job_id=cfg.job.job_id,
+            session=ctx.session,
+            topology=self.topo,
+            node_root=cfg.job.node_root,
+            persistent_url=persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
+            storage_options=cfg.job.storage_options,
+            local_capacity=cfg.tiers.local_capacity,
+            peer_replicas=cfg.tiers.peer_replicas,
+            peer_timeout=cfg.coordination.peer_timeout,
+        )
         # Every tier but the peer tier: constructing that one is a collective, so it waits
         # until every rank has passed the checks below (which fail on every rank alike).
         for spec in cfg.tiers.specs:
             if isinstance(spec, Tier):
                 self.tiers.append(spec)
             elif spec != "peer":
-                self.tiers.append(await asyncio.to_thread(self._make_tier, spec))
-        await self._guard()
+                self.tiers.append(await asyncio.to_thread(build_tier, spec, setup))
+        ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
+        await ctx.claim.guard()
         if "peer" in cfg.tiers.specs:
-            self.tiers.append(await asyncio.to_thread(self._make_tier, "peer"))
+            self.tiers.append(await asyncio.to_thread(build_tier, "peer", setup))
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.tiers.sort(key=lambda t: int(t.survives))
-        try:
-            self.manifest = await asyncio.to_thread(Manifest, NodeRoot(cfg.job.node_root).manifest)
-        except TiercheckError as exc:
-            self.stats.manifest_errors += 1
-            logger.error("tiercheck: running without a manifest: %s", exc)
+        ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
+        await ctx.journal.open(NodeRoot(cfg.job.node_root).manifest)
         for tier in self.tiers:
-            self.policy(tier.name)  # fail early on a tier without a policy
-            self.settled[tier.name] = -1
-            self.lanes[tier.name] = asyncio.Queue()
-            self.round_queues[tier.name] = asyncio.Queue()
-            self.idle[tier.name] = asyncio.Event()
-            self.idle[tier.name].set()
-            self.channel_exec[tier.name] = DaemonExecutor(1, f"tiercheck-sync-{tier.name}")
-            try:
-                self.own[tier.name] = await self._list_own(tier)
-                if self.writes_commit_records(tier):
-                    # What retention counts in a durable tier is what its COMMIT records
-                    # prove, not what this node's manifest remembers (it may be new).
-                    self.committed[tier.name] = await self._commit_versions(tier)
-                else:
-                    known = set(self.manifest.committed(tier.name)) if self.manifest else set()
-                    self.committed[tier.name] = {v for v in known if v in self.own[tier.name]}
-            except Exception as exc:
-                logger.error(
-                    "tiercheck: cannot list the %r tier (%r); nothing will be deleted from it "
-                    "until a restore lists it",
-                    tier.name,
-                    exc,
-                )
-                self.unlisted.add(tier.name)
-                self.own[tier.name] = {}
-                self.committed[tier.name] = set()
-            self.workers.append(asyncio.create_task(self._lane_worker(tier)))
-            self.workers.append(asyncio.create_task(self._round_worker(tier)))
+            # Fails early on a tier without a policy.
+            pipe = TierPipeline(ctx, tier, cfg.tiers.policy(tier.name), self._lose_base)
+            self.pipes[tier.name] = pipe
+            ctx.channels[tier.name] = DaemonExecutor(1, f"tiercheck-sync-{tier.name}")
+            await pipe.load()
+            pipe.start()
         self.opened = True
 
-    # --- guards: whose data this is, one writer, usable locations -------------------------------
+    def _lose_base(self) -> None:
+        self.force_base = True
+
+    def _log(self, *records: Record) -> None:
+        self.ctx.journal.log(*records)
 
     def _durable_tiers(self) -> list[Tier]:
-        return [t for t in self.tiers if self.writes_commit_records(t)]
+        return self.ctx.claim.durable
 
-    def _location(self, tier: Tier) -> str:
-        """Where a durable tier stores, as recorded in node identities."""
-        inner: Any = tier
-        while getattr(inner, "inner", None) is not None:  # wrappers (fault injection, ...)
-            inner = inner.inner
-        return str(getattr(inner, "url", None) or repr(inner))
+    def writes_commit_records(self, tier: Tier) -> bool:
+        return writes_commit_records(tier)
 
-    async def _guard(self) -> None:
-        """Refuse to open over data this run must not touch; the same verdict on every rank.
-
-        Each rank gathers what it can see (its writer lock, whether the durable tiers work, its
-        node's identity); rank 0 also reads or creates the job record and claims a writer
-        generation. One exchange later every rank decides from the same facts, so every rank
-        raises the same typed error, or none does.
-        """
-        cfg, topo = self.cfg, self.topo
-        mine: dict[str, Any] = {"node": topo.node_index, "local_rank": topo.local_rank}
-        try:
-            await asyncio.to_thread(self.lock.acquire)
-        except (JobLocked, OSError) as exc:
-            mine["lock"] = str(exc)
-        durable = self._durable_tiers()
-        probes: dict[str, str] = {}
-        for tier in durable:
-            try:
-                await probe(tier, self.session, self.rank)
-            except (TiercheckError, OSError) as exc:
-                probes[tier.name] = str(exc)
-        mine["probe"] = probes
-        if self.rank == 0 and durable and not probes:
-            try:
-                mine["job"] = await self._read_job_record(durable)
-            except (TiercheckError, OSError) as exc:
-                mine["job_error"] = f"{type(exc).__name__}: {exc}"
-        try:
-            identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
-            mine["identity"] = None if identity is None else identity.to_bytes().decode()
-        except (TiercheckError, OSError) as exc:
-            mine["identity_error"] = str(exc)
-        try:
-            mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
-        except OSError:
-            mine["has_data"] = True  # cannot look: assume there is something to protect
-        if self.rank == 0:
-            mine["fresh_token"] = os.urandom(8).hex()
-        everyone = await self._exchange("control", mine)
-        stale = self._judge(everyone)
-        # Past this point every rank may open: only now is anything written.
-        if stale and topo.local_rank == 0 and topo.node_index in stale:
-            logger.warning(
-                "tiercheck: discarding the memory of node %s at %s (stale_memory='discard'): %s",
-                topo.node_index,
-                cfg.job.node_root,
-                stale[topo.node_index],
-            )
-            await asyncio.to_thread(discard_node_memory, cfg.job.node_root)
-        claimed: dict[str, int] = {}
-        failure = ""
-        if self.rank == 0 and durable:
-            try:
-                if everyone[0]["job"]["state"] != "found":
-                    await self._write_job_record()
-                for tier in durable:
-                    fence = Fence(tier, self.session)
-                    claimed[tier.name] = await fence.claim()
-                    self.fences[tier.name] = fence
-            except (TiercheckError, OSError) as exc:
-                failure = f"{type(exc).__name__}: {exc}"
-        # Also a barrier: no rank reads its node's memory while it is being discarded.
-        decided = await self._exchange("control", {"generations": claimed, "failure": failure})
-        if decided[0]["failure"]:
-            raise StorageError(
-                f"cannot claim job {cfg.job.job_id!r} in its durable storage: "
-                f"{decided[0]['failure']}"
-            )
-        for tier in durable:
-            if tier.name not in self.fences:
-                fence = Fence(tier, self.session)
-                fence.adopt(int(decided[0]["generations"][tier.name]))
-                self.fences[tier.name] = fence
-        me = everyone[self.rank]
-        if topo.local_rank == 0 and (me.get("identity") is None or topo.node_index in stale):
-            identity = NodeIdentity(
-                job_id=cfg.job.job_id,
-                token=self.job_token,
-                world_size=topo.world_size,
-                persistent=self._location(durable[0]) if durable else None,
-                created=time.time(),
-            )
-            try:
-                await asyncio.to_thread(write_identity, cfg.job.node_root, identity)
-            except OSError as exc:  # memory that cannot take a small file takes no blob either
-                logger.warning("tiercheck: cannot record the node's identity: %r", exc)
-
-    async def _write_job_record(self) -> None:
-        record = JobRecord(self.cfg.job.job_id, self.job_token, self.topo.world_size, time.time())
-        for tier in self._durable_tiers():
-            await write_job_record(tier, record)
-
-    async def _read_job_record(self, durable: Sequence[Tier]) -> dict[str, Any]:
-        """Rank 0: what the durable tiers say about the job's incarnation.
-
-        ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records written
-        before job records existed; the newest says how many ranks saved them) or ``"absent"``
-        (nothing stored: a new location, or one that was emptied).
-        """
-        for tier in durable:
-            record = await read_job_record(tier)
-            if record is not None:
-                return {
-                    "state": "found",
-                    "token": record.token,
-                    "world_size": record.world_size,
-                }
-        newest = max(await self._commit_versions(durable[0]), default=None)
-        if newest is None:
-            return {"state": "absent"}
-        commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(newest))))
-        return {"state": "legacy", "world_size": commit.world_size}
-
-    def _judge(self, everyone: Sequence[Mapping[str, Any]]) -> dict[int, str]:
-        """Decide, from what every rank saw, whether this run may open; return stale nodes.
-
-        Pure: every rank computes the same verdict from the same exchange.
-        """
-        cfg, topo = self.cfg, self.topo
-        locked = [e["lock"] for e in everyone if e.get("lock")]
-        if locked:
-            raise JobLocked(locked[0] + (f" ({len(locked)} ranks)" if len(locked) > 1 else ""))
-        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e["probe"].values()]
-        if broken:
-            raise StorageError(
-                "the durable storage of job "
-                f"{cfg.job.job_id!r} cannot be used, so the job does not start:\n  "
-                + "\n  ".join(broken[:8])
-            )
-        first = everyone[0]
-        if first.get("job_error"):
-            raise StorageError(
-                f"cannot read or write the job record of {cfg.job.job_id!r}: {first['job_error']}"
-            )
-        nodes: dict[int, Mapping[str, Any]] = {}
-        for e in everyone:
-            nodes.setdefault(int(e["node"]), e)
-        identities: dict[int, NodeIdentity | None] = {}
-        stale: dict[int, str] = {}
-        for n, e in nodes.items():
-            if e.get("identity_error"):
-                stale[n] = f"its identity record is unreadable ({e['identity_error']})"
-                identities[n] = None
-                continue
-            text = e.get("identity")
-            identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
-        job = first.get("job")
-        durable = self._durable_tiers()
-        here = self._location(durable[0]) if durable else None
-        # Identities of nodes whose memory says it belongs to this job at this location.
-        ours = {
-            i.token: i
-            for i in identities.values()
-            if i is not None and i.job_id == cfg.job.job_id and i.persistent == here
-        }
-        absent = job is not None and job["state"] == "absent"
-        if job is not None and job["state"] == "found":
-            token, world_size = job["token"], job["world_size"]
-            where = f"at {here}"
-        elif job is not None:
-            where = f"at {here}"
-            if len(ours) == 1:
-                # The location lost its records (deleted, a lifecycle rule) while the job was
-                # away, or predates them; the memory that names it is this job's.
-                token, remembered = next(iter(ours.items()))
-                world_size = job.get("world_size", remembered.world_size)
-                if absent:
-                    logger.warning(
-                        "tiercheck: the durable location %s of job %r holds nothing, but the "
-                        "nodes' memory holds this job's checkpoints written there: the location "
-                        "was emptied. Using the memory and writing the job record again.",
-                        here,
-                        cfg.job.job_id,
-                    )
-            else:
-                token = first["fresh_token"]
-                world_size = job.get("world_size", topo.world_size)
-        else:
-            tokens = {i.token for i in identities.values() if i is not None}
-            if len(tokens) > 1:
-                raise StaleMemory(
-                    f"the nodes of job {cfg.job.job_id!r} hold memory of different runs "
-                    f"(tokens {sorted(tokens)}); with no durable tier to tell which is this "
-                    "run's, none is used. Pass stale_memory='discard' to start over, or "
-                    "another job_id."
-                )
-            token = tokens.pop() if tokens else first["fresh_token"]
-            sizes = {i.world_size for i in identities.values() if i is not None}
-            world_size = sizes.pop() if len(sizes) == 1 else topo.world_size
-            where = "in the nodes' memory"
-        if world_size != topo.world_size:
-            raise WorldSizeMismatch(
-                f"job {cfg.job.job_id!r} {where} was saved by {world_size} ranks; this run has "
-                f"{topo.world_size}. Restoring onto another number of ranks is not supported "
-                f"yet: restart with {world_size} ranks, or give this run another job_id. "
-                "Nothing stored was read or changed."
-            )
-        for n, identity in identities.items():
-            if n in stale:
-                continue
-            if identity is None:
-                if absent and nodes[n]["has_data"]:
-                    stale[n] = (
-                        "it holds checkpoints from before this job's durable location existed"
-                    )
-            elif identity.job_id != cfg.job.job_id or identity.token != token:
-                stale[n] = (
-                    f"it belongs to another run of {identity.job_id!r} (token "
-                    f"{identity.token[:8]}, durable location {identity.persistent})"
-                )
-        self.job_token = token
-        if stale and cfg.job.stale_memory != "discard":
-            lines = [f"node {n}: {why}" for n, why in sorted(stale.items())]
-            raise StaleMemory(
-                f"the shared memory of job {cfg.job.job_id!r} (for this rank: {cfg.job.node_root}) "
-                "holds checkpoints of another run with the same name; they are not restored as "
-                "this run's:\n  "
-                + "\n  ".join(lines)
-                + "\nTo continue that run, point this one at its durable location. To discard "
-                "that memory, pass stale_memory='discard' (or delete the folder). Or use "
-                "another job_id. Nothing was changed."
-            )
-        return stale
-
-    def _make_tier(self, name: str) -> Tier:
-        cfg = self.cfg
-        if name == "local":
-            from tiercheck.tiers.local import LocalTier
-
-            return LocalTier(NodeRoot(cfg.job.node_root).blobs, capacity=cfg.tiers.local_capacity)
-        if name == "persistent":
-            from tiercheck.tiers.persistent import PersistentTier
-
-            return PersistentTier(
-                persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
-                storage_options=cfg.job.storage_options,
-            )
-        from tiercheck.tiers.registry import get_tier_class
-
-        if name == "peer":
-            # Found through the registry like any plugin; it takes the job's placement.
-            peer: Any = get_tier_class("peer")
-            tier: Tier = peer(
-                topology=self.topo,
-                holder_root=NodeRoot(cfg.job.node_root).replicas,
-                replicas=cfg.tiers.peer_replicas,
-                timeout=cfg.coordination.peer_timeout,
-                namespace=cfg.job.job_id,
-                session=f"{cfg.job.job_id}.{self.session}",
-            )
-            return tier
-
-        cls = get_tier_class(name)
-        try:
-            return cls()
-        except TypeError as exc:
-            raise ConfigError(
-                f"the {name!r} tier needs arguments; construct it yourself and pass the instance "
-                f"in `tiers=[...]`: {exc}"
-            ) from exc
-
-    def policy(self, tier: str) -> TierPolicy:
-        return self.cfg.tiers.policy(tier)
+    # --- guards: whose data this is, one writer, usable locations -------------------------------
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
             if t.name == name:
                 return t
         raise ConfigError(f"no tier named {name!r}")
-
-    def writes_commit_records(self, tier: Tier) -> bool:
-        return tier.survives >= FailureScope.CLUSTER
-
-    async def _list_own(self, tier: Tier) -> dict[int, _OwnBlob]:
-        out: dict[int, _OwnBlob] = {}
-        bases: dict[int, int | None] = {}
-        if self.manifest is not None:
-            durable = await self._in_manifest_thread(
-                self.manifest.blobs, tier.name, None, self.rank
-            )
-            bases = {d.version: d.base for d in durable}
-        async for key in tier.list("v"):
-            parsed = parse_blob_key(key)
-            if parsed is not None and parsed.rank == self.rank:
-                if parsed.kind == "full":
-                    base = None
-                elif parsed.version in bases:
-                    base = bases[parsed.version]
-                else:
-                    # Not in this node's manifest (a new node): any older blob may be its base.
-                    base = UNKNOWN_BASE
-                out[parsed.version] = _OwnBlob(key, base)
-        return out
-
-    async def _commit_versions(self, tier: Tier) -> set[int]:
-        """Versions with a ``COMMIT`` record in ``tier``."""
-        found: set[int] = set()
-        async for key in tier.list("v"):
-            v = parse_commit_key(key)
-            if v is not None:
-                found.add(v)
-        return found
 
     # --- saving -------------------------------------------------------------------------------
 
@@ -899,9 +311,9 @@ class _Engine:
             await self._check_fresh_start(version)
         scheduled_base = self.count % self.cfg.schedule.base_every == 0
         targets = {
-            t.name: self.policy(t.name).encoding
+            t.name: self.cfg.tiers.policy(t.name).encoding
             for t in self.tiers
-            if self.policy(t.name).targets(version, scheduled_base)
+            if self.cfg.tiers.policy(t.name).targets(version, scheduled_base)
         }
         busy = len(self.pending) >= self.cfg.schedule.max_pending
         if busy and self.cfg.schedule.on_busy == "skip":
@@ -919,7 +331,7 @@ class _Engine:
             self.force_base = False
         stats = SaveStats(version, kind, raw_bytes=layout.payload_nbytes)
         handle = SaveHandle(version, list(targets), stats)
-        job = _Job(
+        job = Job(
             version=version,
             kind=kind,
             base_version=None if kind == "base" else self.planned_base,
@@ -950,42 +362,45 @@ class _Engine:
         stats = SaveStats(version, "skipped", stall_s=time.perf_counter() - started)
         handle = SaveHandle(version, list(targets), stats)
         self.stats.skipped += 1
-        job = _Job(version, "skipped", None, targets, handle, started)
+        job = Job(version, "skipped", None, targets, handle, started)
         job.encoded.set()
         for name in targets:
-            fut: asyncio.Future[_LaneResult] = asyncio.get_running_loop().create_future()
-            fut.set_result(_LaneResult(None, SaveSkipped(f"version {version} was skipped")))
+            fut: asyncio.Future[LaneResult] = asyncio.get_running_loop().create_future()
+            fut.set_result(LaneResult(None, SaveSkipped(f"version {version} was skipped")))
             job.results[name] = fut
             stats.tiers[name].state = "skipped"
         self._log(Abort(version, self.rank, "skipped: previous save still in flight"))
         self._launch(job, pipeline=False)
         return handle
 
-    async def _stage(self, job: _Job, flat: Flat, marks: dict[int, Any] | None) -> None:
-        """Copy the state into host memory: the local tier's own memory where possible.
+    async def _stage(self, job: Job, flat: Flat, marks: dict[int, Any] | None) -> None:
+        """Copy the state into host memory: a tier's own memory where one can hand it out.
 
-        A local tier that cannot take the version (full, or failing) is skipped for it, and the
-        snapshot goes to a staging buffer instead, so the other tiers still get it: storage
-        trouble never reaches the caller. Tensors on a GPU go to a pinned staging buffer (a
-        device-to-host copy into shared memory could not be asynchronous); the local tier then
-        gets a copy of it like any other tier.
+        The fastest tier that can reserve memory (:class:`SupportsReserve`, the local tier) and
+        stores this version as is (``"full"``) receives the snapshot in place: once published,
+        the copy is the stored blob. A tier that cannot take the version (full, or failing) is
+        skipped for it, and the snapshot goes to a staging buffer instead, so the other tiers
+        still get it: storage trouble never reaches the caller. Tensors on a GPU go to a pinned
+        staging buffer (a device-to-host copy into shared memory could not be asynchronous);
+        the reserving tier then gets a copy of it like any other tier.
         """
         layout = job.layout
         assert layout is not None
-        local = next((t for t in self.tiers if t.name == "local"), None)
-        if (
-            local is not None
-            and job.targets.get("local") == "full"
-            and isinstance(local, SupportsReserve)
-            and (flat.on_host or not self.pool.pin)
-        ):
+        reserving = next(
+            (
+                p
+                for p in self.pipes.values()
+                if isinstance(p.tier, SupportsReserve) and job.targets.get(p.name) == "full"
+            ),
+            None,
+        )
+        if reserving is not None and (flat.on_host or not self.pool.pin):
             size, offset = full_blob_size(layout, version=job.version, rank=self.rank)
-            self.reserve_size = size
             key = blob_key(job.version, self.rank, "full")
             try:
-                reservation = await self._reserve(local, key, size)
+                reservation = await reserving.reserve(key, size)
             except (TiercheckError, OSError) as exc:
-                self._skip_tier(job, "local", exc)
+                reserving.skip(job, exc)
             else:
                 try:
                     write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
@@ -997,8 +412,9 @@ class _Engine:
                     await reservation.abort()
                     raise
                 job.reservation = reservation
+                job.reserved_in = reserving.name
                 job.payload = payload
-                job.holder = _Holder(reservation.release)
+                job.holder = Holder(reservation.release)
                 return
         lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
         try:
@@ -1010,9 +426,9 @@ class _Engine:
             self.pool.release(lent)
             raise
         job.payload = lent.data
-        job.holder = _Holder(lambda: self.pool.release(lent))
+        job.holder = Holder(lambda: self.pool.release(lent))
 
-    async def _copy(self, job: _Job, copy: SnapshotCopy) -> None:
+    async def _copy(self, job: Job, copy: SnapshotCopy) -> None:
         """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
         with the handle's fence set to it (overlapped saves; the pipeline awaits it)."""
         if not self.cfg.schedule.overlap:
@@ -1035,50 +451,7 @@ class _Engine:
         # Never awaited: run() reports through copy.done, which the pipeline awaits.
         asyncio.get_running_loop().run_in_executor(None, copy.run)
 
-    async def _reserve(self, tier: Tier, key: str, size: int) -> Reservation:
-        """Reserve ``size`` bytes in ``tier``; when full, let pending retention free room first."""
-        assert isinstance(tier, SupportsReserve)
-        try:
-            return await tier.reserve(key, size)
-        except TierFull:
-            idle = self.idle[tier.name]
-            if idle.is_set():
-                raise
-        # Retention runs after each commit round; the previous version's may still be on
-        # its way to freeing an old one. Bounded: training waits seconds at most.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                idle.wait(), timeout=min(self.cfg.coordination.peer_timeout, 10.0)
-            )
-        return await tier.reserve(key, size)
-
-    def _skip_tier(self, job: _Job, name: str, exc: BaseException) -> None:
-        """``name`` cannot take this version: count it, log the reason once, go on without it."""
-        stats = job.handle.stats.tiers[name]
-        stats.state = "skipped"
-        stats.error = f"{type(exc).__name__}: {exc}"
-        self.stats.tier_skips[name] = self.stats.tier_skips.get(name, 0) + 1
-        condition = (name, type(exc).__name__)
-        if condition not in self.skip_logged:
-            self.skip_logged.add(condition)
-            logger.warning(
-                "tiercheck: the %r tier cannot take version %s (%s: %s); the version still goes "
-                "to the other tiers. Further versions it cannot take for this reason are counted "
-                "in stats.tier_skips, not logged.",
-                name,
-                job.version,
-                type(exc).__name__,
-                exc,
-            )
-        self._lane_done(
-            job,
-            name,
-            None,
-            TierWriteFailed(f"version {job.version} was not stored in the {name!r} tier: {exc}"),
-            cause=exc,
-        )
-
-    def _launch(self, job: _Job, *, pipeline: bool = True) -> None:
+    def _launch(self, job: Job, *, pipeline: bool = True) -> None:
         loop = asyncio.get_running_loop()
         if pipeline:
             job.previous = self.last_job
@@ -1086,8 +459,7 @@ class _Engine:
         for name in job.targets:
             if name not in job.results:
                 job.results[name] = loop.create_future()
-            self.round_queues[name].put_nowait(job)
-            self.idle[name].clear()
+            self.pipes[name].launch(job)
         job.rounds_left = len(job.targets)
         self.jobs.add(job)
         if not job.targets:
@@ -1098,7 +470,7 @@ class _Engine:
             self.pipelines.add(task)
             task.add_done_callback(self.pipelines.discard)
 
-    async def _pipeline(self, job: _Job) -> None:
+    async def _pipeline(self, job: Job) -> None:
         """Hash, publish locally, encode for the other tiers, hand blobs to the tier lanes."""
         assert job.layout is not None
         assert job.payload is not None
@@ -1144,24 +516,12 @@ class _Engine:
                 if encoding not in encoded:
                     encoded[encoding] = await self._encode(raw, encoding, base)
                 parts, meta = encoded[encoding]
-                if self.lanes[name].qsize() >= self.cfg.tiers.tier_queue:
-                    self._lane_done(
-                        job,
-                        name,
-                        None,
-                        TierWriteFailed(
-                            f"the {name!r} tier is {self.cfg.tiers.tier_queue} versions behind; "
-                            f"version {job.version} was dropped for it"
-                        ),
-                    )
-                    continue
-                if encoding == "full":
+                if self.pipes[name].offer(job, parts, meta) and encoding == "full":
                     job.holder.acquire()  # the parts reference the staged payload
-                self.lanes[name].put_nowait((job, parts, meta))
             if job.kind == "base":
                 self.planned_base = job.version
                 job.holder.acquire()
-                old, self.base = self.base, _Base(raw, job.holder)
+                old, self.base = self.base, HeldBase(raw, job.holder)
                 if old is not None:
                     old.holder.drop()
         except Exception as exc:
@@ -1172,14 +532,13 @@ class _Engine:
             self._log(Abort(job.version, self.rank, f"{doing} failed: {exc!r}"))
             if (
                 job.reservation is not None
-                and "local" in job.results
-                and not job.results["local"].done()
+                and job.reserved_in in job.results
+                and not job.results[job.reserved_in].done()
             ):
                 with contextlib.suppress(Exception):
                     await job.reservation.abort()
             for name in job.targets:
-                self._lane_done(
-                    job,
+                job.lane_done(
                     name,
                     None,
                     TierWriteFailed(
@@ -1202,9 +561,11 @@ class _Engine:
             async with self.slot_freed:
                 self.slot_freed.notify_all()
 
-    async def _publish_reserved(self, job: _Job, digest: int) -> None:
+    async def _publish_reserved(self, job: Job, digest: int) -> None:
         reservation = job.reservation
         assert reservation is not None
+        assert job.reserved_in is not None
+        pipe = self.pipes[job.reserved_in]
         try:
             assert job.layout is not None
             meta = await asyncio.to_thread(
@@ -1217,22 +578,21 @@ class _Engine:
             await reservation.commit()
         except Exception as exc:
             logger.exception(
-                "tiercheck: publishing version %s in the local tier failed", job.version
+                "tiercheck: publishing version %s in the %s tier failed", job.version, pipe.name
             )
             with contextlib.suppress(Exception):
                 await reservation.abort()
-            self._lane_done(
-                job,
-                "local",
+            job.lane_done(
+                pipe.name,
                 None,
                 TierWriteFailed(
-                    f"version {job.version} could not be written to the local tier: {exc!r}"
+                    f"version {job.version} could not be written to the {pipe.name} tier: {exc!r}"
                 ),
                 cause=exc,
             )
             return
-        durable = self._durable(job, "local", reservation.key, meta)
-        self._lane_done(job, "local", durable)
+        durable = pipe.record_durable(job, reservation.key, meta)
+        job.lane_done(pipe.name, durable)
 
     async def _encode(
         self, raw: RawState, encoding: TierEncoding, base: RawState | None
@@ -1248,366 +608,7 @@ class _Engine:
             executor=self.cpu,
         )
 
-    def _durable(self, job: _Job, tier: str, key: str, meta: BlobMeta) -> Durable:
-        base = meta.base.version if meta.base is not None else None
-        record = Durable(
-            job.version, self.rank, tier, key, meta.nbytes, meta.checksum, meta.raw_digest, base
-        )
-        self.own[tier][job.version] = _OwnBlob(key, base)
-        self._log(record)
-        stats = job.handle.stats.tiers[tier]
-        stats.bytes = meta.nbytes
-        return record
-
-    def _lane_done(
-        self,
-        job: _Job,
-        tier: str,
-        durable: Durable | None,
-        error: BaseException | None = None,
-        *,
-        cause: BaseException | None = None,
-    ) -> None:
-        fut = job.results.get(tier)
-        if fut is None:  # decided while staging, before the job was launched
-            fut = job.results[tier] = asyncio.get_running_loop().create_future()
-        if fut.done():
-            return
-        if error is not None and cause is not None:
-            error.__cause__ = cause
-        fut.set_result(_LaneResult(durable, error))
-
-    async def _lane_worker(self, tier: Tier) -> None:
-        """Write blobs to one tier, one at a time, in version order."""
-        queue = self.lanes[tier.name]
-        while True:
-            item = await queue.get()
-            if item is None:
-                return
-            job, parts, meta = item
-            kind: BlobKind = "full" if meta.kind == "full" else "packed"
-            key = blob_key(job.version, self.rank, kind)
-            try:
-                if self.writes_commit_records(tier):
-                    await self._check_fence(tier)
-                await tier.putv(key, parts)
-            except Exception as exc:
-                if isinstance(exc, PeerUnavailable):
-                    self._peer_trouble(tier.name, f"writing {key}", exc)
-                elif not isinstance(exc, Superseded):
-                    logger.warning(
-                        "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
-                    )
-                self._lane_done(
-                    job,
-                    tier.name,
-                    None,
-                    TierWriteFailed(
-                        f"version {job.version} could not be written to the "
-                        f"{tier.name!r} tier: {exc!r}"
-                    ),
-                    cause=exc,
-                )
-            else:
-                self._lane_done(job, tier.name, self._durable(job, tier.name, key, meta))
-            finally:
-                if kind == "full" and job.holder is not None:
-                    job.holder.drop()
-                # Do not keep the last blob alive while waiting for the next one.
-                del item, parts
-
-    def _peer_trouble(self, tier: str, what: str, exc: BaseException) -> None:
-        """Another rank is gone or silent: one WARNING line per tier and spell, then DEBUG."""
-        if tier in self.peer_warned:
-            logger.debug("tiercheck: %s in %r: %s", what, tier, exc)
-            return
-        self.peer_warned.add(tier)
-        logger.warning(
-            "tiercheck: %s in the %r tier failed: %s (further failures of this kind are logged "
-            "at DEBUG until the tier works again)",
-            what,
-            tier,
-            exc,
-        )
-
-    async def _check_fence(self, tier: Tier) -> None:
-        """Before durable data is written: is this opening still the job's writer there?"""
-        if self.superseded:
-            raise Superseded(
-                f"a newer opening of job {self.cfg.job.job_id!r} took over the {tier.name!r} tier; "
-                "this run no longer writes there"
-            )
-        fence = self.fences.get(tier.name)
-        if fence is None:
-            return
-        try:
-            if await fence.check():
-                await self._write_job_record()  # the location was emptied under the job
-        except Superseded as exc:
-            self.superseded = True
-            self.stats.superseded = True
-            logger.error(
-                "tiercheck: %s. Its saves still go to the memory tiers; durable saves, retention "
-                "and restore-time cleanup in %r stop.",
-                exc,
-                tier.name,
-            )
-            raise
-
     # --- committing ---------------------------------------------------------------------------
-
-    async def _round_worker(self, tier: Tier) -> None:
-        """Decide, version by version, whether each is committed in ``tier`` for every rank."""
-        queue = self.round_queues[tier.name]
-        while True:
-            job = await queue.get()
-            if job is None:
-                return
-            peers_gone = False
-            try:
-                await self._round(tier, job)
-            except PeerUnavailable as exc:  # expected when a rank dies: one line, no traceback
-                peers_gone = True
-                self._peer_trouble(tier.name, f"committing version {job.version}", exc)
-                self._fail(
-                    job,
-                    tier.name,
-                    TierWriteFailed(
-                        f"version {job.version} could not be committed in the "
-                        f"{tier.name!r} tier: {exc}"
-                    ),
-                )
-            except Exception as exc:
-                logger.exception(
-                    "tiercheck: committing version %s in %r failed", job.version, tier.name
-                )
-                self._fail(
-                    job,
-                    tier.name,
-                    TierWriteFailed(
-                        f"version {job.version} could not be committed in the "
-                        f"{tier.name!r} tier: {exc!r}"
-                    ),
-                )
-            finally:
-                self.settled[tier.name] = max(self.settled[tier.name], job.version)
-                job.rounds_left -= 1
-                if job.rounds_left == 0:
-                    job.finished.set()
-                    self.jobs.discard(job)
-            # A round that lost its peers committed nothing new, and retention in a tier that
-            # needs them (the peer tier) would only wait for them to time out again.
-            if not peers_gone:
-                try:
-                    await self._retain(tier)
-                except PeerUnavailable as exc:
-                    self._peer_trouble(tier.name, "retention", exc)
-                except Exception:
-                    logger.exception("tiercheck: retention in the %r tier failed", tier.name)
-                else:
-                    self.peer_warned.discard(tier.name)
-            if isinstance(tier, SupportsPrepare) and self.reserve_size and queue.empty():
-                # Retention just freed memory to recycle: ready the next snapshot's, so the
-                # next save's reserve costs a rename instead of sizing and mapping pages.
-                try:
-                    await tier.prepare(self.reserve_size)
-                except Exception:
-                    logger.exception("tiercheck: preparing memory in %r failed", tier.name)
-            if queue.empty():
-                self.idle[tier.name].set()
-
-    async def _exchange(self, channel: str, payload: Mapping[str, Any]) -> list[dict[str, Any]]:
-        if self.coordinator.world_size == 1:
-            return [dict(payload)]
-        packed = msgpack.packb(payload, use_bin_type=True)
-        loop = asyncio.get_running_loop()
-        gathered = await loop.run_in_executor(
-            self.channel_exec[channel], self.coordinator.all_gather, channel, packed
-        )
-        return [msgpack.unpackb(g, raw=False) for g in gathered]
-
-    async def _round(self, tier: Tier, job: _Job) -> None:
-        name = tier.name
-        result = await job.results[name]
-        durable = result.durable
-        ok = durable is not None and (durable.base is None or durable.base in self.committed[name])
-        base_missing = False
-        if ok and durable is not None and durable.base is not None:
-            # A base can vanish from under a live job (a deleted folder, a lifecycle rule, a
-            # holder that lost its memory): a delta against it must not be reported committed.
-            base_missing = not await self._base_present(tier, durable.base)
-            ok = not base_missing
-        mine: dict[str, Any] = {"ok": ok, "base_missing": base_missing}
-        if durable is not None:
-            mine.update(
-                key=durable.key,
-                size=durable.size,
-                checksum=durable.checksum,
-                raw_digest=durable.raw_digest,
-                base=durable.base,
-            )
-        everyone = await self._exchange(name, mine)
-        failed = [r for r, e in enumerate(everyone) if not e["ok"]]
-        why = ""
-        if not failed and self.writes_commit_records(tier):
-            failed, why = await self._write_commit_record(tier, job.version, everyone)
-        if any(e.get("base_missing") for e in everyone) or why == "base-missing":
-            self._lose_bases(name, {e["base"] for e in everyone if e.get("base") is not None})
-        if failed:
-            if result.error is not None:
-                error: BaseException = result.error
-            elif why == "superseded":
-                error = TierWriteFailed(
-                    f"version {job.version} was not committed in the {name!r} tier: a newer "
-                    "opening of this job took it over"
-                )
-            elif (
-                base_missing
-                or why == "base-missing"
-                or any(e.get("base_missing") for e in everyone)
-            ):
-                error = TierWriteFailed(
-                    f"version {job.version} is a delta whose base vanished from the {name!r} "
-                    "tier; the next save is stored as a base"
-                )
-            elif (
-                durable is not None
-                and durable.base is not None
-                and durable.base not in self.committed[name]
-            ):
-                error = TierWriteFailed(
-                    f"version {job.version} is a delta on base {durable.base}, which is not "
-                    f"committed in the {name!r} tier"
-                )
-            else:
-                error = TierWriteFailed(
-                    f"version {job.version} is not whole in the {name!r} tier: "
-                    f"ranks {failed} could not make it durable"
-                )
-            self._fail(job, name, error)
-            return
-        self.committed[name].add(job.version)
-        self._log(Commit(job.version, name))
-        self.skip_logged = {c for c in self.skip_logged if c[0] != name}
-        self.peer_warned.discard(name)
-        stats = job.handle.stats.tiers[name]
-        stats.state = "committed"
-        stats.seconds = time.perf_counter() - job.started
-        self.stats.committed[name] = self.stats.committed.get(name, 0) + 1
-        self.stats.last_committed[name] = job.version
-        job.handle._resolve(name)
-
-    async def _base_present(self, tier: Tier, base: int) -> bool:
-        blob = self.own[tier.name].get(base)
-        if blob is None:
-            return False
-        try:
-            return await tier.exists(blob.key)
-        except Exception as exc:
-            logger.warning(
-                "tiercheck: cannot tell whether base %s is still in %r: %r", base, tier.name, exc
-            )
-            return False
-
-    def _lose_bases(self, tier: str, bases: set[int]) -> None:
-        """Bases that vanished from ``tier``: forget them; the next save starts a new one."""
-        self.force_base = True
-        for base in bases:
-            self.committed[tier].discard(base)
-        logger.warning(
-            "tiercheck: a delta's base vanished from the %r tier (of versions %s); the next "
-            "save is stored as a base",
-            tier,
-            sorted(bases),
-        )
-
-    async def _write_commit_record(
-        self, tier: Tier, version: int, everyone: list[dict[str, Any]]
-    ) -> tuple[list[int], str]:
-        """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed, and why not."""
-        ok, why = True, ""
-        if self.rank == 0:
-            try:
-                await self._check_fence(tier)
-                bases = sorted({e["base"] for e in everyone if e["base"] is not None})
-                for base in bases:
-                    if not await tier.exists(commit_key(base)):
-                        ok, why = False, "base-missing"
-                if ok:
-                    record = CommitRecord(
-                        job_id=self.cfg.job.job_id,
-                        version=version,
-                        world_size=len(everyone),
-                        time=time.time(),
-                        entries=tuple(
-                            CommitEntry(
-                                rank=r,
-                                key=e["key"],
-                                size=e["size"],
-                                checksum=e["checksum"],
-                                raw_digest=e["raw_digest"],
-                                base=e["base"],
-                            )
-                            for r, e in enumerate(everyone)
-                        ),
-                    )
-                    await tier.put(commit_key(version), record.to_bytes())
-            except Superseded:
-                ok, why = False, "superseded"
-            except Exception:
-                logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
-                ok, why = False, "error"
-        confirmed = await self._exchange(tier.name, {"ok": ok, "why": why})
-        if confirmed[0]["ok"]:
-            return [], ""
-        if confirmed[0]["why"] == "superseded":
-            self.superseded = self.stats.superseded = True
-        return [0], str(confirmed[0]["why"])
-
-    def _fail(self, job: _Job, tier: str, error: BaseException) -> None:
-        stats = job.handle.stats.tiers[tier]
-        skipped = stats.state == "skipped"  # counted in tier_skips already
-        if stats.state == "pending":
-            stats.state = "failed"
-            stats.error = str(error)
-            stats.seconds = time.perf_counter() - job.started
-        if job.kind != "skipped" and not skipped:
-            self.stats.failed[tier] = self.stats.failed.get(tier, 0) + 1
-        job.handle._resolve(tier, error)
-
-    async def _retain(self, tier: Tier) -> None:
-        name = tier.name
-        if name in self.unlisted or (self.superseded and self.writes_commit_records(tier)):
-            return  # never delete from a tier this run cannot see whole, or no longer owns
-        if self.writes_commit_records(tier):
-            # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
-            # lifecycle rule) must not count towards `keep`.
-            self.committed[name] &= await self._commit_versions(tier)
-        doomed = evictable(
-            committed=self.committed[name],
-            own={v: b.base for v, b in self.own[name].items()},
-            keep=self.policy(name).keep,
-            # Rounds run in version order, so everything newer than `settled` is in flight
-            # in this tier and stays; in flight elsewhere does not matter here.
-            settled_upto=self.settled[name],
-        )
-        # Newest first: a delta goes before its base, so no COMMIT record is ever left naming
-        # a base that is gone, whenever the process dies.
-        for version in reversed(doomed):
-            await self._evict(tier, version, "retention")
-
-    async def _evict(self, tier: Tier, version: int, reason: str) -> None:
-        name = tier.name
-        if self.superseded and self.writes_commit_records(tier):
-            return
-        if self.rank == 0 and self.writes_commit_records(tier):
-            await tier.delete(commit_key(version))
-        blob = self.own[name].pop(version, None)
-        if blob is not None:
-            await tier.delete(blob.key)
-        self.committed[name].discard(version)
-        self.stats.evicted[name] = self.stats.evicted.get(name, 0) + 1
-        self._log(Evict(version, self.rank, name, reason))
 
     async def _check_fresh_start(self, version: int) -> None:
         """Refuse a first save that would mix with versions already stored for this job.
@@ -1616,7 +617,7 @@ class _Engine:
         later restore combine blobs of two different runs; deleting them instead would destroy
         checkpoints on a mistake. So this is an error with a way out.
         """
-        stored = [(name, v) for name, blobs in self.own.items() for v in blobs if v >= version]
+        stored = [(name, v) for name, p in self.pipes.items() for v in p.own if v >= version]
         if stored:
             newest = max(v for _, v in stored)
             raise VersionError(
@@ -1627,53 +628,8 @@ class _Engine:
 
     async def _truncate_from(self, first: int, reason: str) -> None:
         """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
-        for tier in self.tiers:
-            doomed = {v for v in self.own[tier.name] if v >= first}
-            if self.rank == 0 and self.writes_commit_records(tier):
-                async for key in tier.list("v"):
-                    v = parse_commit_key(key)
-                    if v is not None and v >= first:
-                        doomed.add(v)
-            for version in sorted(doomed, reverse=True):
-                try:
-                    await self._evict(tier, version, reason)
-                except Exception:
-                    logger.exception(
-                        "tiercheck: removing version %s from %r failed", version, tier.name
-                    )
-
-    # --- manifest -----------------------------------------------------------------------------
-
-    def _log(self, *records: Record) -> None:
-        """Append to the manifest in its own thread; failures are logged and counted."""
-        if self.manifest is None:
-            return
-        manifest = self.manifest
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.manifest_exec, manifest.append, *records)
-        fut.add_done_callback(self._manifest_done)
-
-    def _manifest_done(self, fut: asyncio.Future[None]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is None:
-            if self.manifest_failing:
-                self.manifest_failing = False
-                logger.warning("tiercheck: manifest writes work again")
-            return
-        self.stats.manifest_errors += 1
-        if not self.manifest_failing:  # once per spell of failures, not once per record
-            self.manifest_failing = True
-            logger.error(
-                "tiercheck: manifest write failed: %r; checkpoints are unaffected (restore trusts "
-                "the tiers), history is lost until it works again; further failures are counted "
-                "in stats.manifest_errors",
-                exc,
-            )
-
-    async def _in_manifest_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.manifest_exec, fn, *args)
+        for pipe in self.pipes.values():
+            await pipe.truncate_from(first, reason)
 
     # --- waiting and restoring ----------------------------------------------------------------
 
@@ -1684,34 +640,33 @@ class _Engine:
             job = next(iter(self.jobs))
             await job.finished.wait()
             self.jobs.discard(job)
-        for event in self.idle.values():
-            await event.wait()
-        if self.manifest is not None:
-            await self._in_manifest_thread(lambda: None)
+        for pipe in self.pipes.values():
+            await pipe.idle.wait()
+        await self.ctx.journal.drained()
 
     async def newest(self) -> dict[str, int | None]:
         """The newest committed version of each tier, as this rank knows it."""
-        return {name: max(vs, default=None) for name, vs in self.committed.items()}
+        return {name: max(p.committed, default=None) for name, p in self.pipes.items()}
 
     async def _inventory(self) -> tuple[Inventory, dict[str, str]]:
         """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""
         by_tier: dict[str, frozenset[int]] = {}
         errors: dict[str, str] = {}
-        for tier in self.tiers:
+        for pipe in self.pipes.values():
             try:
-                self.own[tier.name] = await self._list_own(tier)
-                if self.writes_commit_records(tier):
-                    versions = await self._commit_versions(tier)
+                pipe.own = await pipe.list_own()
+                if pipe.durable:
+                    versions = await commit_versions(pipe.tier)
                 else:
-                    versions = set(self.own[tier.name])
+                    versions = set(pipe.own)
             except Exception as exc:
-                logger.warning("tiercheck: cannot list the %r tier for restore: %r", tier.name, exc)
-                errors[tier.name] = f"{type(exc).__name__}: {exc}"
-                self.unlisted.add(tier.name)
+                logger.warning("tiercheck: cannot list the %r tier for restore: %r", pipe.name, exc)
+                errors[pipe.name] = f"{type(exc).__name__}: {exc}"
+                pipe.unlisted = True
                 versions = set()
             else:
-                self.unlisted.discard(tier.name)
-            by_tier[tier.name] = frozenset(versions)
+                pipe.unlisted = False
+            by_tier[pipe.name] = frozenset(versions)
         return Inventory(self.rank, by_tier), errors
 
     async def _own_key(self, tier: Tier, version: int) -> str:
@@ -1723,8 +678,9 @@ class _Engine:
                     f"{self.topo.world_size} (resharding on restore is not supported)"
                 )
             entry = record.entry(self.rank)
-            if version in self.own[tier.name]:  # the record knows the base: no need to guess
-                self.own[tier.name][version] = _OwnBlob(entry.key, entry.base)
+            own = self.pipes[tier.name].own
+            if version in own:  # the record knows the base: no need to guess
+                own[version] = OwnBlob(entry.key, entry.base)
             return entry.key
         keys = [k async for k in tier.list(version_prefix(version))]
         mine = sorted(
@@ -1765,7 +721,7 @@ class _Engine:
         """Set a blob that failed verification aside, so no cleanup can ever delete it."""
         if isinstance(exc, UnsupportedFormat):
             return  # written by a newer build: not damaged, and kept as it is
-        if self.superseded and self.writes_commit_records(tier):
+        if self.ctx.claim.superseded and self.writes_commit_records(tier):
             return
         where = quarantine_key(key)
         try:
@@ -1798,7 +754,7 @@ class _Engine:
         self._check_open()
         await self.wait()
         mine, errors = await self._inventory()
-        gathered = await self._exchange("control", {"inv": mine.to_wire(), "errors": errors})
+        gathered = await self.ctx.exchange("control", {"inv": mine.to_wire(), "errors": errors})
         everyone = [Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered)]
         unlisted = [
             f"rank {r} cannot list the {tier!r} tier: {msg}"
@@ -1852,7 +808,7 @@ class _Engine:
                 except FormatError as exc:
                     reasons.append(f"{source}: {type(exc).__name__}: {exc}")
                     raw = None
-            verdicts = await self._exchange(
+            verdicts = await self.ctx.exchange(
                 "control",
                 {"ok": raw is not None, "source": source, "reasons": reasons, "refusal": refusal},
             )
@@ -1892,8 +848,8 @@ class _Engine:
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
         self._adopt_whole(everyone, upto=chosen)
         for tier in self._durable_tiers():
-            if tier.name not in self.unlisted:
-                self.committed[tier.name] = {
+            if not self.pipes[tier.name].unlisted:
+                self.pipes[tier.name].committed = {
                     v for v in mine.by_tier.get(tier.name, frozenset()) if v <= chosen
                 }
         self.session_started = True
@@ -1964,16 +920,16 @@ class _Engine:
         save's leftover and delete it, the restored version included. The inventories every
         rank exchanged for the restore show what is whole: adopt it, and record it.
         """
-        for tier in self.tiers:
-            name = tier.name
-            if self.writes_commit_records(tier):
+        for pipe in self.pipes.values():
+            name = pipe.name
+            if pipe.durable:
                 continue
-            whole = set(self.own[name])
+            whole = set(pipe.own)
             for inventory in everyone:
                 whole &= inventory.by_tier.get(name, frozenset())
-            adopted = sorted(v for v in whole - self.committed[name] if v <= upto)
+            adopted = sorted(v for v in whole - pipe.committed if v <= upto)
             if adopted:
-                self.committed[name].update(adopted)
+                pipe.committed.update(adopted)
                 self._log(*(Commit(v, name) for v in adopted))
 
     async def _fetch(
@@ -1999,25 +955,7 @@ class _Engine:
 
     async def versions(self) -> dict[str, list[int]]:
         """Committed versions per tier that are still there, as this rank sees them."""
-        out: dict[str, list[int]] = {}
-        for tier in self.tiers:
-            name = tier.name
-            try:
-                if self.writes_commit_records(tier):
-                    present = await self._commit_versions(tier)
-                else:
-                    present = set(await self._list_own(tier))
-            except Exception as exc:
-                logger.warning("tiercheck: cannot list the %r tier: %r", name, exc)
-                out[name] = sorted(self.committed[name])
-                continue
-            there = self.committed[name] & present
-            # A delta whose base is gone cannot be restored from this tier.
-            bases = {v: b.base for v, b in self.own[name].items()}
-            out[name] = sorted(
-                v for v in there if bases.get(v) in (None, UNKNOWN_BASE) or bases[v] in there
-            )
-        return out
+        return {name: await pipe.restorable() for name, pipe in self.pipes.items()}
 
     # --- closing ------------------------------------------------------------------------------
 
@@ -2060,7 +998,7 @@ class _Engine:
             saved = False
         self.closed = True
         await self._end_workers(cancel=False)
-        collective = self.coordinator.world_size > 1
+        collective = self.ctx.coordinator.world_size > 1
         if collective:
             await self._agree("every rank is done saving", {"saved": saved})
         stopped = await self._stop_serving()
@@ -2083,7 +1021,7 @@ class _Engine:
             ]
             settled = _when_all_done(futures)
             while not settled.is_set():
-                broken = self.coordinator.broken
+                broken = self.ctx.coordinator.broken
                 left = deadline - loop.time()
                 if broken is None and left > 0:
                     with contextlib.suppress(TimeoutError):
@@ -2108,9 +1046,8 @@ class _Engine:
         for job in pending:  # whoever waits on their handles learns they never commit
             for name, future in job.handle._futures.items():
                 if not future.done():
-                    self._fail(
+                    self.pipes[name].fail(
                         job,
-                        name,
                         TierWriteFailed(
                             f"version {job.version} was abandoned in the {name!r} tier: the "
                             "checkpointer closed without waiting for it"
@@ -2122,10 +1059,10 @@ class _Engine:
 
     async def _end_workers(self, *, cancel: bool) -> None:
         """End the lane and round workers (and, when cancelling, the pipelines), bounded."""
-        for name in self.lanes:
-            self.lanes[name].put_nowait(None)
-            self.round_queues[name].put_nowait(None)
-        tasks = [*self.workers, *self.pipelines] if cancel else list(self.workers)
+        workers = [task for pipe in self.pipes.values() for task in pipe.workers]
+        for pipe in self.pipes.values():
+            pipe.end()
+        tasks = [*workers, *self.pipelines] if cancel else workers
         if cancel:
             for task in tasks:
                 task.cancel()
@@ -2155,7 +1092,7 @@ class _Engine:
     async def _agree(self, what: str, mine: Mapping[str, Any]) -> bool:
         """One agreement of the close on the "control" channel; a failure is logged once."""
         try:
-            everyone = await self._exchange("control", mine)
+            everyone = await self.ctx.exchange("control", mine)
         except Exception as exc:
             if not self.close_warned:
                 self.close_warned = True
@@ -2177,14 +1114,12 @@ class _Engine:
                 await tier.aclose()
             except Exception:
                 logger.exception("tiercheck: closing the %r tier failed", tier.name)
-        self.manifest_exec.shutdown(wait=True)  # local appends only
-        if self.manifest is not None:
-            self.manifest.close()
-        for ex in self.channel_exec.values():
+        self.ctx.journal.close()  # local appends only
+        for ex in self.ctx.channels.values():
             # An exchange still waiting on a dead rank stays on its daemon thread.
             ex.shutdown(wait=False, cancel_futures=True)
         try:
-            self.coordinator.close()
+            self.ctx.coordinator.close()
         except Exception:
             logger.exception("tiercheck: closing the coordination groups failed")
         self.cpu.shutdown(wait=flush)
