@@ -13,11 +13,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.manifest import Commit
+from tiercheck.consistency.protocol import (
+    AckReason,
+    CommitAck,
+    Vote,
+    commit_record,
+    round_failures,
+)
 from tiercheck.engine.jobs import Job
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
@@ -109,22 +115,27 @@ class CommitRounds:
             # holder that lost its memory): a delta against it must not be reported committed.
             base_missing = not await self._base_present(durable.base)
             ok = not base_missing
-        mine: dict[str, Any] = {"ok": ok, "base_missing": base_missing}
-        if durable is not None:
-            mine.update(
+        if durable is None:
+            mine = Vote(ok, base_missing)
+        else:
+            mine = Vote(
+                ok,
+                base_missing,
                 key=durable.key,
                 size=durable.size,
                 checksum=durable.checksum,
                 raw_digest=durable.raw_digest,
                 base=durable.base,
             )
-        everyone = await pipe.ctx.exchange(name, mine)
-        failed = [r for r, e in enumerate(everyone) if not e["ok"]]
-        why = ""
+        # Phase 2, vote: every rank's word on this version in this tier.
+        everyone = [Vote.from_wire(e) for e in await pipe.ctx.exchange(name, mine.to_wire())]
+        # Phase 3, decide: unanimous, and (in a durable tier) the COMMIT record landed.
+        failed = round_failures(everyone)
+        why: AckReason = ""
         if not failed and pipe.durable:
             failed, why = await self._write_commit_record(job.version, everyone)
-        if any(e.get("base_missing") for e in everyone) or why == "base-missing":
-            self._lose_bases({e["base"] for e in everyone if e.get("base") is not None})
+        if any(v.base_missing for v in everyone) or why == "base-missing":
+            self._lose_bases({v.base for v in everyone if v.base is not None})
         if failed:
             if result.error is not None:
                 error: BaseException = result.error
@@ -133,11 +144,7 @@ class CommitRounds:
                     f"version {job.version} was not committed in the {name!r} tier: a newer "
                     "opening of this job took it over"
                 )
-            elif (
-                base_missing
-                or why == "base-missing"
-                or any(e.get("base_missing") for e in everyone)
-            ):
+            elif base_missing or why == "base-missing" or any(v.base_missing for v in everyone):
                 error = TierWriteFailed(
                     f"version {job.version} is a delta whose base vanished from the {name!r} "
                     "tier; the next save is stored as a base"
@@ -195,45 +202,31 @@ class CommitRounds:
         )
 
     async def _write_commit_record(
-        self, version: int, everyone: list[dict[str, Any]]
-    ) -> tuple[list[int], str]:
+        self, version: int, everyone: list[Vote]
+    ) -> tuple[list[int], AckReason]:
         """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed, and why not."""
         ctx, tier = self.pipe.ctx, self.pipe.tier
-        ok, why = True, ""
+        ok = True
+        why: AckReason = ""
         if ctx.rank == 0:
             try:
                 await ctx.claim.check(tier)
-                bases = sorted({e["base"] for e in everyone if e["base"] is not None})
+                bases = sorted({v.base for v in everyone if v.base is not None})
                 for base in bases:
                     if not await tier.exists(commit_key(base)):
                         ok, why = False, "base-missing"
                 if ok:
-                    record = CommitRecord(
-                        job_id=ctx.job_id,
-                        version=version,
-                        world_size=len(everyone),
-                        time=time.time(),
-                        entries=tuple(
-                            CommitEntry(
-                                rank=r,
-                                key=e["key"],
-                                size=e["size"],
-                                checksum=e["checksum"],
-                                raw_digest=e["raw_digest"],
-                                base=e["base"],
-                            )
-                            for r, e in enumerate(everyone)
-                        ),
-                    )
+                    record = commit_record(ctx.job_id, version, everyone, time.time())
                     await tier.put(commit_key(version), record.to_bytes())
             except Superseded:
                 ok, why = False, "superseded"
             except Exception:
                 logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
                 ok, why = False, "error"
-        confirmed = await ctx.exchange(tier.name, {"ok": ok, "why": why})
-        if confirmed[0]["ok"]:
+        acks = await ctx.exchange(tier.name, CommitAck(ok, why).to_wire())
+        ack = CommitAck.from_wire(acks[0])  # rank 0's is the one that counts
+        if ack.ok:
             return [], ""
-        if confirmed[0]["why"] == "superseded":
+        if ack.why == "superseded":
             ctx.claim.superseded = ctx.stats.superseded = True
-        return [0], str(confirmed[0]["why"])
+        return [0], ack.why

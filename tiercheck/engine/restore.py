@@ -21,6 +21,7 @@ import torch
 from tiercheck.codec import RawState, check_into, load_into, unflatten
 from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
+from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
 from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
@@ -103,23 +104,24 @@ class Restorer:
                 raise RestoreError(self._rejection_report(rejected, unlisted))
             raw, source, reasons = await self.reader.fetch(chosen, mine)
             rebuilt: Any = None
-            refusal: list[str] | None = None
+            refusal: tuple[str, str] | None = None
             if raw is not None:
                 try:
                     with paused_gc():  # tens of thousands of short-lived objects: see there
                         rebuilt = self._rebuild(raw, state, strict)
                 except StateMismatch as exc:
-                    refusal = ["StateMismatch", str(exc)]
+                    refusal = ("StateMismatch", str(exc))
                 except UnsupportedObject as exc:
-                    refusal = ["UnsupportedObject", str(exc)]
+                    refusal = ("UnsupportedObject", str(exc))
                 except FormatError as exc:
                     reasons.append(f"{source}: {type(exc).__name__}: {exc}")
                     raw = None
-            verdicts = await self.ctx.exchange(
-                "control",
-                {"ok": raw is not None, "source": source, "reasons": reasons, "refusal": refusal},
-            )
-            refusals = [(r, v["refusal"]) for r, v in enumerate(verdicts) if v["refusal"]]
+            mine_verdict = RestoreVerdict(raw is not None, source, tuple(reasons), refusal)
+            verdicts = [
+                RestoreVerdict.from_wire(v)
+                for v in await self.ctx.exchange("control", mine_verdict.to_wire())
+            ]
+            refusals = [(r, v.refusal) for r, v in enumerate(verdicts) if v.refusal is not None]
             if refusals:
                 # The caller's state (or options) cannot take the version: nothing was
                 # written into it, and nothing stored is removed.
@@ -127,14 +129,14 @@ class Restorer:
                 ranks = [r for r, _ in refusals]
                 message = f"rank {refusals[0][0]} (of ranks {ranks} refusing): {text}"
                 raise (StateMismatch if kind == "StateMismatch" else UnsupportedObject)(message)
-            if all(v["ok"] for v in verdicts):
+            if all(v.ok for v in verdicts):
                 break
             for r, v in enumerate(verdicts):
-                if not v["ok"]:
+                if not v.ok:
                     rejected.setdefault(chosen, []).extend(
-                        f"rank {r}: {reason}" for reason in v["reasons"]
+                        f"rank {r}: {reason}" for reason in v.reasons
                     )
-            bad = [r for r, v in enumerate(verdicts) if not v["ok"]]
+            bad = [r for r, v in enumerate(verdicts) if not v.ok]
             if version is not None:
                 raise RestoreError(
                     f"version {version} failed verification on ranks {bad}; nothing was "
@@ -165,7 +167,7 @@ class Restorer:
             version=chosen,
             state=rebuilt,
             source_tier=source,
-            source_tiers={r: v["source"] for r, v in enumerate(verdicts)},
+            source_tiers={r: v.source or "" for r, v in enumerate(verdicts)},
             seconds=time.perf_counter() - started,
             rejected={v: tuple(lines) for v, lines in rejected.items()},
         )
@@ -226,9 +228,7 @@ class Restorer:
             name = pipe.name
             if pipe.durable:
                 continue
-            whole = set(pipe.own)
-            for inventory in everyone:
-                whole &= inventory.by_tier.get(name, frozenset())
+            whole = whole_in_tier(name, pipe.own, everyone)
             adopted = sorted(v for v in whole - pipe.committed if v <= upto)
             if adopted:
                 pipe.committed.update(adopted)

@@ -32,6 +32,7 @@ from tiercheck.consistency.keys import (
     parse_commit_key,
 )
 from tiercheck.consistency.manifest import Durable, Evict
+from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.engine.jobs import Job, OwnBlob
 from tiercheck.engine.options import TierPolicy
@@ -127,13 +128,17 @@ class TierPipeline:
         """At opening: list this rank's blobs and what is committed (never fatal)."""
         try:
             self.own = await self.list_own()
-            if self.durable:
-                # What retention counts in a durable tier is what its COMMIT records
-                # prove, not what this node's manifest remembers (it may be new).
-                self.committed = await commit_versions(self.tier)
-            else:
-                known = self.ctx.journal.committed(self.name)
-                self.committed = {v for v in known if v in self.own}
+            # What retention counts in a durable tier is what its COMMIT records prove, not
+            # what this node's manifest remembers (it may be new).
+            self.committed = committed_in_tier(
+                commit_records=self.durable,
+                recorded=(
+                    await commit_versions(self.tier)
+                    if self.durable
+                    else self.ctx.journal.committed(self.name)
+                ),
+                held=self.own,
+            )
         except Exception as exc:
             logger.error(
                 "tiercheck: cannot list the %r tier (%r); nothing will be deleted from it "
