@@ -42,7 +42,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-import tiercheck.checkpointer
+import tiercheck.engine.journal
 from tiercheck import (
     JobLocked,
     Restored,
@@ -115,7 +115,7 @@ def open_manifests_through(monkeypatch: pytest.MonkeyPatch, wrap: Any) -> None:
     def open_manifest(*args: Any, **kwargs: Any) -> Any:
         return wrap(Manifest(*args, **kwargs))
 
-    monkeypatch.setattr(tiercheck.checkpointer, "Manifest", open_manifest)
+    monkeypatch.setattr(tiercheck.engine.journal, "Manifest", open_manifest)
 
 
 @dataclass

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from tiercheck import stateful
-from tiercheck.checkpointer import CloseMode, Restored, SaveHandle, _CheckpointerCore
+from tiercheck.engine.core import CheckpointerCore
+from tiercheck.engine.options import CloseMode
+from tiercheck.engine.results import Restored, SaveHandle
 from tiercheck.staging import caller_marks
 
 __all__ = ["SyncCheckpointer"]
 
 
-class SyncCheckpointer(_CheckpointerCore):
+class SyncCheckpointer(CheckpointerCore):
     """A blocking :class:`~tiercheck.Checkpointer`; takes exactly the same arguments.
 
     Example::

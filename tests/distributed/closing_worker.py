@@ -106,7 +106,11 @@ async def train(args: argparse.Namespace, events: Events) -> None:
                     # peer put then waits on a holder that is gone) before their next
                     # all-reduce fails.
                     await handles[step - 1].done("peer")
-                    shutil.rmtree(node_root)  # the node is lost: its memory too
+                    # The node is lost, its memory too: at once, by a rename, as this rank's
+                    # own retention may still be deleting in it (rmtree would then race).
+                    lost = node_root.with_name(f"lost-{node_root.name}-{os.getpid()}")
+                    node_root.rename(lost)
+                    shutil.rmtree(lost, ignore_errors=True)  # whatever is left dies with us
                     events("kill", rank=rank, step=step)
                     os.kill(os.getpid(), signal.SIGKILL)
                 handles[step] = await ckpt.save(step, state(step))

@@ -30,6 +30,7 @@ from tiercheck.consistency.identity import (
 )
 from tiercheck.consistency.keys import BlobKind, parse_blob_key, parse_commit_key
 from tiercheck.consistency.manifest import Durable
+from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, FormatError, ManifestError, StorageError, TiercheckError
 from tiercheck.tiers.local import LocalTier
@@ -473,6 +474,8 @@ async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:
             begun = {r for info in known.values() for r in info.get("begun", [])}
     seen = {r for e in catalog.versions.values() for r in e.blobs}
     catalog.ranks = tuple(sorted(seen | begun))
+    # The engine's rule for a memory tier: the manifest saw it committed, and it is there.
+    committed = committed_in_tier(commit_records=False, recorded=committed, held=catalog.versions)
     for v, entry in catalog.versions.items():
         entry.expected_ranks = catalog.ranks
         entry.committed = (v in committed) if manifest is not None else None

@@ -35,7 +35,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -421,11 +421,3 @@ class Manifest:
 
     def __repr__(self) -> str:
         return f"Manifest({self.path!r})"
-
-
-def records_by_version(records: Iterable[Record]) -> Mapping[int, list[Record]]:
-    """Group records by version (a helper for inspection tools)."""
-    out: dict[int, list[Record]] = {}
-    for record in records:
-        out.setdefault(record.version, []).append(record)
-    return out

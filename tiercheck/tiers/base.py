@@ -38,10 +38,15 @@ import enum
 import re
 import types
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from tiercheck.errors import InvalidKey, TierClosed
+from tiercheck.errors import ConfigError, InvalidKey, TierClosed
+
+if TYPE_CHECKING:
+    from tiercheck.topology import Topology
 
 __all__ = [
     "MAX_KEY_LENGTH",
@@ -52,6 +57,7 @@ __all__ = [
     "SupportsReserve",
     "SupportsStopServing",
     "Tier",
+    "TierSetup",
     "validate_key",
 ]
 
@@ -112,6 +118,25 @@ def validate_key(key: object) -> str:
     return key
 
 
+@dataclass(frozen=True, slots=True)
+class TierSetup:
+    """What a checkpointer knows that a tier it builds by name may need (see
+    :meth:`Tier.for_job`)."""
+
+    job_id: str
+    #: The incarnation of the job agreed by every rank when the checkpointer opened.
+    session: str
+    topology: Topology
+    #: This node's shared-memory folder (see :class:`tiercheck.defaults.NodeRoot`).
+    node_root: Path
+    #: The job's folder under the ``persistent=`` URL.
+    persistent_url: str
+    storage_options: Mapping[str, Any]
+    local_capacity: int | None
+    peer_replicas: int
+    peer_timeout: float
+
+
 class Tier(ABC):
     """A place blobs live. See the module docstring for the contract and the call order.
 
@@ -126,6 +151,23 @@ class Tier(ABC):
     survives: FailureScope = FailureScope.PROCESS
 
     _closed: bool = False
+
+    @classmethod
+    def for_job(cls, setup: TierSetup) -> Tier:
+        """Build the tier for a checkpointer that names it in ``tiers=[...]``.
+
+        Found through the registry (:func:`~tiercheck.tiers.registry.get_tier_class`). The
+        default takes no arguments; a tier that needs the job's placement or folders overrides
+        this, and one that needs arguments of its own is constructed by the caller and passed
+        as an instance.
+        """
+        try:
+            return cls()
+        except TypeError as exc:
+            raise ConfigError(
+                f"the {cls.name!r} tier needs arguments; construct it yourself and pass the "
+                f"instance in `tiers=[...]`: {exc}"
+            ) from exc
 
     @abstractmethod
     async def put(self, key: str, data: Buffer) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Final, TypeVar
 
 # default_root lives with the rest of the node layout in tiercheck.defaults; importable here too.
-from tiercheck.defaults import default_root
+from tiercheck.defaults import NodeRoot, default_root
 from tiercheck.errors import (
     BlobNotFound,
     ConfigError,
@@ -33,7 +33,7 @@ from tiercheck.errors import (
     TierFull,
 )
 from tiercheck.tiers import _atomic
-from tiercheck.tiers.base import Buffer, FailureScope, Tier, validate_key
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
 
 __all__ = ["LocalReservation", "LocalTier", "default_root"]
 
@@ -202,6 +202,11 @@ class LocalTier(Tier):
 
     name = "local"
     survives = FailureScope.PROCESS
+
+    @classmethod
+    def for_job(cls, setup: TierSetup) -> LocalTier:
+        """The node's local tier of a checkpointer: blobs under its shared-memory folder."""
+        return cls(NodeRoot(setup.node_root).blobs, capacity=setup.local_capacity)
 
     def __init__(
         self,

@@ -66,6 +66,7 @@ import msgpack
 import torch
 
 from tiercheck._threads import DaemonExecutor
+from tiercheck.defaults import NodeRoot
 from tiercheck.errors import (
     BlobNotFound,
     ConfigError,
@@ -74,7 +75,7 @@ from tiercheck.errors import (
     TiercheckError,
     TierFull,
 )
-from tiercheck.tiers.base import Buffer, FailureScope, Tier, validate_key
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
 from tiercheck.tiers.local import LocalTier
 from tiercheck.topology import Topology
 
@@ -181,6 +182,19 @@ class PeerTier(Tier):
     """
 
     survives = FailureScope.NODE
+
+    @classmethod
+    def for_job(cls, setup: TierSetup) -> PeerTier:
+        """A checkpointer's peer tier: the job's placement, replicas held under the node's
+        shared-memory folder, exchanges bounded by ``peer_timeout``."""
+        return cls(
+            topology=setup.topology,
+            holder_root=NodeRoot(setup.node_root).replicas,
+            replicas=setup.peer_replicas,
+            timeout=setup.peer_timeout,
+            namespace=setup.job_id,
+            session=f"{setup.job_id}.{setup.session}",
+        )
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck.errors import BlobNotFound, ConfigError, InvalidKey, StorageError, TiercheckError
 from tiercheck.tiers import _atomic
-from tiercheck.tiers.base import Buffer, FailureScope, Tier, validate_key
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
 
 __all__ = ["DEFAULT_RETRY", "PersistentTier", "RetryPolicy"]
 
@@ -179,6 +179,11 @@ class PersistentTier(Tier):
 
     name = "persistent"
     survives = FailureScope.CLUSTER
+
+    @classmethod
+    def for_job(cls, setup: TierSetup) -> PersistentTier:
+        """A checkpointer's persistent tier: the job's folder under the ``persistent=`` URL."""
+        return cls(setup.persistent_url, storage_options=setup.storage_options)
 
     def __init__(
         self,

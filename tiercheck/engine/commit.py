@@ -1,0 +1,232 @@
+"""The commit round: the ranks agree, version by version, on what is whole in one tier.
+
+A version is *committed* in a tier once every rank's blob of it, and of its base, is durable
+there. Each rank votes (its blob's record, or why it has none); rank 0 writes the ``COMMIT``
+record in tiers that outlive the cluster and every rank learns whether it landed. Rounds run in
+version order, one tier at a time each, on the tier's own channel (never the training's own
+process group); after each round the tier's retention runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tiercheck.consistency.keys import commit_key
+from tiercheck.consistency.manifest import Commit
+from tiercheck.consistency.protocol import (
+    AckReason,
+    CommitAck,
+    Vote,
+    commit_record,
+    round_failures,
+)
+from tiercheck.engine.jobs import Job
+from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
+from tiercheck.tiers.base import SupportsPrepare
+
+if TYPE_CHECKING:
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["CommitRounds"]
+
+logger = logging.getLogger("tiercheck")
+
+
+class CommitRounds:
+    """The round worker of one tier's pipeline."""
+
+    def __init__(self, pipe: TierPipeline, on_base_lost: Callable[[], None]) -> None:
+        self.pipe = pipe
+        #: Jobs waiting for their round, in version order; ``None`` ends the worker.
+        self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
+        # A delta's base vanished: the schedule stores the next save as a base.
+        self.on_base_lost = on_base_lost
+
+    async def run(self) -> None:
+        """Decide, version by version, whether each is committed in the tier for every rank."""
+        pipe, tier, queue = self.pipe, self.pipe.tier, self.queue
+        while True:
+            job = await queue.get()
+            if job is None:
+                return
+            peers_gone = False
+            try:
+                await self._round(job)
+            except PeerUnavailable as exc:  # expected when a rank dies: one line, no traceback
+                peers_gone = True
+                pipe.peer_trouble(f"committing version {job.version}", exc)
+                pipe.fail(
+                    job,
+                    TierWriteFailed(
+                        f"version {job.version} could not be committed in the "
+                        f"{tier.name!r} tier: {exc}"
+                    ),
+                )
+            except Exception as exc:
+                logger.exception(
+                    "tiercheck: committing version %s in %r failed", job.version, tier.name
+                )
+                pipe.fail(
+                    job,
+                    TierWriteFailed(
+                        f"version {job.version} could not be committed in the "
+                        f"{tier.name!r} tier: {exc!r}"
+                    ),
+                )
+            finally:
+                pipe.settled = max(pipe.settled, job.version)
+                job.rounds_left -= 1
+                if job.rounds_left == 0:
+                    job.finished.set()
+                    pipe.ctx.jobs.discard(job)
+            # A round that lost its peers committed nothing new, and retention in a tier that
+            # needs them (the peer tier) would only wait for them to time out again.
+            if not peers_gone:
+                try:
+                    await pipe.retain()
+                except PeerUnavailable as exc:
+                    pipe.peer_trouble("retention", exc)
+                except Exception:
+                    logger.exception("tiercheck: retention in the %r tier failed", tier.name)
+                else:
+                    pipe.peer_warned = False
+            if isinstance(tier, SupportsPrepare) and pipe.reserve_size and queue.empty():
+                # Retention just freed memory to recycle: ready the next snapshot's, so the
+                # next save's reserve costs a rename instead of sizing and mapping pages.
+                try:
+                    await tier.prepare(pipe.reserve_size)
+                except Exception:
+                    logger.exception("tiercheck: preparing memory in %r failed", tier.name)
+            if queue.empty():
+                pipe.idle.set()
+
+    async def _round(self, job: Job) -> None:
+        pipe, name = self.pipe, self.pipe.name
+        result = await job.results[name]
+        durable = result.durable
+        ok = durable is not None and (durable.base is None or durable.base in pipe.committed)
+        base_missing = False
+        if ok and durable is not None and durable.base is not None:
+            # A base can vanish from under a live job (a deleted folder, a lifecycle rule, a
+            # holder that lost its memory): a delta against it must not be reported committed.
+            base_missing = not await self._base_present(durable.base)
+            ok = not base_missing
+        if durable is None:
+            mine = Vote(ok, base_missing)
+        else:
+            mine = Vote(
+                ok,
+                base_missing,
+                key=durable.key,
+                size=durable.size,
+                checksum=durable.checksum,
+                raw_digest=durable.raw_digest,
+                base=durable.base,
+            )
+        # Phase 2, vote: every rank's word on this version in this tier.
+        everyone = [Vote.from_wire(e) for e in await pipe.ctx.exchange(name, mine.to_wire())]
+        # Phase 3, decide: unanimous, and (in a durable tier) the COMMIT record landed.
+        failed = round_failures(everyone)
+        why: AckReason = ""
+        if not failed and pipe.durable:
+            failed, why = await self._write_commit_record(job.version, everyone)
+        if any(v.base_missing for v in everyone) or why == "base-missing":
+            self._lose_bases({v.base for v in everyone if v.base is not None})
+        if failed:
+            if result.error is not None:
+                error: BaseException = result.error
+            elif why == "superseded":
+                error = TierWriteFailed(
+                    f"version {job.version} was not committed in the {name!r} tier: a newer "
+                    "opening of this job took it over"
+                )
+            elif base_missing or why == "base-missing" or any(v.base_missing for v in everyone):
+                error = TierWriteFailed(
+                    f"version {job.version} is a delta whose base vanished from the {name!r} "
+                    "tier; the next save is stored as a base"
+                )
+            elif (
+                durable is not None
+                and durable.base is not None
+                and durable.base not in pipe.committed
+            ):
+                error = TierWriteFailed(
+                    f"version {job.version} is a delta on base {durable.base}, which is not "
+                    f"committed in the {name!r} tier"
+                )
+            else:
+                error = TierWriteFailed(
+                    f"version {job.version} is not whole in the {name!r} tier: "
+                    f"ranks {failed} could not make it durable"
+                )
+            pipe.fail(job, error)
+            return
+        pipe.committed.add(job.version)
+        pipe.ctx.journal.log(Commit(job.version, name))
+        pipe.skip_logged.clear()
+        pipe.peer_warned = False
+        stats = job.handle.stats.tiers[name]
+        stats.state = "committed"
+        stats.seconds = time.perf_counter() - job.started
+        pipe.ctx.stats.committed[name] = pipe.ctx.stats.committed.get(name, 0) + 1
+        pipe.ctx.stats.last_committed[name] = job.version
+        job.handle._resolve(name)
+
+    async def _base_present(self, base: int) -> bool:
+        tier = self.pipe.tier
+        blob = self.pipe.own.get(base)
+        if blob is None:
+            return False
+        try:
+            return await tier.exists(blob.key)
+        except Exception as exc:
+            logger.warning(
+                "tiercheck: cannot tell whether base %s is still in %r: %r", base, tier.name, exc
+            )
+            return False
+
+    def _lose_bases(self, bases: set[int]) -> None:
+        """Bases that vanished from ``tier``: forget them; the next save starts a new one."""
+        self.on_base_lost()
+        for base in bases:
+            self.pipe.committed.discard(base)
+        logger.warning(
+            "tiercheck: a delta's base vanished from the %r tier (of versions %s); the next "
+            "save is stored as a base",
+            self.pipe.name,
+            sorted(bases),
+        )
+
+    async def _write_commit_record(
+        self, version: int, everyone: list[Vote]
+    ) -> tuple[list[int], AckReason]:
+        """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed, and why not."""
+        ctx, tier = self.pipe.ctx, self.pipe.tier
+        ok = True
+        why: AckReason = ""
+        if ctx.rank == 0:
+            try:
+                await ctx.claim.check(tier)
+                bases = sorted({v.base for v in everyone if v.base is not None})
+                for base in bases:
+                    if not await tier.exists(commit_key(base)):
+                        ok, why = False, "base-missing"
+                if ok:
+                    record = commit_record(ctx.job_id, version, everyone, time.time())
+                    await tier.put(commit_key(version), record.to_bytes())
+            except Superseded:
+                ok, why = False, "superseded"
+            except Exception:
+                logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
+                ok, why = False, "error"
+        acks = await ctx.exchange(tier.name, CommitAck(ok, why).to_wire())
+        ack = CommitAck.from_wire(acks[0])  # rank 0's is the one that counts
+        if ack.ok:
+            return [], ""
+        if ack.why == "superseded":
+            ctx.claim.superseded = ctx.stats.superseded = True
+        return [0], ack.why

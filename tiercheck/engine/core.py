@@ -1,0 +1,250 @@
+"""What :class:`~tiercheck.Checkpointer` and :class:`~tiercheck.SyncCheckpointer` share.
+
+One constructor for both (its arguments are checked and resolved by
+:func:`~tiercheck.engine.options.resolve_options`), a few read-only properties, and the private
+event loop thread the :class:`~tiercheck.engine.engine.Engine` runs on, started on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tiercheck._loop import LoopThread
+from tiercheck.codec import CodecOptions
+from tiercheck.consistency.coordinator import Coordinator
+from tiercheck.defaults import persistent_job_url
+from tiercheck.engine.engine import Engine
+from tiercheck.engine.options import (
+    BusyPolicy,
+    StalePolicy,
+    TierEncoding,
+    TierPolicy,
+    VersionSelector,
+    resolve_options,
+)
+from tiercheck.engine.results import CheckpointerStats
+from tiercheck.errors import TierClosed
+from tiercheck.tiers.base import Tier
+from tiercheck.topology import Topology
+
+__all__ = ["CheckpointerCore"]
+
+
+class CheckpointerCore:
+    """What :class:`Checkpointer` and :class:`~tiercheck.SyncCheckpointer` share: the
+    configuration (one constructor for both) and the private loop the pipeline runs on."""
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        persistent: str | None = None,
+        local_root: str | os.PathLike[str] | None = None,
+        tiers: Sequence[str | Tier] | None = None,
+        base_every: int = 10,
+        keep: int | Mapping[str, int] | None = None,
+        persist: VersionSelector = "base",
+        encodings: Mapping[str, TierEncoding] | None = None,
+        policies: Mapping[str, TierPolicy] | None = None,
+        on_busy: BusyPolicy = "wait",
+        max_pending: int = 1,
+        overlap: bool = False,
+        tier_queue: int = 4,
+        codec: CodecOptions | None = None,
+        allow_pickle: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
+        node: str | None = None,
+        coordinator: Coordinator | None = None,
+        local_capacity: int | None = None,
+        peer_replicas: int = 1,
+        peer_timeout: float = 300.0,
+        threads: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
+        stale_memory: StalePolicy = "error",
+        close_timeout: float = 30.0,
+    ) -> None:
+        """Configure; nothing is opened or written until first use (or ``open``).
+
+        Args:
+            job_id: names the job; everything it stores sits under this name.
+            persistent: an fsspec URL for durable storage (``file://``, ``s3://``, ``memory://``,
+                ...), or ``None`` for ``./tiercheck-checkpoints``.
+            local_root: this node's shared-memory folder (default
+                ``/dev/shm/tiercheck/<job>/<node>``).
+            tiers: tier names or :class:`~tiercheck.tiers.Tier` instances, any order (they are
+                used fastest first). Default: ``local`` + ``persistent``, plus ``peer`` when the job
+                spans more than one node.
+            base_every: every ``base_every``-th save is a base, the others deltas against it.
+            keep: versions each tier retains: one number for all tiers or a mapping by tier name
+                (defaults: local 2, peer 2, persistent 3).
+            persist: which versions go to tiers that outlive the cluster: ``"base"`` (default),
+                ``"all"``, or a predicate on the version (bases always go).
+            encodings: ``"full"`` or ``"packed"`` per tier name (default: ``full`` for the local
+                tier, ``packed`` elsewhere).
+            policies: full :class:`TierPolicy` objects by tier name (override the three above).
+            on_busy: ``"wait"`` (default) or ``"skip"`` when the previous save is still encoding.
+            max_pending: how many saves may be encoding at once before ``on_busy`` applies.
+            overlap: ``save`` returns before the snapshot is copied; the copy runs on a worker
+                thread (and, for GPU tensors, a side stream) while training computes. The state
+                must not change until the copy is done: pass the fence first --
+                ``handle.staged()``, ``ckpt.fence()``, or install it once with
+                :func:`~tiercheck.fence_before_step` (an optimizer step pre-hook) or
+                :func:`~tiercheck.fence_before_forward`. A change made before the fence that
+                torch's version counters show makes the version fail
+                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy.
+            tier_queue: how many encoded versions may wait for one tier before newer ones are
+                dropped for that tier (a slow remote store never blocks training).
+            codec: compression options for packed blobs.
+            allow_pickle: admit arbitrary Python objects in the state through pickle (off: a
+                checkpoint from a stranger must not be able to run code).
+            rank, world_size, ranks_per_node: placement; detected from torch.distributed and the
+                launcher's environment when not given.
+            node: the node's name (default ``node<index>``).
+            coordinator: how ranks agree (default: none for one rank, dedicated gloo groups
+                for more).
+            local_capacity: bytes the local tier may use.
+            peer_replicas, peer_timeout: peer tier replica count and the seconds any exchange with
+                another rank may take before failing.
+            threads: worker threads for hashing and compression (default: every core).
+            storage_options: options for the ``persistent`` URL's fsspec filesystem, e.g. for
+                S3 ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``
+                (default: the backend's own, such as the AWS environment variables).
+            stale_memory: what to do with a node's shared memory that holds checkpoints of
+                another run of the same ``job_id`` (another durable location, or a location
+                that was made anew): ``"error"`` (default) refuses to open with
+                :class:`~tiercheck.errors.StaleMemory`, ``"discard"`` deletes that memory.
+            close_timeout: seconds the close may spend on each step that can wait on something
+                it does not control: when leaving ``with``/``async with`` on an exception, the
+                wait for the saves in flight (memory tiers first; no agreement with other
+                ranks, which may be failing too), and stopping the peer tier's server. The
+                normal close waits for every save without this bound (each exchange with
+                another rank is bounded by ``peer_timeout``).
+
+        Opening refuses, with a typed error and before anything is read or changed: a second
+        live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a
+        durable location that cannot be written, read and deleted from
+        (:class:`~tiercheck.errors.StorageError`), a job saved by another number of ranks
+        (:class:`~tiercheck.errors.WorldSizeMismatch`), and stale memory (above). A second
+        opening of the job elsewhere takes the durable tiers over; this one then stops writing
+        there (:class:`~tiercheck.errors.Superseded`, ``stats.superseded``).
+
+        Memory: staging costs one copy of the state (in the local tier's memory when it is used),
+        a second copy is held as the delta base when a packed tier receives deltas, and each
+        tier's queue holds at most ``tier_queue`` encoded versions.
+        """
+        self._config = resolve_options(
+            job_id,
+            persistent=persistent,
+            local_root=local_root,
+            tiers=tiers,
+            base_every=base_every,
+            keep=keep,
+            persist=persist,
+            encodings=encodings,
+            policies=policies,
+            on_busy=on_busy,
+            max_pending=max_pending,
+            overlap=overlap,
+            tier_queue=tier_queue,
+            codec=codec,
+            allow_pickle=allow_pickle,
+            rank=rank,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+            node=node,
+            coordinator=coordinator,
+            local_capacity=local_capacity,
+            peer_replicas=peer_replicas,
+            peer_timeout=peer_timeout,
+            threads=threads,
+            storage_options=storage_options,
+            stale_memory=stale_memory,
+            close_timeout=close_timeout,
+        )
+        self._loop: LoopThread | None = None
+        self._engine: Engine | None = None
+        self._closed = False
+
+    # --- properties ---------------------------------------------------------------------------
+
+    @property
+    def job_id(self) -> str:
+        """The job's name."""
+        return self._config.job.job_id
+
+    @property
+    def topology(self) -> Topology:
+        """Where this rank sits."""
+        return self._config.job.topology
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers in use, fastest first (after opening; configuration order before)."""
+        if self._engine is not None and self._engine.tiers:
+            return [t.name for t in self._engine.tiers]
+        return [t.name if isinstance(t, Tier) else t for t in self._config.tiers.specs]
+
+    @property
+    def policies(self) -> Mapping[str, TierPolicy]:
+        """The policy of each tier."""
+        return dict(self._config.tiers.policies)
+
+    @property
+    def node_root(self) -> Path:
+        """This node's shared-memory folder."""
+        return self._config.job.node_root
+
+    @property
+    def persistent_job_url(self) -> str:
+        """The job's folder in the built-in persistent tier: the ``persistent=`` URL plus the
+        job id (where a ``"persistent"`` tier stores; a :class:`Tier` instance stores elsewhere).
+        """
+        return persistent_job_url(self._config.job.persistent_url, self._config.job.job_id)
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Running totals (a snapshot copy)."""
+        if self._engine is None:
+            return CheckpointerStats()
+        return replace(self._engine.stats)
+
+    def fence(self, timeout: float | None = None) -> None:
+        """Block until every snapshot this checkpointer is still copying is staged.
+
+        The fence of overlapped saves (``overlap=True``), for every save at once; returns at
+        once when none is in flight (always, for blocking saves). Callable from any thread,
+        including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
+        failure, only :class:`TimeoutError` when ``timeout`` passes first.
+        """
+        engine = self._engine
+        if engine is not None:
+            engine.fence(timeout)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def _start(self) -> tuple[LoopThread, Engine]:
+        if self._closed:
+            raise TierClosed(f"the checkpointer of job {self.job_id!r} is closed")
+        if self._engine is None or self._loop is None:
+            self._loop = LoopThread(
+                f"tiercheck-{self._config.job.job_id}-r{self._config.job.topology.rank}"
+            )
+            self._engine = Engine(self._config)
+        return self._loop, self._engine
+
+    def _abandon(self) -> None:
+        """Stop dead, as a crashed process would (for tests): nothing is flushed or closed."""
+        self._closed = True
+        if self._loop is not None:
+            if self._engine is not None:
+                self._engine.closed = True
+            self._loop.stop()
+            self._loop = None
+        if self._engine is not None:
+            self._engine.ctx.claim.lock.release()  # the kernel drops a dead process's locks

@@ -1,0 +1,199 @@
+"""Encoding: from a staged snapshot to one blob per encoding, handed to the tier lanes.
+
+Jobs are encoded one after the other, in save order (a delta needs its base encoded first):
+the raw payload is hashed; a snapshot staged in a tier's own memory is published there; the
+state is encoded once per encoding its tiers use (``"full"``: the payload as is; ``"packed"``:
+a delta against the base held in memory, byte planes, zstd) and offered to each tier's lane.
+A base stays held (:attr:`Encoder.base`) until the next base replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from tiercheck.codec import (
+    BlobMeta,
+    RawState,
+    encode_full,
+    encode_packed,
+    finalize_full_blob,
+    raw_digest,
+)
+from tiercheck.consistency.manifest import Abort, Begin
+from tiercheck.engine.jobs import HeldBase, Job
+from tiercheck.engine.options import TierEncoding
+from tiercheck.errors import StateChanged, TierWriteFailed
+from tiercheck.tiers.base import Buffer
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.schedule import Schedule
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["Encoder"]
+
+logger = logging.getLogger("tiercheck")
+
+
+class Encoder:
+    """Runs each save's encoding task; holds the newest base for the deltas after it."""
+
+    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline], schedule: Schedule) -> None:
+        self.ctx = ctx
+        self.pipes = pipes
+        self.schedule = schedule
+        #: The newest base, in memory: what deltas are encoded against.
+        self.base: HeldBase | None = None
+        #: Encoding tasks not done yet.
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, job: Job) -> None:
+        """Encode ``job`` in the background, after the job before it."""
+        self.schedule.pending.append(job)
+        task = asyncio.create_task(self.run(job))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def drop_base(self) -> None:
+        """Let the held base go (a restore, or the close)."""
+        if self.base is not None:
+            self.base.holder.drop()
+            self.base = None
+
+    async def run(self, job: Job) -> None:
+        """Hash, publish locally, encode for the other tiers, hand blobs to the tier lanes."""
+        assert job.layout is not None
+        assert job.payload is not None
+        assert job.holder is not None
+        doing = "staging"
+        try:
+            if job.previous is not None:
+                await job.previous.encoded.wait()
+                job.previous = None  # a chain of finished jobs would keep their memory alive
+            if job.copy is not None:
+                # An overlapped snapshot: nothing reads the payload before it is staged.
+                await asyncio.wrap_future(job.copy.done)
+                job.copy = None
+            doing = "encoding"
+            self.ctx.journal.log(
+                Begin(
+                    job.version,
+                    self.ctx.rank,
+                    "delta" if job.kind == "delta" else "base",
+                    job.base_version,
+                )
+            )
+            digest = await asyncio.to_thread(raw_digest, job.payload, executor=self.ctx.cpu)
+            raw = RawState(job.version, job.layout, job.payload, digest)
+            base: RawState | None = None
+            if job.kind == "delta":
+                if self.base is not None and self.base.raw.version == job.base_version:
+                    base = self.base.raw
+                else:
+                    logger.warning(
+                        "tiercheck: base %s of version %s is unavailable; encoding it as a base",
+                        job.base_version,
+                        job.version,
+                    )
+                    job.kind = "base"
+                    job.handle.stats.kind = "base"
+            if job.reservation is not None:
+                await self._publish_reserved(job, digest)
+            encoded: dict[TierEncoding, tuple[list[Buffer], BlobMeta]] = {}
+            for name, encoding in job.targets.items():
+                if job.results[name].done():  # published in place, or skipped when staging
+                    continue
+                if encoding not in encoded:
+                    encoded[encoding] = await self._encode(raw, encoding, base)
+                parts, meta = encoded[encoding]
+                if self.pipes[name].offer(job, parts, meta) and encoding == "full":
+                    job.holder.acquire()  # the parts reference the staged payload
+            if job.kind == "base":
+                self.schedule.planned_base = job.version
+                job.holder.acquire()
+                old, self.base = self.base, HeldBase(raw, job.holder)
+                if old is not None:
+                    old.holder.drop()
+        except Exception as exc:
+            if isinstance(exc, StateChanged):
+                logger.warning("tiercheck: version %s is not stored: %s", job.version, exc)
+            else:
+                logger.exception("tiercheck: %s version %s failed", doing, job.version)
+            self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"{doing} failed: {exc!r}"))
+            if (
+                job.reservation is not None
+                and job.reserved_in in job.results
+                and not job.results[job.reserved_in].done()
+            ):
+                with contextlib.suppress(Exception):
+                    await job.reservation.abort()
+            for name in job.targets:
+                job.lane_done(
+                    name,
+                    None,
+                    TierWriteFailed(
+                        f"version {job.version} could not be "
+                        f"{'staged' if doing == 'staging' else 'encoded'}: {exc!r}"
+                    ),
+                    cause=exc,
+                )
+            if job.kind == "base" and self.schedule.planned_base == job.version:
+                self.schedule.planned_base = None
+        finally:
+            job.holder.drop()
+            # The holder (and, for a base, self.base) keeps the payload for as long as it is
+            # needed; the job itself must not, or finished saves would pin their memory.
+            job.payload = None
+            job.reservation = None
+            job.encoded.set()
+            await self.schedule.release(job)
+
+    async def _publish_reserved(self, job: Job, digest: int) -> None:
+        reservation = job.reservation
+        assert reservation is not None
+        assert job.reserved_in is not None
+        pipe = self.pipes[job.reserved_in]
+        try:
+            assert job.layout is not None
+            meta = await asyncio.to_thread(
+                finalize_full_blob,
+                reservation.buffer,
+                raw_digest=digest,
+                executor=self.ctx.cpu,
+                known=(job.layout, job.version, self.ctx.rank),
+            )
+            await reservation.commit()
+        except Exception as exc:
+            logger.exception(
+                "tiercheck: publishing version %s in the %s tier failed", job.version, pipe.name
+            )
+            with contextlib.suppress(Exception):
+                await reservation.abort()
+            job.lane_done(
+                pipe.name,
+                None,
+                TierWriteFailed(
+                    f"version {job.version} could not be written to the {pipe.name} tier: {exc!r}"
+                ),
+                cause=exc,
+            )
+            return
+        durable = pipe.record_durable(job, reservation.key, meta)
+        job.lane_done(pipe.name, durable)
+
+    async def _encode(
+        self, raw: RawState, encoding: TierEncoding, base: RawState | None
+    ) -> tuple[list[Buffer], BlobMeta]:
+        if encoding == "full":
+            return encode_full(raw, rank=self.ctx.rank)
+        return await asyncio.to_thread(
+            encode_packed,
+            raw,
+            rank=self.ctx.rank,
+            base=base,
+            options=self.ctx.options.encode.codec,
+            executor=self.ctx.cpu,
+        )

@@ -1,0 +1,263 @@
+"""The engine: the parts of a checkpointer put together, on its private event loop.
+
+One save, in order (see also :mod:`tiercheck.checkpointer`): :meth:`Engine.save` checks the
+version and flattens the state (:class:`~tiercheck.codec.plan.Planner`), the
+:class:`~tiercheck.engine.schedule.Schedule` decides base or delta and applies back-pressure,
+the :class:`~tiercheck.engine.stage.Stager` copies the snapshot into host memory, and
+:meth:`Engine._launch` hands the job to the :class:`~tiercheck.engine.encode.Encoder` and to
+each target tier's :class:`~tiercheck.engine.tier.TierPipeline` (lane, then commit round).
+A restore is the :class:`~tiercheck.engine.restore.Restorer`'s; closing, the
+:class:`~tiercheck.engine.shutdown.Shutdown`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from tiercheck._threads import DaemonExecutor
+from tiercheck.codec.plan import Planner
+from tiercheck.consistency.manifest import Abort
+from tiercheck.defaults import NodeRoot, persistent_job_url
+from tiercheck.engine.context import Context
+from tiercheck.engine.encode import Encoder
+from tiercheck.engine.jobs import Job, LaneResult
+from tiercheck.engine.options import CloseMode, Options, TierEncoding
+from tiercheck.engine.read import Reader
+from tiercheck.engine.restore import Restorer
+from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
+from tiercheck.engine.schedule import Schedule
+from tiercheck.engine.shutdown import Shutdown
+from tiercheck.engine.stage import Stager
+from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
+from tiercheck.errors import ConfigError, SaveSkipped, TierClosed
+from tiercheck.tiers.base import Tier, TierSetup
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """All state and logic of one checkpointer; lives on the private loop."""
+
+    def __init__(self, config: Options) -> None:
+        self.cfg = config
+        self.ctx = Context(config)
+        #: The tiers in use, fastest first (once open).
+        self.tiers: list[Tier] = []
+        #: Each tier's pipeline, by name, fastest first (once open).
+        self.pipes: dict[str, TierPipeline] = {}
+        # The previous save's structure: a repeating state is not walked and encoded anew.
+        self.planner = Planner(allow_pickle=config.encode.allow_pickle)
+        self.schedule = Schedule(self.ctx, self.pipes)
+        self.stager = Stager(self.ctx, self.pipes)
+        self.encoder = Encoder(self.ctx, self.pipes, self.schedule)
+        self.restorer = Restorer(
+            self.ctx, self.pipes, Reader(self.ctx, self.pipes), self.schedule, self.encoder
+        )
+        self.shutdown = Shutdown(self)
+        self.save_lock = asyncio.Lock()
+        self.opened = False
+        self.closed = False
+        self.closing = False
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Running totals (the live object; the public face hands out copies)."""
+        return self.ctx.stats
+
+    # --- opening ------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Coordination, tiers (checked by the claim before anything is written), manifest,
+        and each tier's pipeline with what it holds."""
+        cfg, ctx = self.cfg, self.ctx
+        # Coordination first: creating process groups is a collective, and every rank must
+        # create them in the same order (the coordinator's, then the peer tier's).
+        ctx.channels["control"] = DaemonExecutor(1, "tiercheck-sync-control")
+        loop = asyncio.get_running_loop()
+        if cfg.coordination.coordinator is not None:
+            ctx.coordinator = cfg.coordination.coordinator
+        elif ctx.topo.world_size > 1:
+            from tiercheck.consistency.coordinator import TorchCoordinator
+
+            names = cfg.tier_names
+            # Creating groups waits on every rank: on a daemon thread, like every exchange.
+            ctx.coordinator = await loop.run_in_executor(
+                ctx.channels["control"],
+                lambda: TorchCoordinator(
+                    ["control", *names], timeout=cfg.coordination.peer_timeout
+                ),
+            )
+        # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
+        # from reading the key-value store entries of the one that died.
+        token = os.urandom(8).hex()
+        ctx.session = str((await ctx.exchange("control", {"token": token}))[0]["token"])
+        setup = TierSetup(
+            job_id=cfg.job.job_id,
+            session=ctx.session,
+            topology=ctx.topo,
+            node_root=cfg.job.node_root,
+            persistent_url=persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
+            storage_options=cfg.job.storage_options,
+            local_capacity=cfg.tiers.local_capacity,
+            peer_replicas=cfg.tiers.peer_replicas,
+            peer_timeout=cfg.coordination.peer_timeout,
+        )
+        # Every tier but the peer tier: constructing that one is a collective, so it waits
+        # until every rank has passed the checks below (which fail on every rank alike).
+        for spec in cfg.tiers.specs:
+            if isinstance(spec, Tier):
+                self.tiers.append(spec)
+            elif spec != "peer":
+                self.tiers.append(await asyncio.to_thread(build_tier, spec, setup))
+        ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
+        await ctx.claim.guard()
+        if "peer" in cfg.tiers.specs:
+            self.tiers.append(await asyncio.to_thread(build_tier, "peer", setup))
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}")
+        self.tiers.sort(key=lambda t: int(t.survives))
+        ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
+        await ctx.journal.open(NodeRoot(cfg.job.node_root).manifest)
+        for tier in self.tiers:
+            # Fails early on a tier without a policy.
+            policy = cfg.tiers.policy(tier.name)
+            pipe = TierPipeline(ctx, tier, policy, self.schedule.lose_base)
+            self.pipes[tier.name] = pipe
+            ctx.channels[tier.name] = DaemonExecutor(1, f"tiercheck-sync-{tier.name}")
+            await pipe.load()
+            pipe.start()
+        self.opened = True
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TierClosed("this checkpointer is closed")
+
+    async def save(
+        self, version: int, state: Any, marks: dict[int, Any] | None = None
+    ) -> SaveHandle:
+        """Snapshot ``state`` as ``version``; see :meth:`tiercheck.Checkpointer.save`."""
+        # One save at a time: the schedule (version, base or delta) is decided in call order.
+        async with self.save_lock:
+            return await self._save(version, state, marks)
+
+    def fence(self, timeout: float | None) -> None:
+        """Block (any thread) until every overlapped snapshot started so far is staged."""
+        self.stager.fence(timeout)
+
+    async def _save(
+        self, version: int, state: Any, marks: dict[int, Any] | None = None
+    ) -> SaveHandle:
+        started = time.perf_counter()
+        self._check_open()
+        schedule = self.schedule
+        schedule.check_version(version)
+        # Inline: pure Python walking the state, shorter than a hop to a thread and back. A
+        # state shaped like the previous one reuses its layout (see tiercheck.codec.plan).
+        flat = self.planner.flatten(state)
+        layout = flat.layout
+        await schedule.check_fresh_start(version)
+        scheduled_base, targets = schedule.targets(version)
+        busy = schedule.busy()
+        if busy and self.cfg.schedule.on_busy == "skip":
+            schedule.consume(version)
+            return self._skip(version, targets, started)
+        if busy:
+            await schedule.wait_for_slot()
+        kind = schedule.kind(scheduled_base)
+        stats = SaveStats(version, kind, raw_bytes=layout.payload_nbytes)
+        handle = SaveHandle(version, list(targets), stats)
+        job = Job(
+            version=version,
+            kind=kind,
+            base_version=None if kind == "base" else schedule.planned_base,
+            targets=targets,
+            handle=handle,
+            started=started,
+            layout=layout,
+        )
+        await self.stager.stage(job, flat, marks)  # a failure here leaves the version unused
+        schedule.consume(version)
+        if kind == "base":
+            schedule.planned_base = version
+        stats.stall_s = time.perf_counter() - started
+        if job.copy is None:
+            stats.staged_s = stats.stall_s
+        self.ctx.stats.stall_s_total += stats.stall_s
+        self._launch(job)
+        return handle
+
+    def _skip(self, version: int, targets: dict[str, TierEncoding], started: float) -> SaveHandle:
+        """Back-pressure skipped ``version``: a handle that says so for every tier."""
+        stats = SaveStats(version, "skipped", stall_s=time.perf_counter() - started)
+        handle = SaveHandle(version, list(targets), stats)
+        self.ctx.stats.skipped += 1
+        job = Job(version, "skipped", None, targets, handle, started)
+        job.encoded.set()
+        for name in targets:
+            fut: asyncio.Future[LaneResult] = asyncio.get_running_loop().create_future()
+            fut.set_result(LaneResult(None, SaveSkipped(f"version {version} was skipped")))
+            job.results[name] = fut
+            stats.tiers[name].state = "skipped"
+        self.ctx.journal.log(
+            Abort(version, self.ctx.rank, "skipped: previous save still in flight")
+        )
+        self._launch(job, pipeline=False)
+        return handle
+
+    def _launch(self, job: Job, *, pipeline: bool = True) -> None:
+        """Queue ``job``'s commit round in each target tier; encode it (unless skipped)."""
+        loop = asyncio.get_running_loop()
+        if pipeline:
+            job.previous = self.schedule.last_job
+            self.schedule.last_job = job
+        for name in job.targets:
+            if name not in job.results:
+                job.results[name] = loop.create_future()
+            self.pipes[name].launch(job)
+        job.rounds_left = len(job.targets)
+        self.ctx.jobs.add(job)
+        if not job.targets:
+            job.finished.set()
+        if pipeline:
+            self.encoder.start(job)
+
+    # --- waiting, restoring, closing ----------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Wait until every save so far is committed or failed in every tier, and the
+        background work that follows (retention, preparing memory) is done too."""
+        jobs = self.ctx.jobs
+        while jobs:
+            job = next(iter(jobs))
+            await job.finished.wait()
+            jobs.discard(job)
+        for pipe in self.pipes.values():
+            await pipe.idle.wait()
+        await self.ctx.journal.drained()
+
+    async def newest(self) -> dict[str, int | None]:
+        """The newest committed version of each tier, as this rank knows it."""
+        return {name: max(p.committed, default=None) for name, p in self.pipes.items()}
+
+    async def versions(self) -> dict[str, list[int]]:
+        """Committed versions per tier that are still there, as this rank sees them."""
+        return {name: await pipe.restorable() for name, pipe in self.pipes.items()}
+
+    async def restore(
+        self, state: Any, version: int | None, strict: bool = True
+    ) -> Restored | None:
+        """Restore collectively; see :meth:`tiercheck.Checkpointer.restore`."""
+        started = time.perf_counter()
+        self._check_open()
+        await self.wait()
+        return await self.restorer.restore(state, version, strict, started)
+
+    async def aclose(self, how: CloseMode) -> None:
+        """Close, in one of three ways (see :data:`~tiercheck.engine.options.CloseMode`)."""
+        await self.shutdown.close(how)

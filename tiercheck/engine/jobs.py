@@ -1,0 +1,106 @@
+"""One save as it travels through the engine, and the memory it holds on to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from tiercheck.codec import Layout, RawState
+from tiercheck.consistency.manifest import Durable
+from tiercheck.engine.options import TierEncoding
+from tiercheck.engine.results import SaveHandle
+from tiercheck.staging import SnapshotCopy
+from tiercheck.tiers.base import Reservation
+
+__all__ = ["HeldBase", "Holder", "Job", "LaneResult", "OwnBlob"]
+
+
+class Holder:
+    """Reference count on a staging buffer or reservation; frees it when the last user is done."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+        self._refs = 1
+
+    def acquire(self) -> None:
+        """One more user of the memory."""
+        self._refs += 1
+
+    def drop(self) -> None:
+        """One user fewer; the last one frees the memory."""
+        self._refs -= 1
+        if self._refs == 0 and self._release is not None:
+            # Forget the callback too: it references the memory, which must not outlive this.
+            release, self._release = self._release, None
+            release()
+
+
+@dataclass(frozen=True, slots=True)
+class LaneResult:
+    """How writing one version to one tier ended, for this rank: durable, or why not."""
+
+    durable: Durable | None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One save, from the snapshot to the last tier's commit round."""
+
+    version: int
+    kind: Literal["base", "delta", "skipped"]
+    base_version: int | None
+    targets: dict[str, TierEncoding]
+    handle: SaveHandle
+    started: float
+    layout: Layout | None = None
+    payload: torch.Tensor | None = None
+    # The snapshot copy still running after save returned (overlapped saves only).
+    copy: SnapshotCopy | None = None
+    holder: Holder | None = None
+    reservation: Reservation | None = None
+    # The tier the snapshot was reserved in (copied in place), if any.
+    reserved_in: str | None = None
+    previous: Job | None = None
+    encoded: asyncio.Event = field(default_factory=asyncio.Event)
+    results: dict[str, asyncio.Future[LaneResult]] = field(default_factory=dict)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    rounds_left: int = 0
+
+    def lane_done(
+        self,
+        tier: str,
+        durable: Durable | None,
+        error: BaseException | None = None,
+        *,
+        cause: BaseException | None = None,
+    ) -> None:
+        """This rank's write of the version to ``tier`` ended (the first word counts)."""
+        fut = self.results.get(tier)
+        if fut is None:  # decided while staging, before the job was launched
+            fut = self.results[tier] = asyncio.get_running_loop().create_future()
+        if fut.done():
+            return
+        if error is not None and cause is not None:
+            error.__cause__ = cause
+        fut.set_result(LaneResult(durable, error))
+
+
+@dataclass(frozen=True, slots=True)
+class OwnBlob:
+    """A blob of this rank in a tier: its key, and the version it is a delta on."""
+
+    key: str
+    base: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBase:
+    """The newest base's raw state, kept in memory to encode the next deltas against."""
+
+    raw: RawState
+    holder: Holder

@@ -1,0 +1,94 @@
+"""The node's manifest as the engine uses it: appended to in its own thread, never trusted.
+
+The manifest is history (what was begun, made durable, committed, evicted); restore trusts the
+tiers. So a manifest that cannot be opened or written is logged and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tiercheck.consistency.manifest import Durable, Manifest, Record
+from tiercheck.engine.results import CheckpointerStats
+from tiercheck.errors import TiercheckError
+
+__all__ = ["Journal"]
+
+logger = logging.getLogger("tiercheck")
+
+
+class Journal:
+    """Appends records to the manifest on one thread of its own, in order."""
+
+    def __init__(self, stats: CheckpointerStats) -> None:
+        self.stats = stats
+        self.manifest: Manifest | None = None
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
+        self._failing = False
+
+    async def open(self, path: Path) -> None:
+        """Open the manifest at ``path``; without one, the engine runs on (logged)."""
+        try:
+            self.manifest = await asyncio.to_thread(Manifest, path)
+        except TiercheckError as exc:
+            self.stats.manifest_errors += 1
+            logger.error("tiercheck: running without a manifest: %s", exc)
+
+    def log(self, *records: Record) -> None:
+        """Append to the manifest in its own thread; failures are logged and counted."""
+        if self.manifest is None:
+            return
+        manifest = self.manifest
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._exec, manifest.append, *records)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            if self._failing:
+                self._failing = False
+                logger.warning("tiercheck: manifest writes work again")
+            return
+        self.stats.manifest_errors += 1
+        if not self._failing:  # once per spell of failures, not once per record
+            self._failing = True
+            logger.error(
+                "tiercheck: manifest write failed: %r; checkpoints are unaffected (restore trusts "
+                "the tiers), history is lost until it works again; further failures are counted "
+                "in stats.manifest_errors",
+                exc,
+            )
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the manifest's thread, after the appends queued before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    async def blobs(self, tier: str, rank: int) -> list[Durable]:
+        """The blobs of ``rank`` the manifest saw become durable in ``tier`` (none without one)."""
+        if self.manifest is None:
+            return []
+        found: list[Durable] = await self.run(self.manifest.blobs, tier, None, rank)
+        return found
+
+    def committed(self, tier: str) -> set[int]:
+        """The versions the manifest saw committed in ``tier`` (none without one)."""
+        return set(self.manifest.committed(tier)) if self.manifest else set()
+
+    async def drained(self) -> None:
+        """Wait until every record logged so far is appended (or failed)."""
+        if self.manifest is not None:
+            await self.run(lambda: None)
+
+    def close(self) -> None:
+        """Finish the appends queued (local work only) and close the manifest."""
+        self._exec.shutdown(wait=True)
+        if self.manifest is not None:
+            self.manifest.close()

@@ -1,0 +1,261 @@
+"""Restore: inventory, agree, fetch, and truncate the abandoned future.
+
+Every rank inventories what it can rebuild from each tier (:meth:`Restorer._inventory`); the
+ranks exchange inventories and agree on the newest version every one of them can rebuild
+(:func:`~tiercheck.consistency.recovery.agree`); each rank reads it from its fastest tier
+(:class:`~tiercheck.engine.read.Reader`) and checks it against the caller's state; the ranks
+exchange verdicts, and a version that failed anywhere is passed over for the next older one.
+Only once the chosen version is whole on every rank are newer versions removed and, in the
+memory tiers, versions every rank holds adopted as committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tiercheck.codec import RawState, check_into, load_into, unflatten
+from tiercheck.codec.plan import paused_gc
+from tiercheck.consistency.manifest import Commit
+from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
+from tiercheck.consistency.recovery import Inventory, agree, candidates
+from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
+from tiercheck.engine.tier import commit_versions
+from tiercheck.errors import FormatError, RestoreError, StateMismatch, UnsupportedObject
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.encode import Encoder
+    from tiercheck.engine.read import Reader
+    from tiercheck.engine.schedule import Schedule
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["Restorer"]
+
+logger = logging.getLogger("tiercheck")
+
+
+class Restorer:
+    """The collective restore of one rank."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        pipes: dict[str, TierPipeline],
+        reader: Reader,
+        schedule: Schedule,
+        encoder: Encoder,
+    ) -> None:
+        self.ctx = ctx
+        self.pipes = pipes
+        self.reader = reader
+        self.schedule = schedule
+        self.encoder = encoder
+
+    async def restore(
+        self, state: Any, version: int | None, strict: bool, started: float
+    ) -> Restored | None:
+        """Restore ``version`` (or the newest every rank can rebuild); see
+        :meth:`tiercheck.Checkpointer.restore`. The saves in flight are done already."""
+        mine, errors = await self._inventory()
+        gathered = await self.ctx.exchange("control", {"inv": mine.to_wire(), "errors": errors})
+        everyone = [Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered)]
+        unlisted = [
+            f"rank {r} cannot list the {tier!r} tier: {msg}"
+            for r, e in enumerate(gathered)
+            for tier, msg in sorted(e["errors"].items())
+        ]
+        possible = candidates(everyone)
+        if version is not None and version not in possible:
+            raise RestoreError(
+                f"version {version} cannot be rebuilt by every rank; rank {self.ctx.rank} can "
+                f"rebuild {sorted(mine.versions())}" + ("".join(f"; {line}" for line in unlisted))
+            )
+        if not possible:
+            if unlisted:
+                raise RestoreError(
+                    f"cannot tell what job {self.ctx.job_id!r} stores, so nothing is restored "
+                    "and nothing is deleted:\n  " + "\n  ".join(unlisted)
+                )
+            if any(inv.versions() for inv in everyone):
+                # Only torn versions: blobs of saves that no tier holds whole for every rank,
+                # hence never committed anywhere. Remove them, or a later save of the same
+                # version could be combined with them.
+                logger.warning(
+                    "tiercheck: job %r stores no whole version, only pieces of saves that never "
+                    "committed (%s); removing them",
+                    self.ctx.job_id,
+                    sorted(mine.versions()),
+                )
+                await self._truncate_from(0, reason="restore: torn, never committed")
+            self.schedule.session_started = True
+            return None
+        rejected: dict[int, list[str]] = {}
+        excluded: set[int] = set()
+        while True:
+            chosen = (
+                version if version is not None else agree(everyone, excluded=frozenset(excluded))
+            )
+            if chosen is None:
+                raise RestoreError(self._rejection_report(rejected, unlisted))
+            raw, source, reasons = await self.reader.fetch(chosen, mine)
+            rebuilt: Any = None
+            refusal: tuple[str, str] | None = None
+            if raw is not None:
+                try:
+                    with paused_gc():  # tens of thousands of short-lived objects: see there
+                        rebuilt = self._rebuild(raw, state, strict)
+                except StateMismatch as exc:
+                    refusal = ("StateMismatch", str(exc))
+                except UnsupportedObject as exc:
+                    refusal = ("UnsupportedObject", str(exc))
+                except FormatError as exc:
+                    reasons.append(f"{source}: {type(exc).__name__}: {exc}")
+                    raw = None
+            mine_verdict = RestoreVerdict(raw is not None, source, tuple(reasons), refusal)
+            verdicts = [
+                RestoreVerdict.from_wire(v)
+                for v in await self.ctx.exchange("control", mine_verdict.to_wire())
+            ]
+            refusals = [(r, v.refusal) for r, v in enumerate(verdicts) if v.refusal is not None]
+            if refusals:
+                # The caller's state (or options) cannot take the version: nothing was
+                # written into it, and nothing stored is removed.
+                kind, text = refusals[0][1]
+                ranks = [r for r, _ in refusals]
+                message = f"rank {refusals[0][0]} (of ranks {ranks} refusing): {text}"
+                raise (StateMismatch if kind == "StateMismatch" else UnsupportedObject)(message)
+            if all(v.ok for v in verdicts):
+                break
+            for r, v in enumerate(verdicts):
+                if not v.ok:
+                    rejected.setdefault(chosen, []).extend(
+                        f"rank {r}: {reason}" for reason in v.reasons
+                    )
+            bad = [r for r, v in enumerate(verdicts) if not v.ok]
+            if version is not None:
+                raise RestoreError(
+                    f"version {version} failed verification on ranks {bad}; nothing was "
+                    "deleted.\n" + self._rejection_report(rejected, unlisted)
+                )
+            logger.warning(
+                "tiercheck: version %s failed verification on ranks %s; trying older", chosen, bad
+            )
+            excluded.add(chosen)
+        assert raw is not None
+        assert source is not None
+        # The version is whole on every rank: from here on, the run continues from it.
+        if state is not None:
+            # _rebuild checked this state against this version, and the caller is waiting for
+            # restore to return: copy without walking it a second time.
+            with paused_gc():
+                rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
+        await self._truncate_from(chosen + 1, reason="restore: abandoned future")
+        self._adopt_whole(everyone, upto=chosen)
+        for pipe in self.pipes.values():
+            if pipe.durable and not pipe.unlisted:
+                pipe.committed = {
+                    v for v in mine.by_tier.get(pipe.name, frozenset()) if v <= chosen
+                }
+        self.schedule.restart_from(chosen)
+        self.encoder.drop_base()
+        return Restored(
+            version=chosen,
+            state=rebuilt,
+            source_tier=source,
+            source_tiers={r: v.source or "" for r, v in enumerate(verdicts)},
+            seconds=time.perf_counter() - started,
+            rejected={v: tuple(lines) for v, lines in rejected.items()},
+        )
+
+    def _rebuild(self, raw: RawState, state: Any, strict: bool) -> Any:
+        """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
+        if state is not None:
+            # Views only read from, to be copied into the state (and cloned where strict=False
+            # adds a key): inference tensors, which cost less to make than tracked views.
+            with torch.inference_mode():
+                tensors = raw.tensors()
+        else:
+            tensors = raw.tensors()
+        if state is None:
+            # Small tensors get storage of their own: some consumers read a tensor from the
+            # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
+            # Large ones stay views of the payload: no second copy.
+            tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
+        rebuilt = unflatten(raw.layout, tensors, allow_pickle=self.ctx.options.encode.allow_pickle)
+        if state is not None:
+            mismatches = check_into(state, rebuilt, strict=strict)
+            if mismatches:
+                shown = mismatches[:50]
+                more = len(mismatches) - len(shown)
+                raise StateMismatch(
+                    f"the state to restore into does not match version {raw.version}; nothing "
+                    "was written into it:\n  "
+                    + "\n  ".join(shown)
+                    + (f"\n  ... and {more} more" if more else "")
+                    + "\nRestore without a state (restore()) and load what fits yourself, or "
+                    "pass strict=False to allow keys present on one side only."
+                )
+        return rebuilt
+
+    def _rejection_report(self, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
+        lines = [
+            f"no version of job {self.ctx.job_id!r} could be restored; nothing was deleted "
+            "(blobs that failed verification were set aside under quarantine/). Why each "
+            "version was rejected:"
+        ]
+        for version in sorted(rejected, reverse=True):
+            lines.append(f"  version {version}:")
+            lines.extend(f"    {reason}" for reason in rejected[version])
+        lines.extend(f"  {line}" for line in unlisted)
+        lines.append("Run `tiercheck verify` on the locations for details.")
+        return "\n".join(lines)
+
+    def _adopt_whole(self, everyone: Sequence[Inventory], *, upto: int) -> None:
+        """Count as committed, in the tiers without commit records, what every rank holds.
+
+        Those tiers' commits live in the node's manifest, written just after the commit; a
+        crash in between leaves a version whole in the tier (every rank's blob there, each put
+        atomic) that the manifest does not know. Retention would then take it for a failed
+        save's leftover and delete it, the restored version included. The inventories every
+        rank exchanged for the restore show what is whole: adopt it, and record it.
+        """
+        for pipe in self.pipes.values():
+            name = pipe.name
+            if pipe.durable:
+                continue
+            whole = whole_in_tier(name, pipe.own, everyone)
+            adopted = sorted(v for v in whole - pipe.committed if v <= upto)
+            if adopted:
+                pipe.committed.update(adopted)
+                self.ctx.journal.log(*(Commit(v, name) for v in adopted))
+
+    async def _inventory(self) -> tuple[Inventory, dict[str, str]]:
+        """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""
+        by_tier: dict[str, frozenset[int]] = {}
+        errors: dict[str, str] = {}
+        for pipe in self.pipes.values():
+            try:
+                pipe.own = await pipe.list_own()
+                if pipe.durable:
+                    versions = await commit_versions(pipe.tier)
+                else:
+                    versions = set(pipe.own)
+            except Exception as exc:
+                logger.warning("tiercheck: cannot list the %r tier for restore: %r", pipe.name, exc)
+                errors[pipe.name] = f"{type(exc).__name__}: {exc}"
+                pipe.unlisted = True
+                versions = set()
+            else:
+                pipe.unlisted = False
+            by_tier[pipe.name] = frozenset(versions)
+        return Inventory(self.ctx.rank, by_tier), errors
+
+    async def _truncate_from(self, first: int, reason: str) -> None:
+        """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
+        for pipe in self.pipes.values():
+            await pipe.truncate_from(first, reason)

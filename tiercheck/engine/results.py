@@ -1,0 +1,200 @@
+"""What a checkpointer hands back: save handles, figures, and the result of a restore."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tiercheck.errors import TierNotTargeted
+
+__all__ = [
+    "OWN_STORAGE_BYTES",
+    "CheckpointerStats",
+    "Restored",
+    "SaveHandle",
+    "SaveStats",
+    "TierSaveStats",
+]
+
+
+@dataclass
+class TierSaveStats:
+    """How one version fared in one tier."""
+
+    state: Literal["pending", "committed", "failed", "skipped"] = "pending"
+    #: Bytes written to the tier for this rank.
+    bytes: int = 0
+    #: Seconds from the start of ``save`` until committed (or failed).
+    seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class SaveStats:
+    """Figures of one save."""
+
+    version: int
+    kind: Literal["base", "delta", "skipped"]
+    #: Seconds ``save`` blocked the caller (flatten, back-pressure wait, snapshot copy; with
+    #: ``overlap=True`` the copy is not included).
+    stall_s: float = 0.0
+    #: Seconds from the start of ``save`` until the snapshot was copied (staged), once it is.
+    staged_s: float | None = None
+    #: Bytes of the raw payload (every tensor, laid out flat).
+    raw_bytes: int = 0
+    tiers: dict[str, TierSaveStats] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointerStats:
+    """Running totals of a checkpointer."""
+
+    saves: int = 0
+    skipped: int = 0
+    committed: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    last_committed: dict[str, int] = field(default_factory=dict)
+    evicted: dict[str, int] = field(default_factory=dict)
+    stall_s_total: float = 0.0
+    manifest_errors: int = 0
+    restore_fallbacks: int = 0
+    #: Versions a tier could not take at all (full, unusable when staging), by tier; they
+    #: still went to the other tiers.
+    tier_skips: dict[str, int] = field(default_factory=dict)
+    #: Blobs that failed verification during a restore and were set aside (``quarantine/``).
+    quarantined: int = 0
+    #: Whether a newer opening of the job took over its durable tiers (this one stopped
+    #: writing there; see :class:`~tiercheck.errors.Superseded`).
+    superseded: bool = False
+
+
+#: Restored tensors up to this size have storage of their own; larger ones are views into one
+#: shared buffer (see :class:`Restored`).
+OWN_STORAGE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The result of a restore.
+
+    Without a live state to fill, tensors larger than :data:`OWN_STORAGE_BYTES` are views into
+    one buffer holding the whole version (no copy beyond the read); they are valid for as long
+    as they are referenced. Smaller ones (RNG states, counters, scalars) have storage of their
+    own, so code that reads a tensor's storage from its start (``torch.set_rng_state``) gets
+    the right bytes.
+    """
+
+    version: int
+    #: The restored state: the caller's own object, filled in place, when one was passed.
+    state: Any
+    #: The tier this rank read from.
+    source_tier: str
+    #: The tier every rank read from, by rank.
+    source_tiers: Mapping[int, str]
+    seconds: float
+    #: Newer versions that were passed over, and why (by version: one line per rank and tier).
+    rejected: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+
+
+def _resolved() -> concurrent.futures.Future[None]:
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
+class SaveHandle:
+    """What ``save`` returns: a way to wait for the version to be committed in each tier.
+
+    ``await handle.done("local")`` resolves once the version is committed in that tier (for
+    every rank); ``handle.result("local", timeout)`` is the blocking form. Asking about a tier
+    the version does not go to raises :class:`~tiercheck.errors.TierNotTargeted` at once; a
+    version that could not be committed raises :class:`~tiercheck.errors.TierWriteFailed`;
+    a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
+
+    With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
+    ``await handle.staged_async()``) is the fence to pass before changing the state.
+    """
+
+    def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:
+        self.version = version
+        #: The tiers this version goes to.
+        self.tiers = tuple(tiers)
+        self.stats = stats
+        self._futures: dict[str, concurrent.futures.Future[None]] = {
+            t: concurrent.futures.Future() for t in tiers
+        }
+        # Resolved once the snapshot is copied (at once for a blocking or skipped save).
+        self._staged: concurrent.futures.Future[None] = _resolved()
+        for t in tiers:
+            stats.tiers[t] = TierSaveStats()
+
+    def staged(self, timeout: float | None = None) -> None:
+        """Block until the snapshot copy is done: from then on the state may change.
+
+        The fence of an overlapped save (``Checkpointer(..., overlap=True)``); returns at once
+        for a blocking save. It never raises the copy's own failure (that failure, such as
+        :class:`~tiercheck.errors.StateChanged`, is raised by :meth:`done` for every tier); only
+        :class:`TimeoutError` when ``timeout`` passes first -- the state must then not change.
+        """
+        concurrent.futures.wait([self._staged], timeout)
+        if not self._staged.done():
+            raise TimeoutError(f"version {self.version} was not staged within {timeout} s")
+
+    async def staged_async(self) -> None:
+        """Wait, without blocking the event loop, until the snapshot copy is done."""
+        await asyncio.wait([asyncio.wrap_future(self._staged)])
+
+    @property
+    def is_staged(self) -> bool:
+        """Whether the snapshot copy is done (never blocks)."""
+        return self._staged.done()
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the save was skipped by back-pressure."""
+        return self.stats.kind == "skipped"
+
+    def _futures_for(self, tier: str | None) -> list[concurrent.futures.Future[None]]:
+        if tier is None:
+            return list(self._futures.values())
+        try:
+            return [self._futures[tier]]
+        except KeyError:
+            raise TierNotTargeted(
+                f"version {self.version} does not go to the {tier!r} tier "
+                f"(it goes to {list(self.tiers)}); check the tier's `versions` policy"
+            ) from None
+
+    async def done(self, tier: str | None = None) -> None:
+        """Wait until the version is committed in ``tier`` (every targeted tier if ``None``)."""
+        for fut in self._futures_for(tier):
+            await asyncio.wrap_future(fut)
+
+    def result(self, tier: str | None = None, timeout: float | None = None) -> None:
+        """Blocking form of :meth:`done`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for fut in self._futures_for(tier):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            fut.result(left)
+
+    def committed(self, tier: str) -> bool:
+        """Whether the version is committed in ``tier`` already (never blocks)."""
+        fut = self._futures_for(tier)[0]
+        return fut.done() and fut.exception() is None
+
+    def _resolve(self, tier: str, error: BaseException | None = None) -> None:
+        fut = self._futures[tier]
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def __repr__(self) -> str:
+        states = {t: s.state for t, s in self.stats.tiers.items()}
+        return f"SaveHandle(version={self.version}, kind={self.stats.kind!r}, tiers={states})"

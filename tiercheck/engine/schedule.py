@@ -1,0 +1,131 @@
+"""Save scheduling: which versions may be saved, base or delta, and back-pressure.
+
+Saves are scheduled in call order (one at a time, under the engine's save lock): every
+``base_every``-th save is a base, the others deltas against the newest base -- unless no base
+is planned yet, or a delta's base vanished from a tier (:meth:`Schedule.lose_base`). At most
+``max_pending`` saves are encoded at once; beyond that ``on_busy`` waits for a slot or skips the
+save. The first save of a session may not overwrite versions already stored (restore first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Literal
+
+from tiercheck.consistency.keys import MAX_VERSION
+from tiercheck.engine.jobs import Job
+from tiercheck.engine.options import TierEncoding
+from tiercheck.errors import VersionError
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["Schedule"]
+
+
+class Schedule:
+    """Where the sequence of saves stands."""
+
+    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
+        self.ctx = ctx
+        self.pipes = pipes
+        self.last_version: int | None = None
+        #: Saves scheduled since opening (or since the restore): decides bases.
+        self.count = 0
+        #: The base the next delta is encoded against.
+        self.planned_base: int | None = None
+        # A delta's base vanished from a tier: the next save is encoded as a base.
+        self.force_base = False
+        #: Whether this session saved or restored yet (the first save checks what is stored).
+        self.session_started = False
+        #: Saves still being staged or encoded, oldest first.
+        self.pending: list[Job] = []
+        self.slot_freed = asyncio.Condition()
+        #: The newest job launched through the pipeline (the next one encodes after it).
+        self.last_job: Job | None = None
+
+    def check_version(self, version: int) -> None:
+        """A :class:`VersionError` unless ``version`` may be saved next."""
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= MAX_VERSION
+        ):
+            raise VersionError(f"a version must be an int in [0, {MAX_VERSION}], got {version!r}")
+        if self.last_version is not None and version <= self.last_version:
+            raise VersionError(
+                f"versions must increase: version {version} after {self.last_version}; "
+                "after restoring v, save versions greater than v"
+            )
+
+    async def check_fresh_start(self, version: int) -> None:
+        """Refuse a first save that would mix with versions already stored for this job.
+
+        Without a restore, saving version ``v`` while versions ``>= v`` are stored would let a
+        later restore combine blobs of two different runs; deleting them instead would destroy
+        checkpoints on a mistake. So this is an error with a way out.
+        """
+        if self.session_started:
+            return
+        stored = [(name, v) for name, p in self.pipes.items() for v in p.own if v >= version]
+        if stored:
+            newest = max(v for _, v in stored)
+            raise VersionError(
+                f"job {self.ctx.job_id!r} already stores version {newest} (>= {version}) in "
+                f"{sorted({n for n, _ in stored})}; call restore() first to continue that run, "
+                "use a new job_id to start another, or remove the old versions with `tiercheck gc`"
+            )
+
+    def targets(self, version: int) -> tuple[bool, dict[str, TierEncoding]]:
+        """Whether ``version`` is scheduled as a base, and the tiers it goes to (encoding)."""
+        scheduled_base = self.count % self.ctx.options.schedule.base_every == 0
+        policy = self.ctx.options.tiers.policy
+        targets = {
+            name: policy(name).encoding
+            for name in self.pipes
+            if policy(name).targets(version, scheduled_base)
+        }
+        return scheduled_base, targets
+
+    def busy(self) -> bool:
+        """Whether ``max_pending`` saves are being encoded already."""
+        return len(self.pending) >= self.ctx.options.schedule.max_pending
+
+    async def wait_for_slot(self) -> None:
+        """Wait until fewer than ``max_pending`` saves are being encoded."""
+        max_pending = self.ctx.options.schedule.max_pending
+        async with self.slot_freed:
+            await self.slot_freed.wait_for(lambda: len(self.pending) < max_pending)
+
+    def kind(self, scheduled_base: bool) -> Literal["base", "delta"]:
+        """Base or delta, for a save about to be staged (a base clears ``force_base``)."""
+        if scheduled_base or self.planned_base is None or self.force_base:
+            self.force_base = False
+            return "base"
+        return "delta"
+
+    def consume(self, version: int) -> None:
+        """The save of ``version`` happened (possibly as a skip): advance the schedule."""
+        self.session_started = True
+        self.last_version = version
+        self.count += 1
+        self.ctx.stats.saves += 1
+
+    def lose_base(self) -> None:
+        """A delta's base vanished from a tier: the next save is a base."""
+        self.force_base = True
+
+    async def release(self, job: Job) -> None:
+        """``job`` is encoded (or failed): its slot is free."""
+        if job in self.pending:
+            self.pending.remove(job)
+        async with self.slot_freed:
+            self.slot_freed.notify_all()
+
+    def restart_from(self, version: int) -> None:
+        """After restoring ``version``: the next save is a base, newer than it."""
+        self.session_started = True
+        self.last_version = version
+        self.count = 0
+        self.planned_base = None

@@ -1,0 +1,137 @@
+"""Staging: the snapshot copy from the caller's tensors into host memory.
+
+The copy goes straight into a tier's own memory when the fastest tier that can reserve memory
+(:class:`~tiercheck.tiers.base.SupportsReserve`) stores the version as is; else into a staging
+buffer lent by a pool (pinned for GPU tensors). A blocking save copies to the end; an
+overlapped one (``overlap=True``) starts the copy on a worker thread and hands the caller the
+fence (:meth:`Stager.fence`, :meth:`~tiercheck.SaveHandle.staged`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tiercheck.codec import full_blob_size, write_full_blob
+from tiercheck.codec.plan import Flat
+from tiercheck.consistency.keys import blob_key
+from tiercheck.engine.jobs import Holder, Job
+from tiercheck.errors import TiercheckError
+from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool
+from tiercheck.tiers.base import SupportsReserve
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["Stager"]
+
+
+class Stager:
+    """Copies snapshots into host memory; keeps the overlapped copies not done yet."""
+
+    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
+        self.ctx = ctx
+        self.pipes = pipes
+        self.pool = StagingPool()
+        # Overlapped snapshot copies not done yet; read by fence() from the caller's thread.
+        self.copies: set[SnapshotCopy] = set()
+        self.copies_lock = threading.Lock()
+
+    def fence(self, timeout: float | None) -> None:
+        """Block (any thread) until every overlapped snapshot started so far is staged."""
+        with self.copies_lock:
+            copies = list(self.copies)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for copy in copies:
+            copy.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    async def stage(self, job: Job, flat: Flat, marks: dict[int, Any] | None) -> None:
+        """Copy the state into host memory: a tier's own memory where one can hand it out.
+
+        The fastest tier that can reserve memory (:class:`SupportsReserve`, the local tier) and
+        stores this version as is (``"full"``) receives the snapshot in place: once published,
+        the copy is the stored blob. A tier that cannot take the version (full, or failing) is
+        skipped for it, and the snapshot goes to a staging buffer instead, so the other tiers
+        still get it: storage trouble never reaches the caller. Tensors on a GPU go to a pinned
+        staging buffer (a device-to-host copy into shared memory could not be asynchronous);
+        the reserving tier then gets a copy of it like any other tier.
+        """
+        layout = job.layout
+        assert layout is not None
+        rank, watch = self.ctx.rank, self.ctx.options.schedule.overlap
+        reserving = next(
+            (
+                p
+                for p in self.pipes.values()
+                if isinstance(p.tier, SupportsReserve) and job.targets.get(p.name) == "full"
+            ),
+            None,
+        )
+        if reserving is not None and (flat.on_host or not self.pool.pin):
+            size, offset = full_blob_size(layout, version=job.version, rank=rank)
+            key = blob_key(job.version, rank, "full")
+            try:
+                reservation = await reserving.reserve(key, size)
+            except (TiercheckError, OSError) as exc:
+                reserving.skip(job, exc)
+            else:
+                try:
+                    write_full_blob(
+                        reservation.buffer, layout, version=job.version, rank=self.ctx.rank
+                    )
+                    whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
+                    payload = whole[offset : offset + layout.payload_nbytes]
+                    copy = SnapshotCopy(flat, payload, marks=marks, watch=watch)
+                    await self._copy(job, copy)
+                except BaseException:
+                    await reservation.abort()
+                    raise
+                job.reservation = reservation
+                job.reserved_in = reserving.name
+                job.payload = payload
+                job.holder = Holder(reservation.release)
+                return
+        lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
+        try:
+            copy = SnapshotCopy(
+                flat,
+                lent.data,
+                cache=lent.cache,
+                marks=marks,
+                watch=watch,
+            )
+            await self._copy(job, copy)
+        except BaseException:
+            self.pool.release(lent)
+            raise
+        job.payload = lent.data
+        job.holder = Holder(lambda: self.pool.release(lent))
+
+    async def _copy(self, job: Job, copy: SnapshotCopy) -> None:
+        """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
+        with the handle's fence set to it (overlapped saves; the pipeline awaits it)."""
+        if not self.ctx.options.schedule.overlap:
+            await asyncio.to_thread(copy.run)
+            copy.done.result()  # the copy's error, if any, is the caller's: save raises it
+            return
+        job.copy = copy
+        handle = job.handle
+        handle._staged = copy.done
+        started = job.started
+
+        def staged(fut: concurrent.futures.Future[None]) -> None:
+            handle.stats.staged_s = time.perf_counter() - started
+            with self.copies_lock:
+                self.copies.discard(copy)
+
+        with self.copies_lock:
+            self.copies.add(copy)
+        copy.done.add_done_callback(staged)
+        # Never awaited: run() reports through copy.done, which the pipeline awaits.
+        asyncio.get_running_loop().run_in_executor(None, copy.run)

@@ -1,0 +1,398 @@
+"""One tier's pipeline: its writer lane, its commit rounds, what it holds, what it keeps.
+
+Every tier a checkpointer uses gets a :class:`TierPipeline`. Encoded versions arrive in its
+*lane* (:meth:`TierPipeline.offer`); the lane worker writes them one at a time, in version
+order, and reports each as durable (or why not) to the job. The round worker
+(:class:`~tiercheck.engine.commit.CommitRounds`) then decides with the other ranks whether the
+version is committed in this tier, and after each round :meth:`TierPipeline.retain` trims the
+tier to its policy's ``keep``.
+
+What the pipeline knows about its tier, for this rank: :attr:`~TierPipeline.own` (this rank's
+blobs, by version, with the base each is a delta on), :attr:`~TierPipeline.committed` (versions
+committed for every rank), :attr:`~TierPipeline.settled` (the newest version whose round is
+over), and whether the tier could be listed at all (:attr:`~TierPipeline.unlisted`: nothing is
+deleted from a tier this rank cannot see whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tiercheck.codec import BlobMeta
+from tiercheck.consistency.keys import (
+    BlobKind,
+    blob_key,
+    commit_key,
+    parse_blob_key,
+    parse_commit_key,
+)
+from tiercheck.consistency.manifest import Durable, Evict
+from tiercheck.consistency.protocol import committed_in_tier
+from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
+from tiercheck.engine.jobs import Job, OwnBlob
+from tiercheck.engine.options import TierPolicy
+from tiercheck.errors import PeerUnavailable, Superseded, TierFull, TierWriteFailed
+from tiercheck.tiers.base import Buffer, FailureScope, Reservation, SupportsReserve, Tier, TierSetup
+from tiercheck.tiers.registry import get_tier_class
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+
+__all__ = [
+    "TierPipeline",
+    "build_tier",
+    "commit_versions",
+    "location",
+    "writes_commit_records",
+]
+
+logger = logging.getLogger("tiercheck")
+
+#: What waits in a tier's lane: the job, the blob's parts, and its metadata.
+LaneItem = tuple[Job, list[Buffer], BlobMeta]
+
+
+def build_tier(name: str, setup: TierSetup) -> Tier:
+    """The tier registered under ``name``, built for this job (see :meth:`Tier.for_job`)."""
+    return get_tier_class(name).for_job(setup)
+
+
+def writes_commit_records(tier: Tier) -> bool:
+    """Whether ``tier`` outlives the cluster, so that its commits are proven by ``COMMIT``
+    records in the tier itself rather than remembered in the nodes' manifests."""
+    return tier.survives >= FailureScope.CLUSTER
+
+
+async def commit_versions(tier: Tier) -> set[int]:
+    """Versions with a ``COMMIT`` record in ``tier``."""
+    found: set[int] = set()
+    async for key in tier.list("v"):
+        v = parse_commit_key(key)
+        if v is not None:
+            found.add(v)
+    return found
+
+
+def location(tier: Tier) -> str:
+    """Where a durable tier stores, as recorded in node identities."""
+    inner: Any = tier
+    while getattr(inner, "inner", None) is not None:  # wrappers (fault injection, ...)
+        inner = inner.inner
+    return str(getattr(inner, "url", None) or repr(inner))
+
+
+class TierPipeline:
+    """One tier's queue and writer, commit rounds, holdings, idle signal and retention."""
+
+    def __init__(
+        self, ctx: Context, tier: Tier, policy: TierPolicy, on_base_lost: Callable[[], None]
+    ) -> None:
+        from tiercheck.engine.commit import CommitRounds
+
+        self.ctx = ctx
+        self.tier = tier
+        self.name = tier.name
+        self.policy = policy
+        #: Commits proven by COMMIT records in the tier (it outlives the cluster).
+        self.durable = writes_commit_records(tier)
+        #: Encoded versions waiting to be written; ``None`` ends the lane worker.
+        self.lane: asyncio.Queue[LaneItem | None] = asyncio.Queue()
+        self.rounds = CommitRounds(self, on_base_lost)
+        #: Set while the round worker has nothing left to do (retention included).
+        self.idle = asyncio.Event()
+        self.idle.set()
+        #: This rank's blobs in the tier, by version.
+        self.own: dict[int, OwnBlob] = {}
+        #: Versions committed in the tier for every rank.
+        self.committed: set[int] = set()
+        #: The newest version whose commit round is over: everything newer is in flight.
+        self.settled = -1
+        #: This rank could not list the tier: retention never deletes from it blindly.
+        self.unlisted = False
+        #: Size of the last reservation in this tier: the next is likely the same.
+        self.reserve_size = 0
+        self.workers: list[asyncio.Task[None]] = []
+        # Reasons a version could not be taken that were logged already; cleared on a commit.
+        self.skip_logged: set[str] = set()
+        # Trouble with another rank was logged (once per spell, see peer_trouble).
+        self.peer_warned = False
+
+    # --- what the tier holds ----------------------------------------------------------------
+
+    async def load(self) -> None:
+        """At opening: list this rank's blobs and what is committed (never fatal)."""
+        try:
+            self.own = await self.list_own()
+            # What retention counts in a durable tier is what its COMMIT records prove, not
+            # what this node's manifest remembers (it may be new).
+            self.committed = committed_in_tier(
+                commit_records=self.durable,
+                recorded=(
+                    await commit_versions(self.tier)
+                    if self.durable
+                    else self.ctx.journal.committed(self.name)
+                ),
+                held=self.own,
+            )
+        except Exception as exc:
+            logger.error(
+                "tiercheck: cannot list the %r tier (%r); nothing will be deleted from it "
+                "until a restore lists it",
+                self.name,
+                exc,
+            )
+            self.unlisted = True
+            self.own = {}
+            self.committed = set()
+
+    async def list_own(self) -> dict[int, OwnBlob]:
+        """This rank's blobs in the tier, by version, with the base each is a delta on."""
+        out: dict[int, OwnBlob] = {}
+        durable = await self.ctx.journal.blobs(self.name, self.ctx.rank)
+        bases: dict[int, int | None] = {d.version: d.base for d in durable}
+        async for key in self.tier.list("v"):
+            parsed = parse_blob_key(key)
+            if parsed is not None and parsed.rank == self.ctx.rank:
+                if parsed.kind == "full":
+                    base = None
+                elif parsed.version in bases:
+                    base = bases[parsed.version]
+                else:
+                    # Not in this node's manifest (a new node): any older blob may be its base.
+                    base = UNKNOWN_BASE
+                out[parsed.version] = OwnBlob(key, base)
+        return out
+
+    async def restorable(self) -> list[int]:
+        """Committed versions that are still there and whose base is too, as this rank sees."""
+        try:
+            if self.durable:
+                present = await commit_versions(self.tier)
+            else:
+                present = set(await self.list_own())
+        except Exception as exc:
+            logger.warning("tiercheck: cannot list the %r tier: %r", self.name, exc)
+            return sorted(self.committed)
+        there = self.committed & present
+        # A delta whose base is gone cannot be restored from this tier.
+        bases = {v: b.base for v, b in self.own.items()}
+        return sorted(v for v in there if bases.get(v) in (None, UNKNOWN_BASE) or bases[v] in there)
+
+    # --- workers ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the lane worker and the round worker."""
+        self.workers.append(asyncio.create_task(self._lane_worker()))
+        self.workers.append(asyncio.create_task(self.rounds.run()))
+
+    def end(self) -> None:
+        """Tell both workers to end once their queues are drained."""
+        self.lane.put_nowait(None)
+        self.rounds.queue.put_nowait(None)
+
+    def launch(self, job: Job) -> None:
+        """``job`` goes to this tier: queue its commit round (in version order)."""
+        self.rounds.queue.put_nowait(job)
+        self.idle.clear()
+
+    # --- writing ------------------------------------------------------------------------------
+
+    async def reserve(self, key: str, size: int) -> Reservation:
+        """Reserve ``size`` bytes in the tier; when full, let pending retention free room first."""
+        tier = self.tier
+        assert isinstance(tier, SupportsReserve)
+        self.reserve_size = size
+        try:
+            return await tier.reserve(key, size)
+        except TierFull:
+            if self.idle.is_set():
+                raise
+        # Retention runs after each commit round; the previous version's may still be on
+        # its way to freeing an old one. Bounded: training waits seconds at most.
+        with contextlib.suppress(TimeoutError):
+            timeout = min(self.ctx.options.coordination.peer_timeout, 10.0)
+            await asyncio.wait_for(self.idle.wait(), timeout=timeout)
+        return await tier.reserve(key, size)
+
+    def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta) -> bool:
+        """Queue an encoded version for writing; ``False`` (and the version dropped for this
+        tier) when the tier is ``tier_queue`` versions behind."""
+        tier_queue = self.ctx.options.tiers.tier_queue
+        if self.lane.qsize() >= tier_queue:
+            job.lane_done(
+                self.name,
+                None,
+                TierWriteFailed(
+                    f"the {self.name!r} tier is {tier_queue} versions behind; "
+                    f"version {job.version} was dropped for it"
+                ),
+            )
+            return False
+        self.lane.put_nowait((job, parts, meta))
+        return True
+
+    def skip(self, job: Job, exc: BaseException) -> None:
+        """The tier cannot take this version: count it, log the reason once, go on without it."""
+        name = self.name
+        stats = job.handle.stats.tiers[name]
+        stats.state = "skipped"
+        stats.error = f"{type(exc).__name__}: {exc}"
+        self.ctx.stats.tier_skips[name] = self.ctx.stats.tier_skips.get(name, 0) + 1
+        condition = type(exc).__name__
+        if condition not in self.skip_logged:
+            self.skip_logged.add(condition)
+            logger.warning(
+                "tiercheck: the %r tier cannot take version %s (%s: %s); the version still goes "
+                "to the other tiers. Further versions it cannot take for this reason are counted "
+                "in stats.tier_skips, not logged.",
+                name,
+                job.version,
+                type(exc).__name__,
+                exc,
+            )
+        job.lane_done(
+            name,
+            None,
+            TierWriteFailed(f"version {job.version} was not stored in the {name!r} tier: {exc}"),
+            cause=exc,
+        )
+
+    def record_durable(self, job: Job, key: str, meta: BlobMeta) -> Durable:
+        """This rank's blob of ``job`` is in the tier: remember it and log it."""
+        base = meta.base.version if meta.base is not None else None
+        record = Durable(
+            job.version,
+            self.ctx.rank,
+            self.name,
+            key,
+            meta.nbytes,
+            meta.checksum,
+            meta.raw_digest,
+            base,
+        )
+        self.own[job.version] = OwnBlob(key, base)
+        self.ctx.journal.log(record)
+        job.handle.stats.tiers[self.name].bytes = meta.nbytes
+        return record
+
+    async def _lane_worker(self) -> None:
+        """Write blobs to the tier, one at a time, in version order."""
+        tier, queue = self.tier, self.lane
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            job, parts, meta = item
+            kind: BlobKind = "full" if meta.kind == "full" else "packed"
+            key = blob_key(job.version, self.ctx.rank, kind)
+            try:
+                if self.durable:
+                    await self.ctx.claim.check(tier)
+                await tier.putv(key, parts)
+            except Exception as exc:
+                if isinstance(exc, PeerUnavailable):
+                    self.peer_trouble(f"writing {key}", exc)
+                elif not isinstance(exc, Superseded):
+                    logger.warning(
+                        "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
+                    )
+                job.lane_done(
+                    tier.name,
+                    None,
+                    TierWriteFailed(
+                        f"version {job.version} could not be written to the "
+                        f"{tier.name!r} tier: {exc!r}"
+                    ),
+                    cause=exc,
+                )
+            else:
+                job.lane_done(tier.name, self.record_durable(job, key, meta))
+            finally:
+                if kind == "full" and job.holder is not None:
+                    job.holder.drop()
+                # Do not keep the last blob alive while waiting for the next one.
+                del item, parts
+
+    def peer_trouble(self, what: str, exc: BaseException) -> None:
+        """Another rank is gone or silent: one WARNING line per spell, then DEBUG."""
+        if self.peer_warned:
+            logger.debug("tiercheck: %s in %r: %s", what, self.name, exc)
+            return
+        self.peer_warned = True
+        logger.warning(
+            "tiercheck: %s in the %r tier failed: %s (further failures of this kind are logged "
+            "at DEBUG until the tier works again)",
+            what,
+            self.name,
+            exc,
+        )
+
+    # --- keeping ------------------------------------------------------------------------------
+
+    def fail(self, job: Job, error: BaseException) -> None:
+        """``job`` is not committed in the tier: record why, and tell its handle."""
+        stats = job.handle.stats.tiers[self.name]
+        skipped = stats.state == "skipped"  # counted in tier_skips already
+        if stats.state == "pending":
+            stats.state = "failed"
+            stats.error = str(error)
+            stats.seconds = time.perf_counter() - job.started
+        if job.kind != "skipped" and not skipped:
+            self.ctx.stats.failed[self.name] = self.ctx.stats.failed.get(self.name, 0) + 1
+        job.handle._resolve(self.name, error)
+
+    async def retain(self) -> None:
+        """Trim the tier to its policy's ``keep`` (never a base a kept delta needs, never a
+        version in flight)."""
+        if self.unlisted or (self.ctx.claim.superseded and self.durable):
+            return  # never delete from a tier this run cannot see whole, or no longer owns
+        if self.durable:
+            # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
+            # lifecycle rule) must not count towards `keep`.
+            self.committed &= await commit_versions(self.tier)
+        doomed = evictable(
+            committed=self.committed,
+            own={v: b.base for v, b in self.own.items()},
+            keep=self.policy.keep,
+            # Rounds run in version order, so everything newer than `settled` is in flight
+            # in this tier and stays; in flight elsewhere does not matter here.
+            settled_upto=self.settled,
+        )
+        # Newest first: a delta goes before its base, so no COMMIT record is ever left naming
+        # a base that is gone, whenever the process dies.
+        for version in reversed(doomed):
+            await self.evict(version, "retention")
+
+    async def evict(self, version: int, reason: str) -> None:
+        """Delete ``version`` from the tier: this rank's blob, and rank 0 its COMMIT record."""
+        if self.ctx.claim.superseded and self.durable:
+            return
+        if self.ctx.rank == 0 and self.durable:
+            await self.tier.delete(commit_key(version))
+        blob = self.own.pop(version, None)
+        if blob is not None:
+            await self.tier.delete(blob.key)
+        self.committed.discard(version)
+        self.ctx.stats.evicted[self.name] = self.ctx.stats.evicted.get(self.name, 0) + 1
+        self.ctx.journal.log(Evict(version, self.ctx.rank, self.name, reason))
+
+    async def truncate_from(self, first: int, reason: str) -> None:
+        """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
+        doomed = {v for v in self.own if v >= first}
+        if self.ctx.rank == 0 and self.durable:
+            async for key in self.tier.list("v"):
+                v = parse_commit_key(key)
+                if v is not None and v >= first:
+                    doomed.add(v)
+        for version in sorted(doomed, reverse=True):
+            try:
+                await self.evict(version, reason)
+            except Exception:
+                logger.exception(
+                    "tiercheck: removing version %s from %r failed", version, self.name
+                )
