@@ -31,7 +31,9 @@ TROUBLE = re.compile(r"lost the store|could not reach the store|Traceback")
 # barrier and leaves while the other agent still waits on it, which the other agent logs as
 # an error with a traceback and then exits 0 anyway. That is torch's, not tiercheck's, and
 # happens after every worker has ended; it is counted and shown, not failed.
-AGENT_LINE = re.compile(r"^[EWI]\d{4} [\d:.]+ +\d+ torch/distributed/elastic/")
+# The header names the file by its path from the working directory: ``torch/...`` or, with a
+# virtual environment inside it (CI's), ``.venv/lib/python3.11/site-packages/torch/...``.
+AGENT_LINE = re.compile(r"^[EWI]\d{4} [\d:.]+ +\d+ (\S*/)?torch/distributed/elastic/")
 
 
 def trouble(stderr: str) -> tuple[str | None, bool]:
