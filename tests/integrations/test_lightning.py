@@ -332,6 +332,24 @@ def test_ddp_saves_on_every_rank(tmp_path: Path) -> None:
     assert calls == [({"global_step": 3}, "tiercheck:3")]
 
 
+def test_model_parallel_saves_loads_and_closes_on_every_rank(tmp_path: Path) -> None:
+    trainer = _setup(ModelParallelStrategy(), tmp_path)
+    strategy = trainer.strategy
+    assert isinstance(strategy, ModelParallelStrategy)
+    # Its own save_checkpoint and load_checkpoint write and read torch.distributed.checkpoint
+    # folders, and its own teardown leaves the CheckpointIO open.
+    assert {"save_checkpoint", "load_checkpoint", "teardown"} <= set(vars(strategy))
+    calls: list[Any] = []
+    io = strategy.checkpoint_io
+    io.save_checkpoint = lambda *args, **kwargs: calls.append(args)  # type: ignore[method-assign]
+    with patch.object(ModelParallelStrategy, "is_global_zero", new=False):
+        strategy.save_checkpoint({"global_step": 3}, "tiercheck:3")
+    assert calls == [({"global_step": 3}, "tiercheck:3")]
+    io.teardown = lambda: calls.append("teardown")  # type: ignore[method-assign]
+    strategy.teardown()
+    assert calls[-1] == "teardown"
+
+
 class OwnCheckpoints(DDPStrategy):
     """A DDP strategy writing checkpoints its own way, as DeepSpeed's does."""
 
@@ -341,13 +359,28 @@ class OwnCheckpoints(DDPStrategy):
         raise AssertionError("never called")
 
 
+class OwnModelParallel(ModelParallelStrategy):
+    """A model-parallel strategy reading checkpoints its own way."""
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
+        raise AssertionError("never called")
+
+
 @pytest.mark.parametrize(
     "strategy",
-    ["ddp_spawn", "ddp_fork", ModelParallelStrategy(), OwnCheckpoints()],
-    ids=["ddp_spawn", "ddp_fork", "model_parallel", "ddp_subclass"],
+    [
+        "ddp_spawn",
+        "ddp_fork",
+        OwnCheckpoints(),
+        ModelParallelStrategy(save_distributed_checkpoint=False),
+        OwnModelParallel(),
+    ],
+    ids=["ddp_spawn", "ddp_fork", "ddp_subclass", "model_parallel_full", "model_parallel_subclass"],
 )
 def test_strategies_not_covered_are_refused_naming_what_is(strategy: Any, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"covers SingleDeviceStrategy .* and DDPStrategy"):
+    with pytest.raises(
+        ConfigError, match=r"covers SingleDeviceStrategy .*DDPStrategy .* and ModelParallelStrategy"
+    ):
         _setup(strategy, tmp_path)
 
 

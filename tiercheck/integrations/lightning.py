@@ -12,7 +12,8 @@ Two objects, both required::
   load is resolved to a version and restored.
 * :class:`TiercheckCallback` links the trainer to the plugin, adds the global RNG states to each
   checkpoint and restores them when training starts (Lightning itself saves none), and
-  optionally saves every N optimizer steps. Under DDP it also makes every rank save (below).
+  optionally saves every N optimizer steps. Under DDP and ``ModelParallelStrategy`` it also
+  makes every rank save (below).
 
 Checkpoint names (``filepath`` when saving, ``ckpt_path`` when loading):
 
@@ -52,16 +53,32 @@ is collective the same way: every rank restores the one version they agree on. T
 opens on first use, inside ``fit`` (after the process group exists); :meth:`resume_path` opens
 nothing and can be called before.
 
-Covered: single-process training (``SingleDeviceStrategy``: one CPU, GPU or other device) and
+``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in the module's ``configure_model``): the
+strategy writes and reads ``torch.distributed.checkpoint`` folders itself, calling no
+``CheckpointIO``. At ``setup`` the callback makes it hand each checkpoint to the plugin on every
+rank instead -- the checkpoint's ``state_dict`` and ``optimizer_states`` are the strategy's own
+(``get_model_state_dict`` / ``get_optimizer_state_dict``, sharded), so each rank stores its own
+shards as DTensor leaves (local shard plus layout) -- and load through the plugin on every rank:
+the restored shards are put back on each parameter's own mesh and placements (a shard that does
+not fit them is a :class:`~tiercheck.errors.StateMismatch`) and loaded with
+``set_model_state_dict`` / ``set_optimizer_state_dict`` (an optimizer that has not stepped yet
+is fine); its teardown also closes the plugin, as other strategies' do. Resuming needs the
+sharding the checkpoint was saved with (same world size and mesh).
+
+Covered: single-process training (``SingleDeviceStrategy``: one CPU, GPU or other device),
 ``DDPStrategy`` (``strategy="ddp"``) started by ``torchrun`` (or another launcher that starts
-every process) or by Lightning itself, on CPUs (gloo) or GPUs. Not covered, refused with
-:class:`~tiercheck.errors.ConfigError` at ``setup``: strategies that write their own
-checkpoints (FSDP, ``ModelParallelStrategy``, DeepSpeed, XLA; a ``DDPStrategy`` subclass that
-overrides a checkpoint hook), DDP started by ``spawn``/``fork`` (``"ddp_spawn"``,
-``"ddp_notebook"``...), optimizers that shard their state (``ZeroRedundancyOptimizer``);
-also ``AsyncCheckpointIO`` wrapping (the plugin is already non-blocking), weights-only
-checkpoints (they cannot be resumed from), ``storage_options``, and the standalone
-``pytorch_lightning`` package (this is built on ``lightning``).
+every process) or by Lightning itself, on CPUs (gloo) or GPUs, and ``ModelParallelStrategy``
+with its default ``save_distributed_checkpoint=True`` (tested in CI: FSDP2 over the
+data-parallel mesh, 2 CPU ranks under ``torchrun``; tensor-parallel layouts take the same path
+but are not tested). Not covered, refused with :class:`~tiercheck.errors.ConfigError` at
+``setup``: strategies that write their own checkpoints (FSDP, DeepSpeed, XLA; a ``DDPStrategy``
+or ``ModelParallelStrategy`` subclass that overrides a checkpoint hook),
+``ModelParallelStrategy(save_distributed_checkpoint=False)`` (it gathers the whole state on
+rank zero), DDP started by ``spawn``/``fork`` (``"ddp_spawn"``, ``"ddp_notebook"``...),
+optimizers that shard their state (``ZeroRedundancyOptimizer``); also ``AsyncCheckpointIO``
+wrapping (the plugin is already non-blocking), weights-only checkpoints (they cannot be resumed
+from), ``storage_options``, and the standalone ``pytorch_lightning`` package (this is built on
+``lightning``).
 """
 
 from __future__ import annotations
@@ -72,11 +89,14 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import fsspec
+import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from tiercheck.adapters import _onto
 from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.codec import own_copy
-from tiercheck.errors import ConfigError, FormatError, RestoreError
+from tiercheck.codec.dtensor import is_dtensor
+from tiercheck.errors import ConfigError, FormatError, RestoreError, StateMismatch
 from tiercheck.integrations._common import (
     LATEST,
     RESUME,
@@ -95,7 +115,12 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+        Strategy,
+    )
     from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -127,8 +152,9 @@ _CHECKPOINT_HOOKS = (
     "load_optimizer_state_dict",
 )
 _COVERED = (
-    "tiercheck's Lightning integration covers SingleDeviceStrategy (one process) and "
-    "DDPStrategy (strategy='ddp', started by torchrun or by Lightning)"
+    "tiercheck's Lightning integration covers SingleDeviceStrategy (one process), "
+    "DDPStrategy (strategy='ddp', started by torchrun or by Lightning) and ModelParallelStrategy "
+    "(FSDP2 via fully_shard in configure_model, each rank storing its own shards)"
 )
 
 
@@ -361,8 +387,8 @@ class TiercheckCallback(pl.Callback):
 
     * At ``setup`` it finds the plugin in the trainer's strategy and links the two (the plugin
       needs the trainer to tell a resume from an evaluation load); it refuses strategies the
-      plugin does not cover, and makes a DDP strategy hand checkpoints to the plugin on every
-      rank (see the module docstring).
+      plugin does not cover, and makes a DDP or ``ModelParallelStrategy`` strategy hand
+      checkpoints to the plugin on every rank (see the module docstring).
     * Its checkpoint state is the global RNG states (Python, numpy, torch, CUDA) of the rank,
       taken when each checkpoint is written; after a resume they are set again at
       ``on_train_start``, after the sanity check and just before the first training batch.
@@ -390,7 +416,8 @@ class TiercheckCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Link the trainer to its :class:`TiercheckCheckpointIO`; refuse what is not covered;
-        under DDP, make every rank save."""
+        under DDP and ``ModelParallelStrategy``, make every rank save (and, for the latter,
+        load and close) through it."""
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, TiercheckCheckpointIO):
             raise ConfigError(
@@ -403,6 +430,11 @@ class TiercheckCallback(pl.Callback):
         elif isinstance(strategy, DDPStrategy):
             _check_ddp(strategy)
             _save_on_every_rank(strategy)
+        elif isinstance(strategy, ModelParallelStrategy):
+            _check_model_parallel(strategy)
+            _save_on_every_rank(strategy)
+            _load_on_every_rank(strategy)
+            _close_at_teardown(strategy)
         else:
             raise ConfigError(
                 f"{_COVERED}; got {type(strategy).__name__} with world_size={trainer.world_size}"
@@ -479,12 +511,32 @@ def _check_ddp(strategy: DDPStrategy) -> None:
         )
 
 
-def _save_on_every_rank(strategy: DDPStrategy) -> None:
+def _check_model_parallel(strategy: ModelParallelStrategy) -> None:
+    """Refuse ``ModelParallelStrategy`` set-ups whose checkpoints the integration does not cover."""
+    overridden = _overridden_hooks(strategy, ModelParallelStrategy)
+    if overridden:
+        raise ConfigError(
+            f"{_COVERED}; {type(strategy).__name__} makes or reads checkpoints its own way "
+            f"({', '.join(overridden)})"
+        )
+    if not getattr(strategy, "_save_distributed_checkpoint", True):
+        # Then the model and optimizer states are gathered whole on rank zero and the other
+        # ranks hand over empty ones: nothing a rank could restore its own shards from.
+        raise ConfigError(
+            f"{_COVERED}; ModelParallelStrategy(save_distributed_checkpoint=False) gathers the "
+            "whole state on rank zero: leave it True (the default), each rank stores its shards"
+        )
+
+
+def _save_on_every_rank(strategy: DDPStrategy | ModelParallelStrategy) -> None:
     """Make ``strategy`` hand each checkpoint to its ``CheckpointIO`` on every rank.
 
     ``Strategy.save_checkpoint`` calls the ``CheckpointIO`` on global rank zero only (the other
-    ranks hold the same replicated state); a tiercheck save is collective and each rank stores
-    its own part. ``trainer.save_checkpoint`` already runs on every rank and ends with a barrier.
+    ranks hold the same replicated state), and ``ModelParallelStrategy.save_checkpoint`` writes
+    a ``torch.distributed.checkpoint`` folder instead of calling it; a tiercheck save is
+    collective and each rank stores its own part (under ``ModelParallelStrategy`` the
+    checkpoint's ``state_dict`` and ``optimizer_states`` hold this rank's shards, as DTensors).
+    ``trainer.save_checkpoint`` already runs on every rank and ends with a barrier.
     """
     if "save_checkpoint" in vars(strategy):
         return  # done at an earlier setup of this trainer
@@ -498,6 +550,125 @@ def _save_on_every_rank(strategy: DDPStrategy) -> None:
 
     # On the instance: this strategy object belongs to the trainer being set up.
     vars(strategy)["save_checkpoint"] = save_checkpoint
+
+
+def _load_on_every_rank(strategy: ModelParallelStrategy) -> None:
+    """Make ``strategy`` load checkpoints through its ``CheckpointIO`` and fill its shards.
+
+    ``ModelParallelStrategy.load_checkpoint`` reads a ``torch.distributed.checkpoint`` folder
+    and loads the model and optimizers itself (its ``load_model_state_dict`` and
+    ``load_optimizer_state_dict`` do nothing). In its place every rank restores the version
+    through the plugin, then puts the restored shards into the model and each optimizer with
+    ``set_model_state_dict`` / ``set_optimizer_state_dict`` -- an optimizer that has not stepped
+    yet is initialized by them -- and returns the rest of the checkpoint to Lightning.
+    """
+    if "load_checkpoint" in vars(strategy):
+        return  # done at an earlier setup of this trainer
+
+    def load_checkpoint(checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = strategy.checkpoint_io.load_checkpoint(
+            checkpoint_path, weights_only=weights_only
+        )
+        if not checkpoint:
+            return checkpoint  # nothing to resume: Lightning restores nothing
+        module = strategy.lightning_module
+        assert module is not None
+        _fill_model_parallel(
+            module,
+            [getattr(opt, "_optimizer", opt) for opt in strategy.optimizers],
+            checkpoint.pop("state_dict"),
+            checkpoint.pop("optimizer_states", []),
+            strict=module.strict_loading,
+        )
+        return checkpoint
+
+    vars(strategy)["load_checkpoint"] = load_checkpoint
+
+
+def _close_at_teardown(strategy: ModelParallelStrategy) -> None:
+    """Make ``strategy``'s teardown finish the saves in flight and close the checkpointer.
+
+    ``Strategy.teardown`` tears its ``CheckpointIO`` down; ``ModelParallelStrategy.teardown``
+    does not call it, and saves still in flight at the end of ``fit`` would never complete.
+    """
+    if "teardown" in vars(strategy):
+        return  # done at an earlier setup of this trainer
+    own_teardown = strategy.teardown
+
+    def teardown() -> None:
+        try:
+            own_teardown()
+        finally:
+            strategy.checkpoint_io.teardown()
+
+    vars(strategy)["teardown"] = teardown
+
+
+def _fill_model_parallel(
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    model_state: dict[str, Any],
+    optimizer_states: list[Any],
+    *,
+    strict: bool,
+) -> None:
+    """Load restored model and optimizer states (this rank's shards) into a sharded module.
+
+    A restore without a target gives each sharded tensor as a DTensor on a mesh rebuilt from the
+    default group, or as its local shard: each is put back on its parameter's own mesh and
+    placements first, after checking that it fits them (see :func:`_placed`).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if len(optimizer_states) != len(optimizers):
+        raise StateMismatch(
+            f"the checkpoint holds {len(optimizer_states)} optimizer state(s); the model has "
+            f"{len(optimizers)} optimizer(s)"
+        )
+    live = get_model_state_dict(module)
+    model_state = {
+        name: _placed(live[name], value, name) if name in live else value
+        for name, value in model_state.items()
+    }
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
+    params = dict(module.named_parameters())
+    for opt, state in zip(optimizers, optimizer_states, strict=True):
+        per_param = state.get("state") if isinstance(state, dict) else None
+        if isinstance(per_param, dict):
+            for name, entry in per_param.items():
+                param = params.get(name)
+                if param is not None and isinstance(entry, dict):
+                    for key, value in list(entry.items()):
+                        entry[key] = _placed(param, value, f"{name}.{key}")
+        set_optimizer_state_dict(module, opt, state)
+
+
+def _placed(target: Any, value: Any, where: str) -> Any:
+    """``value`` (restored) laid out like the live ``target``; a restored DTensor must have the
+    target's global shape and placements (:class:`~tiercheck.errors.StateMismatch` otherwise),
+    a restored local shard the target's local shape."""
+    if (
+        is_dtensor(target)
+        and is_dtensor(value)
+        and value.dim() > 0
+        and (value.shape != target.shape or tuple(value.placements) != tuple(target.placements))
+    ):
+        raise StateMismatch(
+            f"the checkpoint holds {where} as a DTensor of shape {tuple(value.shape)} placed "
+            f"{tuple(value.placements)}; the model's is {tuple(target.shape)} placed "
+            f"{tuple(target.placements)}: resume with the sharding the checkpoint was saved with"
+        )
+    try:
+        return _onto(target, value, where)
+    except ValueError as exc:
+        raise StateMismatch(
+            f"{exc}: resume with the sharding the checkpoint was saved with"
+        ) from exc
 
 
 class _NothingToResume(dict[str, Any]):
