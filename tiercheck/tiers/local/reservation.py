@@ -1,0 +1,327 @@
+"""Reservations of the local tier: shared memory handed out, to become a blob once committed.
+
+:class:`LocalReservation` is what :meth:`~tiercheck.tiers.local.LocalTier.reserve` returns;
+``_Reserving`` is the tier's side of it (preparing memory ahead, reserving, committing and
+aborting), run in worker threads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from tiercheck.errors import TierFull
+from tiercheck.tiers import _atomic
+from tiercheck.tiers.local.files import DIR_MODE, FULL_ERRNOS, MAP_POPULATE
+from tiercheck.tiers.local.space import _Prepared, _Space
+
+_T = TypeVar("_T")
+
+_OPEN, _COMMITTING, _COMMITTED, _ABORTED = "open", "committing", "committed", "aborted"
+
+
+class _Reserving(_Space):
+    """The local tier's reservations and prepared memory (see :class:`LocalReservation`)."""
+
+    _populate: bool
+    _fsync: bool
+    _reservations: set[LocalReservation]
+
+    if TYPE_CHECKING:
+
+        def _path(self, key: str) -> str: ...
+
+        def _check_open(self) -> None: ...
+
+        async def _run(self, op: str, key: str, fn: Callable[..., _T], *args: object) -> _T: ...
+
+    def _prepare_sync(self, nbytes: int) -> bool:
+        self._ensure_scanned()
+        with self._lock:
+            current = self._prepared
+            if current is not None and current.nbytes == nbytes:
+                return True
+            self._prepared = None
+        if current is not None:
+            self._drop_prepared(current)
+        if nbytes == 0:
+            return True
+        try:
+            prepared = self._retry_when_full(lambda: self._prepare_once(nbytes))
+        except TierFull:
+            return False
+        except OSError as exc:
+            if exc.errno in FULL_ERRNOS:
+                return False  # the filesystem is full: nothing prepared, nothing left behind
+            raise
+        with self._lock:
+            if self._prepared is None and not self._closed:
+                self._prepared = prepared
+                return True
+        self._drop_prepared(prepared)  # lost a race with another prepare, or closed meanwhile
+        return True
+
+    def _prepare_once(self, nbytes: int) -> _Prepared:
+        spare = self._claim("", nbytes)
+        fd = -1
+        path: str | None = None
+        try:
+            fd, path = self._open_temp(self._spares_dir, spare)
+            self._size_and_back(fd, nbytes)
+            flags = mmap.MAP_SHARED | (MAP_POPULATE if self._populate else 0)
+            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            if path is not None:
+                _atomic.discard(path)
+            self._unclaim(nbytes)
+            raise
+        return _Prepared(fd, path, mapping, memoryview(mapping), nbytes)
+
+    def _take_prepared(self, key: str, nbytes: int) -> LocalReservation | None:
+        """A reservation made of the prepared memory, if it has the right size (no I/O).
+
+        Its file stays in the hidden spares folder until the commit renames it over the key.
+        """
+        with self._lock:
+            prepared = self._prepared
+            if prepared is None or prepared.nbytes != nbytes or nbytes == 0 or self._closed:
+                return None
+            self._prepared = None
+        reservation = LocalReservation(
+            self,
+            key=key,
+            target=self._path(key),
+            temp_path=prepared.path,
+            fd=prepared.fd,
+            mapping=prepared.mapping,
+            view=prepared.view,
+        )
+        with self._lock:
+            self._reservations.add(reservation)
+        return reservation
+
+    def _reserve_sync(self, key: str, nbytes: int) -> LocalReservation:
+        self._ensure_scanned()
+        ready = self._take_prepared(key, nbytes)
+        if ready is not None:
+            return ready
+        return self._retry_when_full(lambda: self._reserve_once(key, nbytes))
+
+    def _reserve_once(self, key: str, nbytes: int) -> LocalReservation:
+        target = self._path(key)
+        spare = self._claim(key, nbytes)
+        fd = -1
+        temp_path: str | None = None
+        mapping: mmap.mmap | None = None
+        view: memoryview | None = None
+        try:
+            fd, temp_path = self._open_temp(os.path.dirname(target), spare)
+            # Backed before it is mapped: the caller copies straight into these pages.
+            self._size_and_back(fd, nbytes)
+            if nbytes:
+                flags = mmap.MAP_SHARED | (MAP_POPULATE if self._populate else 0)
+                mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                view = memoryview(mapping)
+            else:
+                view = memoryview(bytearray())
+            reservation = LocalReservation(
+                self,
+                key=key,
+                target=target,
+                temp_path=temp_path,
+                fd=fd,
+                mapping=mapping,
+                view=view,
+            )
+        except BaseException:
+            if view is not None:
+                view.release()
+            if mapping is not None:
+                mapping.close()
+            if fd >= 0:
+                os.close(fd)
+            if temp_path is not None:
+                _atomic.discard(temp_path)
+            self._unclaim(nbytes)
+            raise
+        with self._lock:
+            self._reservations.add(reservation)
+        return reservation
+
+    def _commit_sync(self, reservation: LocalReservation) -> None:
+        # The state changes here, in the worker, so that a commit cancelled before its worker
+        # started leaves the reservation open, and so that release() can tell a running commit.
+        with self._lock:
+            if reservation._state != _OPEN:
+                raise RuntimeError(
+                    f"cannot commit {reservation!r}: only an open reservation can be committed"
+                )
+            reservation._state = _COMMITTING
+        try:
+            if self._fsync:
+                if reservation._mapping is not None:
+                    reservation._mapping.flush()
+                os.fsync(reservation._fd)
+            # Held until release: while it is, deleting the key cannot recycle the file that
+            # the caller may still be reading through the buffer.
+            fcntl.flock(reservation._fd, fcntl.LOCK_SH)
+            target_dir = os.path.dirname(reservation._target)
+            if os.path.dirname(reservation._temp_path) != target_dir:
+                _atomic.make_dirs(target_dir, DIR_MODE)  # prepared memory lives elsewhere
+            self._publish(
+                reservation.key, reservation._temp_path, reservation._target, reservation.nbytes
+            )
+        except BaseException:
+            with self._lock:
+                reservation._state = _OPEN
+            raise
+        with self._lock:
+            reservation._state = _COMMITTED
+        if self._fsync:
+            _atomic.fsync_dir_of(reservation._target)
+
+    def _abort_sync(self, reservation: LocalReservation, *, releasing: bool = False) -> None:
+        with self._lock:
+            if reservation._state == _ABORTED or (releasing and reservation._state == _COMMITTED):
+                return
+            if reservation._state != _OPEN:
+                raise RuntimeError(f"cannot abort {reservation!r}: it is {reservation._state}")
+            reservation._state = _ABORTED
+            self._pending -= reservation.nbytes
+        _atomic.discard(reservation._temp_path)
+
+    def _released(self, reservation: LocalReservation) -> None:
+        with self._lock:
+            self._reservations.discard(reservation)
+
+
+class LocalReservation:
+    """Shared memory that becomes a blob of the local tier when committed.
+
+    Returned by :meth:`~tiercheck.tiers.local.LocalTier.reserve`; implements
+    :class:`~tiercheck.tiers.Reservation`.
+
+    1. Fill :attr:`buffer` completely (for example ``torch.frombuffer(r.buffer, dtype=...)``
+       and ``copy_`` into it). Until commit, readers of the key see the previous blob or none.
+    2. ``await commit()`` publishes it atomically, or ``await abort()`` discards it.
+    3. The buffer stays readable after commit; call :meth:`release` when done with it. The
+       memory stays mapped as long as any view or tensor made from the buffer lives, and while
+       it is mapped, deleting the key never lets the file be recycled under it.
+
+    ``release()`` without commit or abort discards the temporary file inline (a file removal
+    on the calling thread; prefer ``await abort()`` on an event loop).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_fd",
+        "_key",
+        "_mapping",
+        "_nbytes",
+        "_released_flag",
+        "_state",
+        "_target",
+        "_temp_path",
+        "_tier",
+        "_view",
+    )
+
+    def __init__(
+        self,
+        tier: _Reserving,
+        *,
+        key: str,
+        target: str,
+        temp_path: str,
+        fd: int,
+        mapping: mmap.mmap | None,
+        view: memoryview,
+    ) -> None:
+        self._tier = tier
+        self._key = key
+        self._target = target
+        self._temp_path = temp_path
+        self._fd = fd
+        self._mapping = mapping
+        self._view = view
+        self._nbytes = view.nbytes
+        self._state = _OPEN
+        self._released_flag = False
+        if mapping is None:
+            # Nothing maps the (empty) file: the descriptor only has to outlive commit.
+            weakref.finalize(self, os.close, fd)
+        else:
+            weakref.finalize(mapping, os.close, fd)
+
+    def __repr__(self) -> str:
+        return f"LocalReservation(key={self._key!r}, nbytes={self._nbytes}, state={self._state})"
+
+    @property
+    def key(self) -> str:
+        """The key the buffer is published under on commit."""
+        return self._key
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the buffer, and of the blob it becomes."""
+        return self._nbytes
+
+    @property
+    def buffer(self) -> memoryview:
+        """The writable memory (``B`` format). Invalid after :meth:`release`."""
+        if self._released_flag:
+            raise ValueError(f"{self!r} was released; its buffer is gone")
+        return self._view
+
+    @property
+    def committed(self) -> bool:
+        """Whether :meth:`commit` has completed."""
+        return self._state == _COMMITTED
+
+    async def commit(self) -> None:
+        """Publish the buffer as the blob under :attr:`key`, atomically.
+
+        Raises :class:`RuntimeError` if the reservation is not open (committed, aborted or
+        released already) and :class:`~tiercheck.errors.TierClosed` after the tier was closed.
+        """
+        self._tier._check_open()
+        if self._state != _OPEN or self._released_flag:
+            raise RuntimeError(f"cannot commit {self!r}: only an open reservation can be")
+        await self._tier._run("commit", self._key, self._tier._commit_sync, self)
+
+    async def abort(self) -> None:
+        """Discard the reservation; the key keeps its previous blob (or none). Idempotent.
+
+        Raises :class:`RuntimeError` once committed.
+        """
+        if self._state == _ABORTED:
+            return
+        if self._state != _OPEN:
+            raise RuntimeError(f"cannot abort {self!r}: it is {self._state}")
+        await self._tier._run("abort", self._key, self._tier._abort_sync, self)
+
+    def release(self) -> None:
+        """Give the buffer back; the file may be recycled once its key is deleted.
+
+        Idempotent. Tensors and views made from the buffer stay valid: the memory is unmapped
+        (and the file becomes recyclable) when the last of them is gone.
+        """
+        if self._released_flag:
+            return
+        # Discards the file if neither committed nor aborted; raises while a commit runs.
+        self._tier._abort_sync(self, releasing=True)
+        self._released_flag = True
+        # Never unmap explicitly: torch.frombuffer and friends keep a reference to the view
+        # object but no buffer export, so an explicit munmap would leave their tensors
+        # pointing at freed memory. Dropping our references unmaps at once if nobody else
+        # holds the view, or later when the last tensor goes; the finalizer registered in
+        # __init__ then closes the file, which drops the lock that keeps it from recycling.
+        self._view = memoryview(b"")
+        self._mapping = None
+        self._tier._released(self)

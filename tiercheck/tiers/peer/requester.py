@@ -1,0 +1,113 @@
+"""The peer tier's requester side: asking holders to put, get, delete, and waiting for answers.
+
+Each exchange runs, blocking, on one of the tier's daemon threads (see
+:meth:`_Requester._run`); any failure of it marks the holder down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgpack
+
+from tiercheck._threads import DaemonExecutor
+from tiercheck.errors import BlobNotFound, StorageError, TiercheckError, TierFull
+from tiercheck.tiers.peer.link import _Link
+from tiercheck.tiers.peer.wire import as_tensor, chunk_size, chunk_tag, pieces
+
+T = TypeVar("T")
+
+
+class _Requester(_Link):
+    """The peer tier's requests to the holders of this rank's replicas (blocking parts)."""
+
+    timeout: float
+    namespace: str
+    chunk_bytes: int
+    _threads: DaemonExecutor
+
+    async def _run(self, dst: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, an exchange with holder ``dst``, on a daemon thread; fails at once
+        (without using a thread) while ``dst`` is down."""
+        self._check_up(dst)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self._guarded, dst, fn, *args)
+
+    def _guarded(self, dst: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run one exchange with ``dst``; any failure of it (not a refusal) marks ``dst`` down."""
+        self._check_up(dst)  # it may have gone down while this call was queued
+        try:
+            return fn(*args)
+        except TiercheckError:
+            raise  # PeerUnavailable marked it already; other errors are the holder's answers
+        except (RuntimeError, OSError, ValueError) as exc:
+            # A store operation or gloo transfer failed (torch raises RuntimeError subclasses,
+            # sockets OSError), or the holder's answer was garbled.
+            raise self._went_down(dst, f"{type(exc).__name__}: {exc}") from exc
+
+    def _send_request(self, dst: int, message: dict[str, Any]) -> int:
+        store = self._store_here()
+        seq = int(store.add(f"seq/{dst}", 1))
+        message = {**message, "src": self.topology.rank, "seq": seq, "ns": self.namespace}
+        store.set(f"req/{dst}/{seq}", msgpack.packb(message, use_bin_type=True))
+        return seq
+
+    def _reply(self, dst: int, seq: int, step: str) -> dict[str, Any]:
+        """Wait for the holder's answer to request ``seq`` (phase ``step``)."""
+        import torch.distributed as dist
+
+        store = self._store_here()
+        key = f"resp/{self.topology.rank}/{dst}/{seq}/{step}"
+        try:
+            store.wait([key], datetime.timedelta(seconds=self.timeout))
+        except dist.DistError as exc:
+            raise self._went_down(
+                dst, f"no answer within {self.timeout:.0f}s, its node may be gone ({exc})"
+            ) from exc
+        reply: dict[str, Any] = msgpack.unpackb(store.get(key), raw=False)
+        store.delete_key(key)
+        if not reply.get("ok", False):
+            kind = reply.get("error_type", "")
+            text = f"rank {dst}: {reply.get('error', 'unknown error')}"
+            if kind == "missing":
+                raise BlobNotFound(text)
+            if kind == "full":
+                raise TierFull(text)
+            raise StorageError(text)
+        return reply
+
+    def _call(self, dst: int, message: dict[str, Any]) -> dict[str, Any]:
+        seq = self._send_request(dst, message)
+        return self._reply(dst, seq, "done")
+
+    def _put_sync(self, dst: int, key: str, views: Sequence[memoryview]) -> None:
+        import torch.distributed as dist
+
+        sizes = [v.nbytes for v in views]
+        chunk = chunk_size(sum(sizes), self.chunk_bytes)
+        message = {"op": "put", "key": key, "sizes": sizes, "chunk": chunk}
+        seq = self._send_request(dst, message)
+        self._reply(dst, seq, "ready")
+        works = []
+        for i, piece in enumerate(pieces(views, chunk)):
+            tag = chunk_tag(seq, "put", i)
+            works.append(dist.isend(as_tensor(piece), dst, group=self._group, tag=tag))
+        self._wait_all(works, dst)
+        self._reply(dst, seq, "done")
+
+    def _get_sync(self, dst: int, key: str) -> memoryview:
+        import torch.distributed as dist
+
+        seq = self._send_request(dst, {"op": "get", "key": key, "chunk": self.chunk_bytes})
+        reply = self._reply(dst, seq, "ready")
+        size = int(reply["size"])
+        out = memoryview(bytearray(size))
+        works = [
+            dist.irecv(as_tensor(piece), dst, group=self._group, tag=chunk_tag(seq, "get", i))
+            for i, piece in enumerate(pieces([out], chunk_size(size, self.chunk_bytes)))
+        ]
+        self._wait_all(works, dst)
+        return out

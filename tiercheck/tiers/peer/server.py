@@ -1,0 +1,223 @@
+"""The peer tier's holder side: the server thread that keeps other ranks' replicas.
+
+Every rank runs one server thread; it waits on the store for requests addressed to it, one at a
+time, and keeps what it receives in its node's shared memory (a
+:class:`~tiercheck.tiers.local.LocalTier`), under ``<namespace>/r<rank>/<key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from typing import Any
+
+import msgpack
+
+from tiercheck.errors import BlobNotFound, ConfigError, TiercheckError, TierFull
+from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.peer.link import _Link
+from tiercheck.tiers.peer.wire import IDLE_WAIT, as_tensor, chunk_size, chunk_tag, pieces
+
+logger = logging.getLogger("tiercheck")
+
+
+class _Holding(_Link):
+    """The peer tier's server: answering requests and holding replicas for other ranks."""
+
+    _holder: LocalTier
+    _stop: threading.Event
+    _waiting_for: int | None
+    _server_loop: asyncio.AbstractEventLoop
+
+    def _wake_server(self) -> None:
+        """Queue a "stop" request to this rank's own server, behind every earlier request.
+
+        Requests are numbered first and sent second, so a requester that died in between
+        left a hole the server would wait on; the holes before the stop request are filled
+        with "skip" requests (only where no request is: ``compare_set`` never overwrites one).
+        """
+        me = self.topology.rank
+        store = self._store_here()
+        seq = int(store.add(f"seq/{me}", 1))
+        message = {"op": "stop", "src": me, "seq": seq}
+        store.set(f"req/{me}/{seq}", msgpack.packb(message, use_bin_type=True))
+        waiting_for = self._waiting_for
+        if waiting_for is not None:
+            skip = msgpack.packb({"op": "skip", "src": me, "seq": 0}, use_bin_type=True)
+            for hole in range(waiting_for, seq):
+                store.compare_set(f"req/{me}/{hole}", b"", skip)
+
+    def _serve(self) -> None:
+        """Answer requests addressed to this rank, one at a time, until asked to stop."""
+        import torch.distributed as dist
+
+        asyncio.set_event_loop(self._server_loop)
+        me = self.topology.rank
+        try:
+            store = self._store.clone()
+            for seq in itertools.count(1):
+                key = f"req/{me}/{seq}"
+                self._waiting_for = seq
+                while True:
+                    try:
+                        store.wait([key], IDLE_WAIT)
+                        break
+                    except dist.DistStoreError:  # nothing yet: waiting again is safe
+                        if self._stop.is_set():
+                            return
+                        if store.check([f"req/{me}/{seq + 1}"]):
+                            break  # a hole: its requester died between numbering and asking
+                self._waiting_for = None
+                if not store.check([key]):
+                    logger.warning(
+                        "tiercheck: the peer server of rank %s skips request %s: its sender "
+                        "never sent it (it died while asking)",
+                        me,
+                        seq,
+                    )
+                    continue
+                message = msgpack.unpackb(store.get(key), raw=False)
+                store.delete_key(key)
+                if message["op"] == "stop":
+                    return
+                if message["op"] == "skip":
+                    continue
+                try:
+                    self._handle(store, message)
+                except Exception:
+                    logger.exception("tiercheck: the peer server of rank %s failed a request", me)
+        except dist.DistError as exc:
+            if self._stop.is_set():  # closing, and the store left first: nothing is lost
+                logger.debug("tiercheck: the peer server of rank %s stopped: %s", me, exc)
+            else:
+                logger.warning(
+                    "tiercheck: the peer server of rank %s lost the store and stopped: %s", me, exc
+                )
+        finally:
+            self._server_loop.run_until_complete(self._server_loop.shutdown_default_executor())
+            self._server_loop.close()
+
+    def _answer(self, store: Any, message: dict[str, Any], step: str, **fields: Any) -> None:
+        src, seq = message["src"], message["seq"]
+        body = {"ok": True, **fields}
+        key = f"resp/{src}/{self.topology.rank}/{seq}/{step}"
+        store.set(key, msgpack.packb(body, use_bin_type=True))
+
+    def _refuse(self, store: Any, message: dict[str, Any], step: str, exc: BaseException) -> None:
+        kind = (
+            "missing"
+            if isinstance(exc, FileNotFoundError)
+            else "full"
+            if isinstance(exc, TierFull)
+            else "error"
+        )
+        src, seq = message["src"], message["seq"]
+        body = {"ok": False, "error_type": kind, "error": f"{type(exc).__name__}: {exc}"}
+        key = f"resp/{src}/{self.topology.rank}/{seq}/{step}"
+        store.set(key, msgpack.packb(body, use_bin_type=True))
+
+    def _held_prefix(self, message: dict[str, Any]) -> str:
+        """Where the holder keeps what ``message``'s sender stores (namespace, then rank)."""
+        return f"{message['ns']}/r{int(message['src']):05d}/"
+
+    def _held_key(self, message: dict[str, Any]) -> str:
+        return self._held_prefix(message) + str(message["key"])
+
+    def _handle(self, store: Any, message: dict[str, Any]) -> None:
+        op = message["op"]
+        run = self._server_loop.run_until_complete
+        try:
+            if op == "put":
+                self._serve_put(store, message)
+                return
+            if op == "get":
+                self._serve_get(store, message)
+                return
+            key = self._held_key(message)
+            if op == "delete":
+                run(self._holder.delete(key))
+                self._answer(store, message, "done")
+            elif op == "exists":
+                self._answer(store, message, "done", exists=run(self._holder.exists(key)))
+            elif op == "size":
+                try:
+                    size = run(self._holder.get_size(key))
+                except BlobNotFound:
+                    size = -1
+                self._answer(store, message, "done", size=size)
+            elif op == "list":
+                prefix = self._held_prefix(message)
+
+                async def listing() -> list[str]:
+                    return [k[len(prefix) :] async for k in self._holder.list(key)]
+
+                self._answer(store, message, "done", keys=run(listing()))
+            else:
+                raise ConfigError(f"unknown peer request {op!r}")
+        except (TiercheckError, OSError) as exc:
+            self._refuse(store, message, "done", exc)
+
+    def _serve_put(self, store: Any, message: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        run = self._server_loop.run_until_complete
+        sizes: list[int] = message["sizes"]
+        try:
+            reservation = run(self._holder.reserve(self._held_key(message), sum(sizes)))
+        except (TiercheckError, OSError) as exc:
+            self._refuse(store, message, "ready", exc)
+            return
+        src, seq = int(message["src"]), int(message["seq"])
+        try:
+            self._answer(store, message, "ready")
+            buffer, offset, parts = reservation.buffer, 0, []
+            for size in sizes:  # the sender's parts, laid end to end in the reservation
+                parts.append(buffer[offset : offset + size])
+                offset += size
+            # Cut exactly as the sender did: its chunk size travels with the request.
+            works = [
+                dist.irecv(as_tensor(piece), src, group=self._group, tag=chunk_tag(seq, "put", i))
+                for i, piece in enumerate(pieces(parts, int(message["chunk"])))
+            ]
+            self._wait_all(works, src)
+            run(reservation.commit())
+        except BaseException as exc:
+            run(reservation.abort())
+            if isinstance(exc, Exception):
+                logger.warning(
+                    "tiercheck: receiving %r from rank %s failed: %r", message["key"], src, exc
+                )
+                self._refuse(store, message, "done", exc)
+                return
+            raise
+        finally:
+            reservation.release()
+        self._answer(store, message, "done")
+        # The next blob from this rank is likely the same size (the next version of the same
+        # state): ready its memory now, off the transfer's critical path.
+        try:
+            run(self._holder.prepare(sum(sizes)))
+        except (TiercheckError, OSError) as exc:
+            logger.warning("tiercheck: preparing replica memory failed: %r", exc)
+
+    def _serve_get(self, store: Any, message: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        run = self._server_loop.run_until_complete
+        try:
+            data = memoryview(run(self._holder.get(self._held_key(message)))).cast("B")
+        except (TiercheckError, OSError) as exc:
+            self._refuse(store, message, "ready", exc)
+            return
+        if data.readonly:
+            data = memoryview(bytearray(data))
+        self._answer(store, message, "ready", size=data.nbytes)
+        src, seq = int(message["src"]), int(message["seq"])
+        chunk = chunk_size(data.nbytes, int(message["chunk"]))
+        works = [
+            dist.isend(as_tensor(piece), src, group=self._group, tag=chunk_tag(seq, "get", i))
+            for i, piece in enumerate(pieces([data], chunk))
+        ]
+        self._wait_all(works, src)
