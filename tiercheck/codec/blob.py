@@ -221,8 +221,8 @@ class RawState:
     def state(self, *, allow_pickle: bool = False) -> Any:
         """The nested state, rebuilt around views of the payload (no copy).
 
-        The state's tensors live in ``payload``: copy them (or :func:`~.flatten.load_into` a live
-        state) before the payload's memory is reused.
+        The state's tensors live in ``payload``: copy them (or
+        :func:`~tiercheck.statetree.load_into` a live state) before the payload's memory is reused.
         """
         return unflatten(self.layout, self.tensors(), allow_pickle=allow_pickle)
 
