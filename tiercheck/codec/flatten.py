@@ -66,6 +66,7 @@ __all__ = [
     "DTensorShard",
     "Layout",
     "TensorSpec",
+    "align",
     "flatten",
     "unflatten",
     "write_payload",
@@ -115,7 +116,8 @@ _NP_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to the next multiple of :data:`ALIGNMENT`."""
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
@@ -160,14 +162,14 @@ class Layout:
         specs: list[TensorSpec] = []
         end = 0
         for path, dtype, shape in entries:
-            offset = _align(end)
+            offset = align(end)
             numel = 1
             for d in shape:
                 numel *= d
             nbytes = numel * dtype.itemsize
             specs.append(TensorSpec(path, dtype, tuple(shape), offset, nbytes))
             end = offset + nbytes
-        return cls(skeleton, tuple(specs), _align(end))
+        return cls(skeleton, tuple(specs), align(end))
 
     @cached_property
     def index(self) -> dict[str, int]:

@@ -37,7 +37,7 @@ import xxhash
 import zstandard
 
 from tiercheck.codec.delta import xor_bytes
-from tiercheck.codec.flatten import Layout
+from tiercheck.codec.flatten import Layout, align
 from tiercheck.codec.planes import (
     BLOCK_BYTES,
     PlaneScratch,
@@ -52,6 +52,7 @@ __all__ = [
     "LOW",
     "RAW",
     "ZSTD",
+    "Buffer",
     "DecodeSettings",
     "EncodeSettings",
     "Frame",
@@ -74,9 +75,11 @@ ZSTD = 1
 #: The low half of every element kept interleaved, stored raw (only as a frame's first entry).
 LOW = 2
 U8 = npt.NDArray[np.uint8]
-Part = bytes | bytearray | memoryview
+#: Any contiguous bytes-like object: a whole blob, or one of the parts whose concatenation is a
+#: blob. The same union as the tiers' ``Buffer``, which the codec may not import.
+Buffer = bytes | bytearray | memoryview
 #: One stored plane: its mode and the buffers whose concatenation is its stored bytes.
-PlaneOut = tuple[int, list[Part]]
+PlaneOut = tuple[int, list[Buffer]]
 _SAMPLE_SLICES = 4
 
 
@@ -293,7 +296,7 @@ class OutputArena:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> U8:
-        """An uninitialized uint8 array of ``nbytes`` (64-byte aligned within its block)."""
+        """An uninitialized uint8 array of ``nbytes`` (``ALIGNMENT``-aligned within its block)."""
         if nbytes * 2 > self._chunk:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
@@ -301,11 +304,11 @@ class OutputArena:
                 self._block = np.empty(self._chunk, dtype=np.uint8)
                 self._pos = 0
             out = self._block[self._pos : self._pos + nbytes]
-            self._pos += (nbytes + 63) // 64 * 64
+            self._pos += align(nbytes)
         return out
 
 
-def hash_parts(parts: Iterable[Part]) -> int:
+def hash_parts(parts: Iterable[Buffer]) -> int:
     """xxh3_64 of the concatenation of ``parts``."""
     hasher = xxhash.xxh3_64()
     for part in parts:
@@ -380,12 +383,12 @@ class _Source:
         np.bitwise_xor(self.cur, self.base, out=out)
         return out
 
-    def stored_copy(self, arena: OutputArena) -> list[Part]:
+    def stored_copy(self, arena: OutputArena) -> list[Buffer]:
         """The frame bytes as parts that outlive the scratch (for raw, unsplit frames).
 
         Bytes that need no XOR are views of the payload (no copy); XORed bytes are fresh.
         """
-        parts: list[Part] = []
+        parts: list[Buffer] = []
         for p, (off, b, n) in zip(self.frame.pieces, self.ranges, strict=True):
             if b < 0:
                 parts.append(self.payload[off : off + n].data)
