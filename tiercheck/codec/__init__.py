@@ -11,7 +11,8 @@ Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`
 codec (``check_into``, ``load_into`` and ``own_copy`` stay importable from here).
 
 Modules: :mod:`.flatten` (skeleton, layout, payload), :mod:`.delta` (XOR),
-:mod:`.planes` (byte planes), :mod:`.frames` (the packed body), :mod:`.blob` (format, encoders,
+:mod:`.planes` (byte planes), :mod:`.frames` (the packed body; :mod:`.resources`, the zstd
+contexts, buffers and threads it runs on), :mod:`.blob` (format, encoders,
 decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dtypes`,
 :mod:`.dtensor` (DTensor records), :mod:`.plan` (the cached layout of a repeating state) and
 :mod:`.copyprogram` (its payload copy in few calls).

@@ -66,15 +66,13 @@ from tiercheck.codec.frames import (
     EncodeSettings,
     Frame,
     FrameOut,
-    OutputArena,
-    ScratchPool,
     decode_frame,
     encode_frame,
     frame_entry_count,
     plan_frames,
-    run_bounded,
 )
 from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.resources import OutputArena, ScratchPool, run_bounded
 from tiercheck.codec.stages import (
     FlattenStage,
     PlanesStage,

@@ -132,7 +132,7 @@ class PlanesStage(_Parameterless):
 class ZstdStage(_Versioned):
     """``tiercheck.zstd/1``: each plane zstd-compressed where a sample shows it pays, else raw.
 
-    ``level`` and ``tuned`` (see :func:`~tiercheck.codec.frames.zstd_parameters`) are recorded
+    ``level`` and ``tuned`` (see :func:`~tiercheck.codec.resources.zstd_parameters`) are recorded
     for the record; decoding needs neither.
     """
 
