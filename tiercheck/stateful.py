@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from tiercheck.codec.dtensor import materialize
-from tiercheck.codec.flatten import Lenient
 from tiercheck.errors import StatefulError
+from tiercheck.statetree import Lenient
 
 if TYPE_CHECKING:
     from tiercheck.checkpointer import Restored
@@ -137,7 +137,7 @@ class Prepared:
 
 def for_restore(state: Any) -> Prepared:
     """The target to restore into for ``state``: each Stateful object stood in for by a
-    :class:`~tiercheck.codec.flatten.Lenient` holding its current ``state_dict()``."""
+    :class:`~tiercheck.statetree.Lenient` holding its current ``state_dict()``."""
     lenients: list[Lenient] = []
     copies: dict[int, Any] = {}
 

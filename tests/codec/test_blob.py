@@ -29,7 +29,7 @@ from tiercheck.codec import (
     write_payload,
 )
 from tiercheck.codec import blob as blob_module
-from tiercheck.codec.flatten import flatten
+from tiercheck.codec.flatten import align, flatten
 from tiercheck.errors import ChecksumMismatch, ConfigError, FormatError, UnsupportedFormat
 
 from ._helpers import assert_same, join, random_tensor
@@ -317,7 +317,7 @@ def reseal(data: bytes, edit: Any) -> bytes:
     edit(header)
     packed = msgpack.packb(header, use_bin_type=True)
     region = blob_module._header_region(packed)
-    old_offset = blob_module._align(64 + header_nbytes)
+    old_offset = align(64 + header_nbytes)
     new_head = blob_module._HEAD.pack(MAGIC, 1, 0, kind, len(packed), body_nbytes)
     return blob_module._seal(new_head, region, raw, body_digest) + region + data[old_offset:]
 

@@ -18,7 +18,8 @@ from tiercheck.catalog.base import Location, NullProgress, Progress
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.read import decode_blob
 from tiercheck.catalog.scan import Catalog
-from tiercheck.codec import DTensorShard, own_copy
+from tiercheck.codec import DTensorShard
+from tiercheck.statetree import own_copy
 
 __all__ = ["EXPORT_MODE", "ExportResult", "export", "safetensors_payload"]
 

@@ -5,14 +5,22 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
     state --flatten--> Layout + tensors --write_payload--> raw payload (RawState)
           --encode_full--> full blob (payload as is)
           --encode_packed--> packed blob: xor vs base -> byte planes -> zstd where it pays
-    blob  --decode(base=...)--> RawState (verified end to end) --state()/load_into--> state
+    blob  --decode(base=...)--> RawState (verified end to end) --state()--> state
+
+Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`'s job, above the
+codec (``check_into``, ``load_into`` and ``own_copy`` stay importable from here).
 
 Modules: :mod:`.flatten` (skeleton, layout, payload), :mod:`.delta` (XOR),
-:mod:`.planes` (byte planes), :mod:`.frames` (the packed body), :mod:`.blob` (format, encoders,
-decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dtypes`.
+:mod:`.planes` (byte planes), :mod:`.frames` (the packed body; :mod:`.resources`, the zstd
+contexts, buffers and threads it runs on), :mod:`.blob` (format, encoders,
+decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dtypes`,
+:mod:`.dtensor` (DTensor records), :mod:`.plan` (the cached layout of a repeating state) and
+:mod:`.copyprogram` (its payload copy in few calls).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from tiercheck.codec.blob import (
     FORMAT_MAJOR,
@@ -39,15 +47,15 @@ from tiercheck.codec.flatten import (
     ALIGNMENT,
     Layout,
     TensorSpec,
-    check_into,
     flatten,
-    load_into,
-    own_copy,
     unflatten,
     write_payload,
 )
 from tiercheck.codec.options import CodecOptions
 from tiercheck.codec.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
+
+if TYPE_CHECKING:
+    from tiercheck.statetree import check_into, load_into, own_copy
 
 __all__ = [
     "ALIGNMENT",
@@ -87,3 +95,16 @@ __all__ = [
     "xor_bits",
     "xor_bytes",
 ]
+
+# The state-tree functions moved to :mod:`tiercheck.statetree`, which sits above the codec and
+# imports it; they stay reachable here for code written against this package. Resolved on first
+# use, so that importing the codec never imports a module that imports the codec.
+_MOVED_TO_STATETREE = frozenset({"check_into", "load_into", "own_copy"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_STATETREE:
+        import tiercheck.statetree
+
+        return getattr(tiercheck.statetree, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

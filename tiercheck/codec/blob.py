@@ -59,21 +59,20 @@ from tiercheck.codec.delta import match_base
 from tiercheck.codec.digest import DIGEST_CHUNK, tree_digest, tree_root
 from tiercheck.codec.digest import raw_digest as _raw_digest
 from tiercheck.codec.dtypes import dtype_from_name
-from tiercheck.codec.flatten import ALIGNMENT, Layout, flatten, unflatten, write_payload
+from tiercheck.codec.flatten import Layout, align, flatten, unflatten, write_payload
 from tiercheck.codec.frames import (
+    Buffer,
     DecodeSettings,
     EncodeSettings,
     Frame,
     FrameOut,
-    OutputArena,
-    ScratchPool,
     decode_frame,
     encode_frame,
     frame_entry_count,
     plan_frames,
-    run_bounded,
 )
 from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.resources import OutputArena, ScratchPool, run_bounded
 from tiercheck.codec.stages import (
     FlattenStage,
     PlanesStage,
@@ -114,10 +113,6 @@ _KIND_PACKED = 2
 _KINDS: dict[int, Literal["full", "packed"]] = {_KIND_FULL: "full", _KIND_PACKED: "packed"}
 _MODE_BITS = 2
 
-Buffer = bytes | bytearray | memoryview
-#: A piece of an encoded blob; the blob is the concatenation of its parts (the tiers' Buffer).
-Part = bytes | bytearray | memoryview
-
 
 def host_buffer(nbytes: int) -> torch.Tensor:
     """A fresh uint8 host tensor of ``nbytes``, cheap to fault in.
@@ -129,10 +124,6 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
-
-
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 def _byte_view(blob: Buffer) -> memoryview:
@@ -221,8 +212,8 @@ class RawState:
     def state(self, *, allow_pickle: bool = False) -> Any:
         """The nested state, rebuilt around views of the payload (no copy).
 
-        The state's tensors live in ``payload``: copy them (or :func:`~.flatten.load_into` a live
-        state) before the payload's memory is reused.
+        The state's tensors live in ``payload``: copy them (or
+        :func:`~tiercheck.statetree.load_into` a live state) before the payload's memory is reused.
         """
         return unflatten(self.layout, self.tensors(), allow_pickle=allow_pickle)
 
@@ -334,7 +325,7 @@ def _seal(head: bytes, header_region: Buffer, raw: int, body: int) -> bytes:
 
 
 def _header_region(header: bytes) -> bytes:
-    pad = _align(PREAMBLE_NBYTES + len(header)) - PREAMBLE_NBYTES - len(header)
+    pad = align(PREAMBLE_NBYTES + len(header)) - PREAMBLE_NBYTES - len(header)
     return header + bytes(pad)
 
 
@@ -418,7 +409,7 @@ def finalize_full_blob(
     head, header_nbytes, body_nbytes, kind = _read_head(view)
     if kind != _KIND_FULL:
         raise FormatError("finalize_full_blob needs a full blob written by write_full_blob")
-    offset = _align(PREAMBLE_NBYTES + header_nbytes)
+    offset = align(PREAMBLE_NBYTES + header_nbytes)
     if len(view) != offset + body_nbytes:
         raise FormatError(f"blob holds {len(view)} bytes; its header says {offset + body_nbytes}")
     digest = raw_digest if raw_digest is not None else tree_digest(view[offset:], executor=executor)
@@ -428,7 +419,7 @@ def finalize_full_blob(
     return _parse(view, len(view), known)
 
 
-def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
+def encode_full(state: RawState, *, rank: int) -> tuple[list[Buffer], BlobMeta]:
     """The full blob of ``state`` as parts: ``[preamble + header, payload view]``.
 
     No payload byte is copied or hashed (``state.raw_digest`` is trusted): the second part is a
@@ -445,7 +436,7 @@ def encode_full(state: RawState, *, rank: int) -> tuple[list[Part], BlobMeta]:
     )
     prefix = _seal(head, region, state.raw_digest, state.raw_digest) + region
     body = state.payload.numpy().data if layout.payload_nbytes else memoryview(b"")
-    parts: list[Part] = [prefix, body]
+    parts: list[Buffer] = [prefix, body]
     total = len(prefix) + layout.payload_nbytes
     return parts, _parse(_byte_view(prefix), total, (layout, state.version, rank))
 
@@ -465,7 +456,7 @@ def encode_packed(
     base: RawState | None = None,
     options: CodecOptions = CodecOptions(),  # noqa: B008 -- frozen, so sharing it is safe
     executor: Executor | None = None,
-) -> tuple[list[Part], BlobMeta]:
+) -> tuple[list[Buffer], BlobMeta]:
     """Encode ``state`` as a packed blob (a delta against ``base`` when given); returns its parts.
 
     Pipeline per frame (:mod:`.frames`), frames in parallel on ``executor`` (or a pool of
@@ -526,7 +517,7 @@ def encode_packed(
         return encode_frame(frame, settings, pool, arena)
 
     results = run_bounded(work, frames, workers=options.workers, executor=executor)
-    parts: list[Part] = []
+    parts: list[Buffer] = []
     table: list[int] = []
     leaves: list[int] = []
     for entries, leaf in results:
@@ -589,7 +580,7 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
         )
     if kind not in _KINDS or bytes(view[13:16]) != b"\0\0\0":
         raise FormatError(f"bad blob kind {kind} or reserved bytes")
-    offset = _align(PREAMBLE_NBYTES + header_nbytes)
+    offset = align(PREAMBLE_NBYTES + header_nbytes)
     if total != offset + body_nbytes:
         raise FormatError(
             f"blob holds {total} bytes; its preamble says {offset + body_nbytes} (truncated?)"

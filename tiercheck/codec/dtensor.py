@@ -17,8 +17,8 @@ That is enough to put shards saved by one world size together again on another (
 elastic restore); today a restore needs the same layout.
 
 :class:`DTensorShard` is how a stored DTensor comes back from :func:`~.flatten.unflatten`: the
-local tensor plus the record. :func:`~.flatten.load_into` copies it into the local shard of a
-live DTensor after checking that the record matches that DTensor's layout (else
+local tensor plus the record. :func:`~tiercheck.statetree.load_into` copies it into the local
+shard of a live DTensor after checking that the record matches that DTensor's layout (else
 :class:`~tiercheck.errors.StateMismatch`). :func:`materialize` turns the shards of a state
 restored without a target into DTensors where that is possible without creating process groups,
 else into their local tensors.

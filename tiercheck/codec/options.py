@@ -32,7 +32,7 @@ class CodecOptions:
     * ``min_gain`` -- a plane is stored compressed only if zstd saves at least this fraction of
       its bytes (on the sample, then on the whole plane).
     * ``tuned`` -- for zstd's fast levels (1, 2, negative), use parameters tuned for byte planes
-      (see :func:`~tiercheck.codec.frames.zstd_parameters`); ``False`` = zstd's own for
+      (see :func:`~tiercheck.codec.resources.zstd_parameters`); ``False`` = zstd's own for
       ``level``.
     """
 

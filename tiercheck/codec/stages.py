@@ -13,7 +13,7 @@ Order in a packed blob: ``flatten`` -> ``xor`` (deltas only) -> ``planes`` (opti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from tiercheck.errors import FormatError, UnsupportedFormat
 
@@ -27,8 +27,38 @@ __all__ = [
 ]
 
 
+class _Versioned:
+    """What every stage has: a versioned name, ``BASE/MAJOR``, recorded in the header."""
+
+    __slots__ = ()
+
+    BASE: ClassVar[str]
+    MAJOR: ClassVar[int]
+
+    @property
+    def name(self) -> str:
+        """Versioned name recorded in the header."""
+        return f"{self.BASE}/{self.MAJOR}"
+
+
+class _Parameterless(_Versioned):
+    """A stage that records no parameters: ``{}`` in the header, rebuilt from nothing."""
+
+    __slots__ = ()
+
+    def params(self) -> dict[str, Any]:
+        """Parameters recorded in the header."""
+        return {}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Self:
+        """Rebuild from header parameters."""
+        del params
+        return cls()
+
+
 @dataclass(frozen=True, slots=True)
-class FlattenStage:
+class FlattenStage(_Parameterless):
     """``tiercheck.flatten/1``: msgpack skeleton + raw payload (see :mod:`.flatten`).
 
     ``tiercheck.flatten/2`` is the same format with one more skeleton extension, the DTensor
@@ -50,22 +80,18 @@ class FlattenStage:
 
     @property
     def name(self) -> str:
-        """Versioned name recorded in the header."""
+        """Versioned name recorded in the header (this blob's major, not the newest)."""
         return f"{self.BASE}/{self.major}"
 
-    def params(self) -> dict[str, Any]:
-        """Parameters recorded in the header."""
-        return {}
-
     @classmethod
-    def from_params(cls, params: dict[str, Any], major: int = 1) -> FlattenStage:
+    def from_params(cls, params: dict[str, Any], major: int = 1) -> Self:
         """Rebuild from header parameters."""
         del params
         return cls(major)
 
 
 @dataclass(frozen=True, slots=True)
-class XorStage:
+class XorStage(_Versioned):
     """``tiercheck.xor/1``: each tensor XORed bitwise with the same tensor of a base version.
 
     Records the base (its version and raw digest) that decoding needs.
@@ -76,11 +102,6 @@ class XorStage:
 
     BASE: ClassVar[str] = "tiercheck.xor"
     MAJOR: ClassVar[int] = 1
-
-    @property
-    def name(self) -> str:
-        """Versioned name recorded in the header."""
-        return f"{self.BASE}/{self.MAJOR}"
 
     def params(self) -> dict[str, Any]:
         """Parameters recorded in the header."""
@@ -96,7 +117,7 @@ class XorStage:
 
 
 @dataclass(frozen=True, slots=True)
-class PlanesStage:
+class PlanesStage(_Parameterless):
     """``tiercheck.planes/1``: elements split into byte planes (plane j = byte j of each element).
 
     The plane count of a tensor is its element size; the order of bytes is memory order, which
@@ -106,27 +127,12 @@ class PlanesStage:
     BASE: ClassVar[str] = "tiercheck.planes"
     MAJOR: ClassVar[int] = 1
 
-    @property
-    def name(self) -> str:
-        """Versioned name recorded in the header."""
-        return f"{self.BASE}/{self.MAJOR}"
-
-    def params(self) -> dict[str, Any]:
-        """Parameters recorded in the header."""
-        return {}
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> PlanesStage:
-        """Rebuild from header parameters."""
-        del params
-        return cls()
-
 
 @dataclass(frozen=True, slots=True)
-class ZstdStage:
+class ZstdStage(_Versioned):
     """``tiercheck.zstd/1``: each plane zstd-compressed where a sample shows it pays, else raw.
 
-    ``level`` and ``tuned`` (see :func:`~tiercheck.codec.frames.zstd_parameters`) are recorded
+    ``level`` and ``tuned`` (see :func:`~tiercheck.codec.resources.zstd_parameters`) are recorded
     for the record; decoding needs neither.
     """
 
@@ -135,11 +141,6 @@ class ZstdStage:
 
     BASE: ClassVar[str] = "tiercheck.zstd"
     MAJOR: ClassVar[int] = 1
-
-    @property
-    def name(self) -> str:
-        """Versioned name recorded in the header."""
-        return f"{self.BASE}/{self.MAJOR}"
 
     def params(self) -> dict[str, Any]:
         """Parameters recorded in the header."""

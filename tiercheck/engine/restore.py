@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercheck.codec import RawState, check_into, load_into, unflatten
+from tiercheck.codec import RawState, unflatten
 from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
@@ -26,6 +26,7 @@ from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
 from tiercheck.errors import FormatError, RestoreError, StateMismatch, UnsupportedObject
+from tiercheck.statetree import check_into, load_into
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
