@@ -23,12 +23,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from tiercheck import DTensorShard, StateMismatch, SyncCheckpointer
 from tiercheck.codec import (
     CodecOptions,
-    check_into,
     decode,
     encode_full,
     encode_packed,
     flatten,
-    load_into,
     read_meta,
     snapshot,
     unflatten,
@@ -38,6 +36,7 @@ from tiercheck.codec.flatten import Layout
 from tiercheck.codec.plan import Planner
 from tiercheck.codec.stages import FlattenStage, parse_stage
 from tiercheck.errors import UnsupportedFormat
+from tiercheck.statetree import check_into, load_into
 
 # The tests' process group is gloo. Where CUDA is present, torch would give a rebuilt mesh a new
 # process group of its own (a collective call), so tiercheck returns the local shard instead

@@ -17,16 +17,14 @@ from hypothesis import strategies as st
 from tiercheck.codec import (
     ALIGNMENT,
     Layout,
-    check_into,
     flatten,
-    load_into,
-    own_copy,
     snapshot,
     supported_dtypes,
     unflatten,
     write_payload,
 )
 from tiercheck.errors import StateMismatch, UnsupportedObject
+from tiercheck.statetree import check_into, load_into, own_copy
 
 from ._helpers import assert_same, random_tensor, tensor_bytes
 

@@ -8,7 +8,7 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
     blob  --decode(base=...)--> RawState (verified end to end) --state()--> state
 
 Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`'s job, above the
-codec (``check_into``, ``load_into`` and ``own_copy`` stay importable from here).
+codec (``check_into``, ``load_into`` and ``own_copy``).
 
 Modules: :mod:`.flatten` (skeleton, layout, payload), :mod:`.delta` (XOR),
 :mod:`.planes` (byte planes), :mod:`.frames` (the packed body; :mod:`.resources`, the zstd
@@ -19,8 +19,6 @@ decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dt
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from tiercheck.codec.blob import (
     FORMAT_MAJOR,
@@ -54,9 +52,6 @@ from tiercheck.codec.flatten import (
 from tiercheck.codec.options import CodecOptions
 from tiercheck.codec.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
 
-if TYPE_CHECKING:
-    from tiercheck.statetree import check_into, load_into, own_copy
-
 __all__ = [
     "ALIGNMENT",
     "FORMAT_MAJOR",
@@ -74,16 +69,13 @@ __all__ = [
     "TensorSpec",
     "XorStage",
     "ZstdStage",
-    "check_into",
     "decode",
     "encode_full",
     "encode_packed",
     "finalize_full_blob",
     "flatten",
     "full_blob_size",
-    "load_into",
     "match_base",
-    "own_copy",
     "raw_digest",
     "read_meta",
     "snapshot",
@@ -95,16 +87,3 @@ __all__ = [
     "xor_bits",
     "xor_bytes",
 ]
-
-# The state-tree functions moved to :mod:`tiercheck.statetree`, which sits above the codec and
-# imports it; they stay reachable here for code written against this package. Resolved on first
-# use, so that importing the codec never imports a module that imports the codec.
-_MOVED_TO_STATETREE = frozenset({"check_into", "load_into", "own_copy"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_STATETREE:
-        import tiercheck.statetree
-
-        return getattr(tiercheck.statetree, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -94,7 +94,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck.adapters import _onto
 from tiercheck.checkpointer import Restored, SaveHandle
-from tiercheck.codec import own_copy
 from tiercheck.codec.dtensor import is_dtensor
 from tiercheck.errors import ConfigError, FormatError, RestoreError, StateMismatch
 from tiercheck.integrations._common import (
@@ -107,6 +106,7 @@ from tiercheck.integrations._common import (
     restore_rng,
     version_name,
 )
+from tiercheck.statetree import own_copy
 from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers._atomic import atomic_write
 
