@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tiercheck.codec.dtensor import place_like
+
 __all__ = ["ModelAndOptimizer", "RNGState"]
 
 logger = logging.getLogger("tiercheck")
@@ -123,7 +125,7 @@ class ModelAndOptimizer:
                 param = params.get(name)
                 if param is not None and isinstance(entry, dict):
                     for key, value in list(entry.items()):
-                        entry[key] = _onto(param, value, f"{name}.{key}")
+                        entry[key] = place_like(param, value, f"{name}.{key}")
         set_state_dict(
             self.model,
             self.optimizers,
@@ -150,40 +152,6 @@ def _params_by_name(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         out[name] = param
         out.setdefault(name.replace("module.", ""), param)
     return out
-
-
-def _onto(param: torch.Tensor, value: Any, where: str) -> Any:
-    """``value`` (a restored optimizer-state tensor) as a DTensor laid out like ``param``."""
-    from tiercheck.codec.dtensor import DTensorShard, is_dtensor
-
-    if not is_dtensor(param) or not isinstance(value, (torch.Tensor, DTensorShard)):
-        return value
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensorShard):
-        local = value.local
-    elif isinstance(value, DTensor):
-        if value.device_mesh is param.device_mesh:  # type: ignore[attr-defined]
-            return value
-        local = value.to_local()
-    else:
-        local = value
-    if local.dim() == 0:
-        return local  # a step counter, not sharded
-    mine = param.to_local()  # type: ignore[attr-defined]
-    if local.shape != mine.shape:
-        raise ValueError(
-            f"the restored optimizer state {where} holds a local shard of shape "
-            f"{tuple(local.shape)}; the parameter's local shard is {tuple(mine.shape)}"
-        )
-    return DTensor.from_local(
-        local,
-        param.device_mesh,  # type: ignore[attr-defined]
-        param.placements,  # type: ignore[attr-defined]
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
 
 
 def _numpy() -> Any:

@@ -46,7 +46,7 @@ from tiercheck.errors import (
     Superseded,
     TiercheckError,
 )
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.base import Tier
 
 __all__ = [
@@ -92,7 +92,7 @@ class RankLock:
         """Take the lock, or raise :class:`~tiercheck.errors.JobLocked`."""
         if self._fd is not None:
             return
-        _atomic.make_dirs(str(self.path.parent), 0o700)
+        atomic.make_dirs(str(self.path.parent), 0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,16 +147,16 @@ def read_identity(node_root: Path) -> NodeIdentity | None:
 
 def write_identity(node_root: Path, identity: NodeIdentity) -> None:
     """Write (or replace) the node's identity record atomically."""
-    _atomic.make_dirs(str(node_root), 0o700)
+    atomic.make_dirs(str(node_root), 0o700)
     path = NodeRoot(node_root).identity
-    _atomic.atomic_write(str(path), [memoryview(identity.to_bytes())])
+    atomic.atomic_write(str(path), [memoryview(identity.to_bytes())])
 
 
 def node_holds_data(node_root: Path) -> bool:
     """Whether the node's memory holds any checkpoint data (a blob or a replica)."""
     for folder in NodeRoot(node_root).data_dirs:
         for _folder, _dirs, files in os.walk(folder):
-            if any(not _atomic.is_internal_name(f) for f in files):
+            if any(not atomic.is_internal_name(f) for f in files):
                 return True
     return False
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tiercheck.errors import StateMismatch
-from tiercheck.integrations.lightning import _placed
+from tiercheck.integrations._lightning_strategies import _placed
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 
 
 def test_temp_names_are_hidden_unique_and_attributable() -> None:
     """Temporary names start with '.', hold the reserved '#', and name this host and pid."""
-    first, second = _atomic.temp_name(), _atomic.temp_name()
+    first, second = atomic.temp_name(), atomic.temp_name()
     assert first != second
     assert first.startswith(".")
-    assert _atomic.is_internal_name(first)
-    parsed = _atomic.parse_temp_name(first)
+    assert atomic.is_internal_name(first)
+    parsed = atomic.parse_temp_name(first)
     assert parsed is not None
     assert parsed[1] == os.getpid()
-    assert not _atomic.owned_by_dead_process(first)
-    assert _atomic.parse_temp_name("blob") is None
-    assert _atomic.parse_temp_name(".tiercheck#tmp#host#notapid#x") is None
-    assert not _atomic.owned_by_dead_process("blob")
+    assert not atomic.owned_by_dead_process(first)
+    assert atomic.parse_temp_name("blob") is None
+    assert atomic.parse_temp_name(".tiercheck#tmp#host#notapid#x") is None
+    assert not atomic.owned_by_dead_process("blob")
 
 
 def test_write_all_continues_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,7 +38,7 @@ def test_write_all_continues_short_writes(tmp_path: Path, monkeypatch: pytest.Mo
     parts = [memoryview(b"0123456789abcdef"), memoryview(b""), memoryview(bytes(range(100)))]
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        assert _atomic.write_all(fd, parts) == 116
+        assert atomic.write_all(fd, parts) == 116
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"0123456789abcdef" + bytes(range(100))
@@ -50,7 +50,7 @@ def test_write_all_refuses_to_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         with pytest.raises(OSError):  # noqa: PT011 -- the type is the contract
-            _atomic.write_all(fd, [memoryview(b"x")])
+            atomic.write_all(fd, [memoryview(b"x")])
     finally:
         os.close(fd)
 
@@ -60,15 +60,15 @@ def test_atomic_write_replaces_and_cleans_up(
 ) -> None:
     """atomic_write replaces the target; when writing fails the target and folder are as before."""
     target = tmp_path / "sub" / "blob"
-    assert _atomic.atomic_write(str(target), [memoryview(b"one")], file_mode=0o600) == 3
+    assert atomic.atomic_write(str(target), [memoryview(b"one")], file_mode=0o600) == 3
     assert target.read_bytes() == b"one"
 
     def fail(fd: int, parts: object) -> int:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(_atomic, "write_all", fail)
+    monkeypatch.setattr(atomic, "write_all", fail)
     with pytest.raises(OSError):  # noqa: PT011 -- the type is the contract
-        _atomic.atomic_write(str(target), [memoryview(b"two")])
+        atomic.atomic_write(str(target), [memoryview(b"two")])
     assert target.read_bytes() == b"one"
     assert os.listdir(target.parent) == ["blob"]
 
@@ -78,7 +78,7 @@ def test_make_dirs_sets_the_mode_of_created_folders_only(tmp_path: Path) -> None
     tmp_path.chmod(0o755)
     previous = os.umask(0o777)
     try:
-        _atomic.make_dirs(str(tmp_path / "a" / "b" / "c"), 0o700)
+        atomic.make_dirs(str(tmp_path / "a" / "b" / "c"), 0o700)
     finally:
         os.umask(previous)
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
@@ -86,7 +86,7 @@ def test_make_dirs_sets_the_mode_of_created_folders_only(tmp_path: Path) -> None
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(NotADirectoryError):
-        _atomic.make_dirs(str(tmp_path / "file" / "x"), 0o700)
+        atomic.make_dirs(str(tmp_path / "file" / "x"), 0o700)
 
 
 def test_create_temp_recreates_a_folder_pruned_under_it(
@@ -94,7 +94,7 @@ def test_create_temp_recreates_a_folder_pruned_under_it(
 ) -> None:
     """If a concurrent prune removes the folder between mkdir and open, the folder comes back."""
     folder = tmp_path / "v1"
-    real_make_dirs = _atomic.make_dirs
+    real_make_dirs = atomic.make_dirs
     pruned = []
 
     def make_then_prune(path: str, mode: int | None = None) -> None:
@@ -103,8 +103,8 @@ def test_create_temp_recreates_a_folder_pruned_under_it(
             pruned.append(path)
             shutil.rmtree(path)
 
-    monkeypatch.setattr(_atomic, "make_dirs", make_then_prune)
-    fd, path = _atomic.create_temp(str(folder), file_mode=0o600, dir_mode=0o700)
+    monkeypatch.setattr(atomic, "make_dirs", make_then_prune)
+    fd, path = atomic.create_temp(str(folder), file_mode=0o600, dir_mode=0o700)
     os.close(fd)
     assert pruned == [str(folder)]
     assert Path(path).parent == folder
@@ -115,27 +115,27 @@ def test_prune_stops_at_non_empty_folders_and_the_root(tmp_path: Path) -> None:
     """Pruning removes empty folders upwards, stopping at a non-empty one or at the root."""
     (tmp_path / "a" / "b" / "c").mkdir(parents=True)
     (tmp_path / "a" / "keep").write_bytes(b"")
-    _atomic.prune_empty_dirs(str(tmp_path / "a" / "b" / "c"), str(tmp_path))
+    atomic.prune_empty_dirs(str(tmp_path / "a" / "b" / "c"), str(tmp_path))
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["keep"]
     (tmp_path / "a" / "keep").unlink()
-    _atomic.prune_empty_dirs(str(tmp_path / "a"), str(tmp_path))
+    atomic.prune_empty_dirs(str(tmp_path / "a"), str(tmp_path))
     assert tmp_path.is_dir()
     assert list(tmp_path.iterdir()) == []
-    _atomic.prune_empty_dirs(str(tmp_path / "gone" / "already"), str(tmp_path))
+    atomic.prune_empty_dirs(str(tmp_path / "gone" / "already"), str(tmp_path))
 
 
 def test_as_byte_view_flattens_without_copying() -> None:
     """Multi-byte and multi-dimensional buffers become flat byte views of the same memory."""
     data = bytearray(range(16))
     wide = memoryview(data).cast("I")
-    flat = _atomic.as_byte_view(wide)
+    flat = atomic.as_byte_view(wide)
     assert flat.nbytes == 16
     assert flat.format == "B"
     data[0] = 99
     assert flat[0] == 99
     square = memoryview(data).cast("B", (4, 4))
-    assert _atomic.as_byte_view(square).tobytes() == bytes(data)
+    assert atomic.as_byte_view(square).tobytes() == bytes(data)
     with pytest.raises(TypeError):
-        _atomic.as_byte_view(memoryview(data)[::2])
+        atomic.as_byte_view(memoryview(data)[::2])
     with pytest.raises(TypeError):
-        _atomic.as_byte_view(3)
+        atomic.as_byte_view(3)

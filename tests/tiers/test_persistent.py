@@ -21,7 +21,7 @@ from hypothesis import settings
 
 from tiercheck.errors import BlobNotFound, ConfigError, StorageError
 from tiercheck.testing import TierStateMachine
-from tiercheck.tiers import PersistentTier, RetryPolicy, Tier, _atomic, persistent
+from tiercheck.tiers import PersistentTier, RetryPolicy, Tier, atomic, persistent
 from tiercheck.tiers.persistent import is_transient
 
 from .conftest import S3Server
@@ -349,7 +349,7 @@ async def test_local_put_failure_leaves_the_old_blob_and_no_temp_file(
         calls.append(fd)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_atomic, "write_all", failing)
+    monkeypatch.setattr(atomic, "write_all", failing)
     with pytest.raises(StorageError):
         await tier.put("k", b"new")
     assert len(calls) == FAST.attempts
@@ -382,13 +382,13 @@ async def test_local_putv_writes_parts_without_joining(
 ) -> None:
     """putv on a local filesystem hands each part to the writer as it is."""
     seen: list[list[object]] = []
-    real = _atomic.write_all
+    real = atomic.write_all
 
     def spy(fd: int, parts: list[memoryview]) -> int:
         seen.append([part.obj for part in parts])
         return real(fd, parts)
 
-    monkeypatch.setattr(_atomic, "write_all", spy)
+    monkeypatch.setattr(atomic, "write_all", spy)
     parts = [b"a" * 100, bytearray(b"b" * 200), b"c"]
     tier = PersistentTier(tmp_path)
     await tier.putv("v", parts)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTensorShard", "dtensor_class", "layout_of", "materialize"]
+__all__ = ["DTensorShard", "dtensor_class", "layout_of", "materialize", "place_like"]
 
 
 def dtensor_class() -> type[torch.Tensor] | None:
@@ -295,3 +295,40 @@ def materialize(state: Any) -> Any:
         return obj
 
     return convert(state)
+
+
+def place_like(param: torch.Tensor, value: Any, where: str) -> Any:
+    """``value`` (a restored tensor or shard of ``param``'s state) as a DTensor laid out like
+    ``param``, when ``param`` is a DTensor; else ``value`` unchanged.
+
+    0-dim values (a step counter) stay plain. Raises ``ValueError`` when the local shard's shape
+    is not that of ``param``'s local shard (``where`` names it in the message).
+    """
+    if not is_dtensor(param) or not isinstance(value, (torch.Tensor, DTensorShard)):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensorShard):
+        local = value.local
+    elif isinstance(value, DTensor):
+        if value.device_mesh is param.device_mesh:  # type: ignore[attr-defined]
+            return value
+        local = value.to_local()
+    else:
+        local = value
+    if local.dim() == 0:
+        return local  # a step counter, not sharded
+    mine = param.to_local()  # type: ignore[attr-defined]
+    if local.shape != mine.shape:
+        raise ValueError(
+            f"the restored optimizer state {where} holds a local shard of shape "
+            f"{tuple(local.shape)}; the parameter's local shard is {tuple(mine.shape)}"
+        )
+    return DTensor.from_local(
+        local,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )

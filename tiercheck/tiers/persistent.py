@@ -20,7 +20,7 @@ from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck.errors import BlobNotFound, ConfigError, InvalidKey, StorageError, TiercheckError
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
 
 __all__ = ["DEFAULT_RETRY", "PersistentTier", "RetryPolicy"]
@@ -156,7 +156,7 @@ class PersistentTier(Tier):
     Atomic puts
         On a local filesystem (``file://`` or a plain path, NFS and Lustre mounts included) a
         blob is written to a hidden temporary file next to its final name, ``fsync``\\ ed (unless
-        ``fsync=False``) and renamed over it, like the local tier (:mod:`tiercheck.tiers._atomic`);
+        ``fsync=False``) and renamed over it, like the local tier (:mod:`tiercheck.tiers.atomic`);
         ``putv`` writes its parts in turn without joining them. Anywhere else the blob goes up in
         one whole-object put (``pipe_file``), which object stores publish atomically (S3 shows a
         multipart upload only once it completes). Object stores need ``bytes`` or ``bytearray``:
@@ -235,14 +235,14 @@ class PersistentTier(Tier):
         self._check_key(key)
         # Views are left to the garbage collector, not released: if this coroutine is
         # cancelled, the worker thread may still be reading them.
-        view = _atomic.as_byte_view(data)
+        view = atomic.as_byte_view(data)
         write = self._put_local if self._local else self._pipe
         await self._call("put", key, write, key, (view,))
 
     async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
         """Store the concatenation of ``parts`` (written in turn, unjoined, on filesystems)."""
         self._check_key(key)
-        views = [_atomic.as_byte_view(part) for part in parts]
+        views = [atomic.as_byte_view(part) for part in parts]
         write = self._put_local if self._local else self._pipe
         await self._call("put", key, write, key, views)
 
@@ -274,7 +274,7 @@ class PersistentTier(Tier):
         self._check_open()
         if not isinstance(prefix, str):
             raise InvalidKey(f"a prefix must be a str, got {type(prefix).__name__}")
-        head, _partial = _atomic.split_prefix(prefix)
+        head, _partial = atomic.split_prefix(prefix)
         if head:
             validate_key(head)
         keys = await self._call("list", prefix, self._list_sync, head, prefix)
@@ -304,7 +304,7 @@ class PersistentTier(Tier):
     # --- blocking operations (run in worker threads) --------------------------------------------
 
     def _put_local(self, key: str, views: Sequence[memoryview]) -> None:
-        _atomic.atomic_write(self._path(key), views, fsync=self._fsync)
+        atomic.atomic_write(self._path(key), views, fsync=self._fsync)
 
     def _pipe(self, key: str, views: Sequence[memoryview]) -> None:
         whole = views[0].obj if len(views) == 1 else None
@@ -348,7 +348,7 @@ class PersistentTier(Tier):
         finally:
             self._fs.invalidate_cache(path)
         if self._local:
-            _atomic.prune_empty_dirs(os.path.dirname(path), self._base or "/")
+            atomic.prune_empty_dirs(os.path.dirname(path), self._base or "/")
 
     def _list_sync(self, head: str, prefix: str) -> Sequence[str]:
         start = self._path(head) if head else (self._base or str(self._fs.root_marker))

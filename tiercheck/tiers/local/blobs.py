@@ -12,7 +12,7 @@ import stat
 from collections.abc import Sequence
 
 from tiercheck.errors import BlobNotFound, StorageError
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.local.files import (
     MAP_READS_FROM,
     READ_ATTEMPTS,
@@ -35,7 +35,7 @@ class _BlobFiles(_Space):
         self._ensure_scanned()
         self._retry_when_full(lambda: self._put_once(key, views))
         if self._fsync:
-            _atomic.fsync_dir_of(self._path(key))
+            atomic.fsync_dir_of(self._path(key))
 
     def _put_once(self, key: str, views: Sequence[memoryview]) -> None:
         nbytes = sum(view.nbytes for view in views)
@@ -49,7 +49,7 @@ class _BlobFiles(_Space):
                     # A fresh file needs no backing (write reports ENOSPC, it cannot fault);
                     # a recycled one that grows gets its new pages before a byte is copied.
                     self._size_and_back(fd, nbytes)
-                _atomic.write_all(fd, views)
+                atomic.write_all(fd, views)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -57,7 +57,7 @@ class _BlobFiles(_Space):
             self._publish(key, temp_path, target, nbytes)
         except BaseException:
             if temp_path is not None:
-                _atomic.discard(temp_path)
+                atomic.discard(temp_path)
             self._unclaim(nbytes)
             raise
 
@@ -118,7 +118,7 @@ class _BlobFiles(_Space):
         self._ensure_scanned()
         path = self._path(key)
         folder = os.path.dirname(path)
-        private = os.path.join(folder, _atomic.temp_name())
+        private = os.path.join(folder, atomic.temp_name())
         with self._lock:
             try:
                 st = os.lstat(path)
@@ -139,9 +139,9 @@ class _BlobFiles(_Space):
         try:
             self._keep_or_remove(private)
         except BaseException:
-            _atomic.discard(private)
+            atomic.discard(private)
             raise
-        _atomic.prune_empty_dirs(folder, self._root)
+        atomic.prune_empty_dirs(folder, self._root)
 
     def _list_sync(self, head: str, prefix: str) -> Sequence[str]:
         self._ensure_scanned()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Final
 
 from tiercheck.errors import InvalidKey
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.base import validate_key
 
 DIR_MODE: Final = 0o700
@@ -89,7 +89,7 @@ def walk_keys(root: str, start: str) -> Iterator[str]:
             # Pruned by a concurrent delete, or the prefix names a blob: nothing below it.
             continue
         for entry in entries:
-            if _atomic.is_internal_name(entry.name):
+            if atomic.is_internal_name(entry.name):
                 continue
             try:
                 if entry.is_dir(follow_symlinks=False):
@@ -142,9 +142,9 @@ def scan_sizes(root: str) -> dict[str, int]:
                 continue
             if is_dir:
                 stack.append(entry.path)
-            elif is_file and _atomic.is_internal_name(entry.name):
-                if _atomic.owned_by_dead_process(entry.name):
-                    _atomic.discard(entry.path)
+            elif is_file and atomic.is_internal_name(entry.name):
+                if atomic.owned_by_dead_process(entry.name):
+                    atomic.discard(entry.path)
             elif is_file:
                 key = os.path.relpath(entry.path, root)
                 if valid_key(key):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from tiercheck.errors import TierFull
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.local.files import DIR_MODE, FULL_ERRNOS, MAP_POPULATE
 from tiercheck.tiers.local.space import _Prepared, _Space
 
@@ -78,7 +78,7 @@ class _Reserving(_Space):
             if fd >= 0:
                 os.close(fd)
             if path is not None:
-                _atomic.discard(path)
+                atomic.discard(path)
             self._unclaim(nbytes)
             raise
         return _Prepared(fd, path, mapping, memoryview(mapping), nbytes)
@@ -147,7 +147,7 @@ class _Reserving(_Space):
             if fd >= 0:
                 os.close(fd)
             if temp_path is not None:
-                _atomic.discard(temp_path)
+                atomic.discard(temp_path)
             self._unclaim(nbytes)
             raise
         with self._lock:
@@ -173,7 +173,7 @@ class _Reserving(_Space):
             fcntl.flock(reservation._fd, fcntl.LOCK_SH)
             target_dir = os.path.dirname(reservation._target)
             if os.path.dirname(reservation._temp_path) != target_dir:
-                _atomic.make_dirs(target_dir, DIR_MODE)  # prepared memory lives elsewhere
+                atomic.make_dirs(target_dir, DIR_MODE)  # prepared memory lives elsewhere
             self._publish(
                 reservation.key, reservation._temp_path, reservation._target, reservation.nbytes
             )
@@ -184,7 +184,7 @@ class _Reserving(_Space):
         with self._lock:
             reservation._state = _COMMITTED
         if self._fsync:
-            _atomic.fsync_dir_of(reservation._target)
+            atomic.fsync_dir_of(reservation._target)
 
     def _abort_sync(self, reservation: LocalReservation, *, releasing: bool = False) -> None:
         with self._lock:
@@ -194,7 +194,7 @@ class _Reserving(_Space):
                 raise RuntimeError(f"cannot abort {reservation!r}: it is {reservation._state}")
             reservation._state = _ABORTED
             self._pending -= reservation.nbytes
-        _atomic.discard(reservation._temp_path)
+        atomic.discard(reservation._temp_path)
 
     def _released(self, reservation: LocalReservation) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tiercheck.errors import StorageError, TiercheckError, TierFull
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.local.files import (
     DIR_MODE,
     FILE_MODE,
@@ -90,7 +90,7 @@ class _Space:
         if self._scanned:
             # Another thread did it while this one waited for the lock.
             return
-        _atomic.make_dirs(self._root, DIR_MODE)
+        atomic.make_dirs(self._root, DIR_MODE)
         self._check_root()
         sizes = self._scan_sync()
         with self._lock:
@@ -165,7 +165,7 @@ class _Space:
         if dropped is not None:
             self._free_prepared(dropped)
         for victim in victims:
-            _atomic.discard(victim.path)
+            atomic.discard(victim.path)
         return spare
 
     def _take_spare(self, nbytes: int) -> _Spare | None:
@@ -198,7 +198,7 @@ class _Space:
         if prepared is not None:
             self._drop_prepared(prepared)
         for spare in spares:
-            _atomic.discard(spare.path)
+            atomic.discard(spare.path)
         return prepared is not None or bool(spares)
 
     def _retry_when_full(self, attempt: Callable[[], _T]) -> _T:
@@ -257,7 +257,7 @@ class _Space:
     def _publish(self, key: str, temp_path: str, target: str, nbytes: int) -> None:
         """Rename a finished temporary file over ``key`` and move its bytes to stored."""
         with self._lock:
-            _atomic.publish(temp_path, target)
+            atomic.publish(temp_path, target)
             self._pending -= nbytes
             self._stored += nbytes - self._sizes.get(key, 0)
             self._sizes[key] = nbytes
@@ -265,16 +265,16 @@ class _Space:
     def _open_temp(self, directory: str, spare: _Spare | None) -> tuple[int, str]:
         if spare is not None:
             try:
-                return _atomic.adopt_temp(spare.path, directory, dir_mode=DIR_MODE)
+                return atomic.adopt_temp(spare.path, directory, dir_mode=DIR_MODE)
             except FileNotFoundError:
                 # Removed behind our back (a cleanup by another process); use a fresh file.
                 pass
-        return _atomic.create_temp(directory, file_mode=FILE_MODE, dir_mode=DIR_MODE)
+        return atomic.create_temp(directory, file_mode=FILE_MODE, dir_mode=DIR_MODE)
 
     def _keep_or_remove(self, path: str) -> None:
         """Keep the unreachable file ``path`` as a spare if nobody can read it; else remove it."""
         if self._spare_limit == 0 or self._closed:
-            _atomic.discard(path)
+            atomic.discard(path)
             return
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -287,8 +287,8 @@ class _Space:
                 locked = True
             size = os.fstat(fd).st_size
             if locked and size > 0:
-                _atomic.make_dirs(self._spares_dir, DIR_MODE)
-                spare_path = os.path.join(self._spares_dir, _atomic.temp_name())
+                atomic.make_dirs(self._spares_dir, DIR_MODE)
+                spare_path = os.path.join(self._spares_dir, atomic.temp_name())
                 os.rename(path, spare_path)
                 victims: list[_Spare] = []
                 with self._lock:
@@ -299,11 +299,11 @@ class _Space:
                         victims.append(self._spares.pop(0))
                         self._spare_bytes -= victims[0].size
                 for victim in victims:
-                    _atomic.discard(victim.path)
+                    atomic.discard(victim.path)
                 return
         finally:
             os.close(fd)
-        _atomic.discard(path)
+        atomic.discard(path)
 
     def _forget(self, key: str) -> None:
         """Under the lock: the blob under ``key`` is gone."""
@@ -319,4 +319,4 @@ class _Space:
         prepared.view.release()
         prepared.mapping.close()
         os.close(prepared.fd)
-        _atomic.discard(prepared.path)
+        atomic.discard(prepared.path)

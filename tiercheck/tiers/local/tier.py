@@ -24,7 +24,7 @@ from tiercheck.errors import (
     TiercheckError,
     TierFull,
 )
-from tiercheck.tiers import _atomic
+from tiercheck.tiers import atomic
 from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
 from tiercheck.tiers.local.blobs import _BlobFiles
 from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate
@@ -50,7 +50,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
 
     Writes
         ``put``/``putv`` write the caller's buffers straight into a temporary file (no join, no
-        intermediate copy) and rename it over the key (see :mod:`tiercheck.tiers._atomic`).
+        intermediate copy) and rename it over the key (see :mod:`tiercheck.tiers.atomic`).
         :meth:`reserve` hands out the temporary file itself, mapped into memory, so that a
         snapshot copied into it *is* the blob once committed. ``fsync=True`` syncs files and
         folders, for a ``root`` on a disk; memory needs no syncing. All file work runs in
@@ -205,13 +205,13 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         self._check_key(key)
         # The views are left to the garbage collector, not released: if this coroutine is
         # cancelled, the worker thread may still be writing from them.
-        view = _atomic.as_byte_view(data)
+        view = atomic.as_byte_view(data)
         await self._run("put", key, self._put_sync, key, (view,))
 
     async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
         """Store the concatenation of ``parts``, writing each part in turn (no join)."""
         self._check_key(key)
-        views = [_atomic.as_byte_view(part) for part in parts]
+        views = [atomic.as_byte_view(part) for part in parts]
         await self._run("put", key, self._put_sync, key, views)
 
     async def get(self, key: str) -> memoryview:
@@ -243,7 +243,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         self._check_open()
         if not isinstance(prefix, str):
             raise InvalidKey(f"a prefix must be a str, got {type(prefix).__name__}")
-        head, _partial = _atomic.split_prefix(prefix)
+        head, _partial = atomic.split_prefix(prefix)
         if head:
             validate_key(head)
         keys = await self._run("list", prefix, self._list_sync, head, prefix)
@@ -344,4 +344,4 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
                 # Raced with its own commit, which then owns it.
                 self._abort_sync(reservation)
         for path in victims:
-            _atomic.discard(path)
+            atomic.discard(path)
