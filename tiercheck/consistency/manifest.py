@@ -303,9 +303,11 @@ class Manifest:
     def compact(self, keep_after: int) -> int:
         """Drop log records of versions older than ``keep_after`` that no index entry mentions.
 
-        Keeps the log from growing without bound over a long job. Returns the number of log
-        records removed. Versions still present in any index table are never touched, so a
-        rebuild after compaction gives the same index as before it.
+        Returns the number of log records removed. Versions still present in any index table
+        are never touched, so a rebuild after compaction gives the same index as before it.
+        The checkpointer does not call it yet: its log grows by a few records per save (about
+        a hundred bytes each) until an operator compacts it; calling it after retention, below
+        the oldest version still held, is the intended use.
         """
         self._check_open()
         live = {v for _, v, _ in self._iter_keys(self._blobs)}
