@@ -101,6 +101,20 @@ class Run:
         return f"{what} (rc={self.proc.returncode}); stderr tail:\n{tail}"
 
 
+def torchrun_args(root: Path, job: str, delay: float = 0.0) -> list[str]:
+    """The training scripts' arguments: job, memory root and durable folder under ``root``."""
+    return [
+        "--job",
+        job,
+        "--memory",
+        str(root / "memory"),
+        "--durable",
+        (root / "durable").as_uri(),
+        "--delay",
+        str(delay),
+    ]
+
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file."""
     return load_file(str(path))

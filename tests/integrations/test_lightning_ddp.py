@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("lightning", reason="the Lightning integration needs the 'lightning' extra")
 pytest.importorskip("safetensors", reason="the runs write their weights with safetensors")
 
-from ._runs import Torchrun, assert_bit_equal, kill_rank_then_job, weights
+from ._runs import Torchrun, assert_bit_equal, kill_rank_then_job, torchrun_args, weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -27,24 +27,11 @@ SCRIPT = Path(__file__).with_name("lightning_ddp_train.py")
 STEPS, EVERY = 30, 3  # as in lightning_ddp_train.py
 
 
-def _args(root: Path, job: str, delay: float = 0.0) -> list[str]:
-    return [
-        "--job",
-        job,
-        "--memory",
-        str(root / "memory"),
-        "--durable",
-        (root / "durable").as_uri(),
-        "--delay",
-        str(delay),
-    ]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output folder of an uninterrupted run."""
     root = tmp_path_factory.mktemp("lightning-ddp-reference")
-    run = Torchrun(SCRIPT, _args(root, "ref"), root / "out", "ref")
+    run = Torchrun(SCRIPT, torchrun_args(root, "ref"), root / "out", "ref")
     run.finish()
     resumed = run.resumed(0)
     assert sorted(resumed) == [0, 1]
@@ -59,7 +46,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_one_rank_then_the_job_killed_resumes_bit_exact(tmp_path: Path, reference: Path) -> None:
     kill_rank_then_job(
         SCRIPT,
-        _args(tmp_path, "run", delay=0.1),
+        torchrun_args(tmp_path, "run", delay=0.1),
         tmp_path / "out",
         tmp_path / "memory",
         seed=20261212,

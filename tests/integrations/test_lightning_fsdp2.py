@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("lightning", reason="the Lightning integration needs the 'lightning' extra")
 pytest.importorskip("safetensors", reason="the runs write their weights with safetensors")
 
-from ._runs import Torchrun, assert_bit_equal, weights
+from ._runs import Torchrun, assert_bit_equal, torchrun_args, weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -29,21 +29,9 @@ SCRIPT = Path(__file__).with_name("lightning_fsdp2_train.py")
 STEPS, EVERY = 30, 3  # as in lightning_fsdp2_train.py
 
 
-def _args(root: Path, job: str, delay: float = 0.0) -> list[str]:
-    return [
-        "--job",
-        job,
-        "--memory",
-        str(root / "memory"),
-        "--durable",
-        (root / "durable").as_uri(),
-        "--delay",
-        str(delay),
-    ]
-
-
 def test_whole_job_killed_resumes_from_local_tier_bit_exact(tmp_path: Path) -> None:
-    reference = Torchrun(SCRIPT, _args(tmp_path / "ref", "ref"), tmp_path / "ref-out", "ref")
+    ref_args = torchrun_args(tmp_path / "ref", "ref")
+    reference = Torchrun(SCRIPT, ref_args, tmp_path / "ref-out", "ref")
     reference.finish()
     assert {r["version"] for r in reference.resumed(0).values()} == {None}  # started fresh
     assert reference.committed("local") == list(range(EVERY, STEPS + 1, EVERY))
@@ -51,7 +39,7 @@ def test_whole_job_killed_resumes_from_local_tier_bit_exact(tmp_path: Path) -> N
     assert_bit_equal(ref_final[0], ref_final[1])
 
     rng = random.Random(20261123)
-    args = _args(tmp_path / "run", "run", delay=0.1)
+    args = torchrun_args(tmp_path / "run", "run", delay=0.1)
     first = Torchrun(SCRIPT, args, tmp_path / "out", "first")
     first.wait_committed(rng.randint(2, 4), attempt=0)
     time.sleep(rng.uniform(0.0, 0.3))
