@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,13 @@ from torch.distributed.tensor import DTensor
 
 import tiercheck
 from tiercheck.adapters import ModelAndOptimizer, RNGState
+
+
+def _say(line: str) -> None:
+    # One write per line: with PYTHONUNBUFFERED, print writes the text and its newline apart,
+    # and the two ranks' lines then interleave in the shared pipe.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def local(value: Any) -> Any:
@@ -83,7 +91,7 @@ def main() -> None:
             restored = ckpt.restore(stateful)
         version = -1 if restored is None else restored.version
         source = "-" if restored is None else restored.source_tier
-        print(f"rank {rank} restored {version} from {source}", flush=True)
+        _say(f"rank {rank} restored {version} from {source}")
         for step in range(version + 1, args.steps):
             g = torch.Generator().manual_seed(step * 100 + rank)
             model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()

@@ -18,6 +18,13 @@ import torch.distributed as dist
 import tiercheck
 
 
+def _say(line: str) -> None:
+    # One write per line: with PYTHONUNBUFFERED, print writes the text and its newline apart,
+    # and the two ranks' lines then interleave in the shared pipe.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def state_of(version: int, rank: int) -> dict[str, torch.Tensor | int]:
     g = torch.Generator().manual_seed(version * 1000 + rank)
     return {"w": torch.randn(4096, generator=g), "step": version}
@@ -48,12 +55,12 @@ def main() -> int:
                 assert restored is not None, "nothing restored"
                 expected = state_of(restored.version, rank)
                 assert torch.equal(restored.state["w"], expected["w"]), "bytes differ"
-                print(f"rank {rank} restored {restored.version} from {restored.source_tier}")
+                _say(f"rank {rank} restored {restored.version} from {restored.source_tier}")
             for version in range(args.save):
                 ckpt.save(version, state_of(version, rank))
             ckpt.wait()
     except tiercheck.TiercheckError as exc:
-        print(f"rank {rank} refused: {type(exc).__name__}: {exc}", flush=True)
+        _say(f"rank {rank} refused: {type(exc).__name__}: {exc}")
         code = 3
     dist.destroy_process_group()
     return code
