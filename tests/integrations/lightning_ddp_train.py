@@ -63,6 +63,12 @@ class Report(L.Callback):
 
 
 def main() -> None:
+    train(Net, DDPStrategy(bucket_cap_mb=0, find_unused_parameters=True), lambda v: v)
+
+
+def train(make_model: Any, strategy: Any, full: Any) -> None:
+    """Fit a ``make_model()`` on 2 ranks with ``strategy`` through tiercheck, then write each rank's
+    final weights (``full`` turns a state value into the whole tensor)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True)
     parser.add_argument("--memory", required=True)
@@ -77,7 +83,7 @@ def main() -> None:
     events = Events(args.out, args.launch)
     events("start")
     L.seed_everything(0, verbose=False)
-    model = Net()
+    model = make_model()
     io = TiercheckCheckpointIO(
         args.job, local_root=args.memory, persistent=args.durable, base_every=4, peer_timeout=60
     )
@@ -85,7 +91,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(bucket_cap_mb=0, find_unused_parameters=True),
+        strategy=strategy,
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -97,7 +103,7 @@ def main() -> None:
     batches = Batches(rank=events.rank, world=2)
     trainer.fit(model, train_dataloaders=batches, ckpt_path=io.resume_path())
     report.commits.poll()  # fit's teardown waited for every save in flight
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     save_file(weights, str(args.out / f"final-r{events.rank}.safetensors"))
     events("done")
 

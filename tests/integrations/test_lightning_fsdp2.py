@@ -26,7 +26,7 @@ from ._runs import Torchrun, assert_bit_equal, torchrun_args, weights
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = Path(__file__).with_name("lightning_fsdp2_train.py")
-STEPS, EVERY = 30, 3  # as in lightning_fsdp2_train.py
+STEPS, EVERY = 30, 3  # as in lightning_ddp_train.py (which the FSDP2 script runs)
 
 
 def test_whole_job_killed_resumes_from_local_tier_bit_exact(tmp_path: Path) -> None:
