@@ -19,6 +19,7 @@ __all__ = [
     "ManifestError",
     "PeerUnavailable",
     "PluginImportError",
+    "ReshardError",
     "RestoreError",
     "SaveSkipped",
     "StaleMemory",
@@ -142,6 +143,13 @@ class StateMismatch(TiercheckError, ValueError):
 
     Raised before anything is written into the caller's state; the message lists the paths.
     """
+
+
+class ReshardError(StateMismatch):
+    """A version saved by N ranks cannot be restored on M: some of its state cannot be
+    resharded (a layout other than Shard/Replicate on a 1-D mesh of the old ranks, old blobs
+    that disagree, or per-rank state under ``per_rank="refuse"``). The message says what is
+    supported and what to do; nothing was written and nothing stored is touched."""
 
 
 class WorldSizeMismatch(ConfigError):

@@ -26,6 +26,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, TypeVar
 
+from tiercheck.consistency.worlds import Spans, parse_spans
+
 # The node-root names live with the rest of the node layout; importable here too.
 from tiercheck.defaults import IDENTITY_FILE, LOCKS_DIR
 from tiercheck.errors import FormatError, UnsupportedFormat
@@ -123,6 +125,14 @@ class _JsonRecord:
             raise FormatError(f"a {what} record is missing or mistypes a field: {exc}") from exc
 
 
+def _check_worlds(record: Any, world_size: int) -> None:
+    try:
+        spans = parse_spans(record.worlds, world_size)
+    except FormatError as exc:
+        raise ValueError(str(exc)) from exc
+    object.__setattr__(record, "worlds", spans)
+
+
 def _known_fields(cls: type[Any], body: dict[str, Any]) -> dict[str, Any]:
     names = cls.__dataclass_fields__
     return {k: v for k, v in body.items() if k in names}
@@ -141,12 +151,16 @@ class JobRecord(_JsonRecord):
     world_size: int
     #: Seconds since the epoch when the record was made.
     created: float = 0.0
+    #: The world-size history (:mod:`tiercheck.consistency.worlds`); empty when the job never
+    #: changed its number of ranks.
+    worlds: Spans = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if not isinstance(self.token, str) or not self.token:
             raise ValueError("token must be a non-empty string")
+        _check_worlds(self, self.world_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,3 +189,8 @@ class NodeIdentity(_JsonRecord):
     #: The durable location the incarnation's job record lives at (``None`` when none).
     persistent: str | None = None
     created: float = 0.0
+    #: The world-size history, as in :class:`JobRecord`.
+    worlds: Spans = ()
+
+    def __post_init__(self) -> None:
+        _check_worlds(self, self.world_size)

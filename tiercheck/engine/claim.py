@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
+from tiercheck.consistency.worlds import Spans, parse_spans, span_after, world_of
 from tiercheck.engine.tier import commit_versions, location
 from tiercheck.errors import (
     JobLocked,
@@ -62,6 +63,34 @@ class Claim:
         self.superseded = False
         #: The tiers that outlive the cluster (set once the tiers are built).
         self.durable: list[Tier] = []
+        #: How many ranks saved the job's newest versions, and its world-size history (see
+        #: tiercheck.consistency.worlds); set by :meth:`judge`.
+        self.stored_world = ctx.topo.world_size
+        self.worlds: Spans = ()
+
+    @property
+    def world_changed(self) -> bool:
+        """Whether this run has another number of ranks than the one that saved the job."""
+        return self.stored_world != self.ctx.topo.world_size
+
+    def world_of(self, version: int) -> int:
+        """How many ranks saved ``version``."""
+        return world_of(version, self.worlds, self.stored_world)
+
+    async def record_world(self, first_version: int) -> None:
+        """After an elastic restore: versions from ``first_version`` on are this world's.
+
+        Rank 0 rewrites the job record in the durable tiers, each node's first rank its node's
+        identity, so the next opening knows which versions which world saved. Every rank
+        updates what it knows the same way.
+        """
+        new = self.ctx.topo.world_size
+        self.worlds = span_after(self.worlds, self.stored_world, first_version, new)
+        self.stored_world = new
+        if self.ctx.rank == 0 and self.durable and not self.superseded:
+            await self.write_job_record()
+        if self.ctx.topo.local_rank == 0:
+            await self._write_identity()
 
     async def guard(self) -> None:
         """Refuse to open over data this run must not touch; the same verdict on every rank.
@@ -138,21 +167,30 @@ class Claim:
                 self.fences[tier.name] = fence
         me = everyone[self.ctx.rank]
         if topo.local_rank == 0 and (me.get("identity") is None or topo.node_index in stale):
-            identity = NodeIdentity(
-                job_id=cfg.job.job_id,
-                token=self.job_token,
-                world_size=topo.world_size,
-                persistent=location(durable[0]) if durable else None,
-                created=time.time(),
-            )
-            try:
-                await asyncio.to_thread(write_identity, cfg.job.node_root, identity)
-            except OSError as exc:  # memory that cannot take a small file takes no blob either
-                logger.warning("tiercheck: cannot record the node's identity: %r", exc)
+            await self._write_identity()
+
+    async def _write_identity(self) -> None:
+        durable = self.durable
+        identity = NodeIdentity(
+            job_id=self.ctx.job_id,
+            token=self.job_token,
+            world_size=self.stored_world,
+            persistent=location(durable[0]) if durable else None,
+            created=time.time(),
+            worlds=self.worlds,
+        )
+        try:
+            await asyncio.to_thread(write_identity, self.ctx.options.job.node_root, identity)
+        except OSError as exc:  # memory that cannot take a small file takes no blob either
+            logger.warning("tiercheck: cannot record the node's identity: %r", exc)
 
     async def write_job_record(self) -> None:
         record = JobRecord(
-            self.ctx.options.job.job_id, self.job_token, self.ctx.topo.world_size, time.time()
+            self.ctx.options.job.job_id,
+            self.job_token,
+            self.stored_world,
+            time.time(),
+            worlds=self.worlds,
         )
         for tier in self.durable:
             await write_job_record(tier, record)
@@ -171,6 +209,7 @@ class Claim:
                     "state": "found",
                     "token": record.token,
                     "world_size": record.world_size,
+                    "worlds": [list(span) for span in record.worlds],
                 }
         newest = max(await commit_versions(durable[0]), default=None)
         if newest is None:
@@ -221,8 +260,10 @@ class Claim:
             if i is not None and i.job_id == cfg.job.job_id and i.persistent == here
         }
         absent = job is not None and job["state"] == "absent"
+        worlds: Spans = ()
         if job is not None and job["state"] == "found":
             token, world_size = job["token"], job["world_size"]
+            worlds = parse_spans(job.get("worlds"), world_size)
             where = f"at {here}"
         elif job is not None:
             where = f"at {here}"
@@ -231,6 +272,8 @@ class Claim:
                 # away, or predates them; the memory that names it is this job's.
                 token, remembered = next(iter(ours.items()))
                 world_size = job.get("world_size", remembered.world_size)
+                if world_size == remembered.world_size:
+                    worlds = remembered.worlds
                 if absent:
                     logger.warning(
                         "tiercheck: the durable location %s of job %r holds nothing, but the "
@@ -252,16 +295,22 @@ class Claim:
                     "another job_id."
                 )
             token = tokens.pop() if tokens else first["fresh_token"]
-            sizes = {i.world_size for i in identities.values() if i is not None}
+            known = [i for i in identities.values() if i is not None]
+            sizes = {i.world_size for i in known}
             world_size = sizes.pop() if len(sizes) == 1 else topo.world_size
+            # Nodes that joined later know less of the history: take the longest.
+            histories = sorted((i.worlds for i in known if i.world_size == world_size), key=len)
+            worlds = histories[-1] if histories else ()
             where = "in the nodes' memory"
-        if world_size != topo.world_size:
+        if world_size != topo.world_size and not cfg.job.elastic:
             raise WorldSizeMismatch(
                 f"job {cfg.job.job_id!r} {where} was saved by {world_size} ranks; this run has "
-                f"{topo.world_size}. Restoring onto another number of ranks is not supported "
-                f"yet: restart with {world_size} ranks, or give this run another job_id. "
-                "Nothing stored was read or changed."
+                f"{topo.world_size}. Restart with {world_size} ranks, pass elastic=True to "
+                "restore it resharded onto this number of ranks, or give this run another "
+                "job_id. Nothing stored was read or changed."
             )
+        self.stored_world = world_size
+        self.worlds = worlds
         for n, identity in identities.items():
             if n in stale:
                 continue

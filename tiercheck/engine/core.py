@@ -20,6 +20,7 @@ from tiercheck.defaults import persistent_job_url
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import (
     BusyPolicy,
+    PerRankPolicy,
     StalePolicy,
     TierEncoding,
     TierPolicy,
@@ -68,6 +69,8 @@ class CheckpointerCore:
         storage_options: Mapping[str, Any] | None = None,
         stale_memory: StalePolicy = "error",
         close_timeout: float = 30.0,
+        elastic: bool = False,
+        per_rank: PerRankPolicy = "refuse",
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -125,14 +128,25 @@ class CheckpointerCore:
                 ranks, which may be failing too), and stopping the peer tier's server. The
                 normal close waits for every save without this bound (each exchange with
                 another rank is bounded by ``peer_timeout``).
+            elastic: allow a job saved by another number of ranks to be opened here and
+                restored, resharded onto this world (DTensors on a one-dimensional mesh over
+                all ranks, FSDP2's; see :mod:`tiercheck.codec.reshard` for the rules). Off
+                (default), such a job is refused with
+                :class:`~tiercheck.errors.WorldSizeMismatch` before anything is read. A job
+                opened on another number of ranks must ``restore()`` before its first save.
+            per_rank: in an elastic restore, what happens to a leaf that is not a DTensor and
+                differs between the ranks that saved it (a rank's own RNG state or data-loader
+                position): ``"refuse"`` (default) raises
+                :class:`~tiercheck.errors.ReshardError` naming it; ``"wrap"`` gives new rank
+                ``q`` the value old rank ``q % N`` saved.
 
         Opening refuses, with a typed error and before anything is read or changed: a second
         live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a
         durable location that cannot be written, read and deleted from
         (:class:`~tiercheck.errors.StorageError`), a job saved by another number of ranks
-        (:class:`~tiercheck.errors.WorldSizeMismatch`), and stale memory (above). A second
-        opening of the job elsewhere takes the durable tiers over; this one then stops writing
-        there (:class:`~tiercheck.errors.Superseded`, ``stats.superseded``).
+        (:class:`~tiercheck.errors.WorldSizeMismatch`, unless ``elastic``), and stale memory
+        (above). A second opening of the job elsewhere takes the durable tiers over; this one
+        then stops writing there (:class:`~tiercheck.errors.Superseded`, ``stats.superseded``).
 
         Memory: staging costs one copy of the state (in the local tier's memory when it is used),
         a second copy is held as the delta base when a packed tier receives deltas, and each
@@ -166,6 +180,8 @@ class CheckpointerCore:
             storage_options=storage_options,
             stale_memory=stale_memory,
             close_timeout=close_timeout,
+            elastic=elastic,
+            per_rank=per_rank,
         )
         self._loop: LoopThread | None = None
         self._engine: Engine | None = None

@@ -28,6 +28,7 @@ __all__ = [
     "CoordinationOptions",
     "JobOptions",
     "Options",
+    "PerRankPolicy",
     "ScheduleOptions",
     "StalePolicy",
     "TierEncoding",
@@ -41,6 +42,10 @@ __all__ = [
 TierEncoding = Literal["full", "packed"]
 BusyPolicy = Literal["wait", "skip"]
 StalePolicy = Literal["error", "discard"]
+#: What an elastic restore does with leaves that are not DTensors and differ between the ranks
+#: that saved them: ``"refuse"`` (a :class:`~tiercheck.errors.ReshardError`) or ``"wrap"`` (new
+#: rank ``q`` takes old rank ``q % N``'s); see :mod:`tiercheck.codec.reshard`.
+PerRankPolicy = Literal["refuse", "wrap"]
 VersionSelector = Literal["all", "base"] | Callable[[int], bool]
 #: How a checkpointer closes: ``"collective"`` -- the normal end, every save finished and the
 #: ranks leaving the store and each other in order; ``"bounded"`` -- leaving on an exception,
@@ -99,6 +104,9 @@ class JobOptions:
     persistent_url: str
     storage_options: Mapping[str, Any]
     stale_memory: StalePolicy
+    #: Whether a job saved by another number of ranks may be opened and restored (resharded).
+    elastic: bool = False
+    per_rank: PerRankPolicy = "refuse"
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +213,8 @@ def resolve_options(
     storage_options: Mapping[str, Any] | None = None,
     stale_memory: StalePolicy = "error",
     close_timeout: float = 30.0,
+    elastic: bool = False,
+    per_rank: PerRankPolicy = "refuse",
 ) -> Options:
     """Check the arguments of :class:`~tiercheck.Checkpointer` and fill in the defaults.
 
@@ -222,6 +232,10 @@ def resolve_options(
         raise ConfigError("max_pending and tier_queue must be at least 1")
     if stale_memory not in ("error", "discard"):
         raise ConfigError(f"stale_memory must be 'error' or 'discard', got {stale_memory!r}")
+    if not isinstance(elastic, bool):
+        raise ConfigError(f"elastic must be True or False, got {elastic!r}")
+    if per_rank not in ("refuse", "wrap"):
+        raise ConfigError(f"per_rank must be 'refuse' or 'wrap', got {per_rank!r}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise ConfigError(
             f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
@@ -263,6 +277,8 @@ def resolve_options(
             persistent_url=persistent,
             storage_options=dict(storage_options or {}),
             stale_memory=stale_memory,
+            elastic=elastic,
+            per_rank=per_rank,
         ),
         tiers=TierOptions(
             specs=tuple(tiers),

@@ -74,7 +74,7 @@ class Reader:
                     f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
                 )
         except (ChecksumMismatch, FormatError) as exc:
-            await self._quarantine(tier, key, blob, exc)
+            await self.quarantine(tier, key, blob, exc)
             raise
         base: RawState | None = None
         if meta.base is not None:
@@ -86,7 +86,7 @@ class Reader:
                 decode, blob, base=base, executor=self.ctx.cpu, meta=meta
             )
         except (ChecksumMismatch, FormatError) as exc:
-            await self._quarantine(tier, key, blob, exc)
+            await self.quarantine(tier, key, blob, exc)
             raise
 
     async def _own_key(self, tier: Tier, version: int) -> str:
@@ -114,7 +114,7 @@ class Reader:
             )
         return mine[0][1]  # "full" sorts before "packed": the cheaper read
 
-    async def _quarantine(self, tier: Tier, key: str, blob: Buffer, exc: Exception) -> None:
+    async def quarantine(self, tier: Tier, key: str, blob: Buffer, exc: Exception) -> None:
         """Set a blob that failed verification aside, so no cleanup can ever delete it."""
         if isinstance(exc, UnsupportedFormat):
             return  # written by a newer build: not damaged, and kept as it is

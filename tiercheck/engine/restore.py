@@ -23,9 +23,16 @@ from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
 from tiercheck.consistency.recovery import Inventory, agree, candidates
+from tiercheck.engine.elastic import ElasticReader, Resharded
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
-from tiercheck.errors import FormatError, RestoreError, StateMismatch, UnsupportedObject
+from tiercheck.errors import (
+    FormatError,
+    ReshardError,
+    RestoreError,
+    StateMismatch,
+    UnsupportedObject,
+)
 from tiercheck.statetree import check_into, load_into
 
 if TYPE_CHECKING:
@@ -38,6 +45,13 @@ if TYPE_CHECKING:
 __all__ = ["Restorer"]
 
 logger = logging.getLogger("tiercheck")
+
+#: The errors a rank's refusal is raised as on every rank, by the name it travels under.
+_REFUSALS: dict[str, type[Exception]] = {
+    "StateMismatch": StateMismatch,
+    "UnsupportedObject": UnsupportedObject,
+    "ReshardError": ReshardError,
+}
 
 
 class Restorer:
@@ -56,6 +70,7 @@ class Restorer:
         self.reader = reader
         self.schedule = schedule
         self.encoder = encoder
+        self.elastic = ElasticReader(ctx, pipes, reader)
 
     async def restore(
         self, state: Any, version: int | None, strict: bool, started: float
@@ -77,6 +92,18 @@ class Restorer:
                 f"rebuild {sorted(mine.versions())}" + ("".join(f"; {line}" for line in unlisted))
             )
         if not possible:
+            claim = self.ctx.claim
+            if claim.world_changed:
+                # Starting afresh here would file this world's saves under the old world's
+                # history; what the old world left stays as it is.
+                raise RestoreError(
+                    f"job {self.ctx.job_id!r} was saved by {claim.stored_world} ranks and "
+                    f"stores no version every one of this run's {self.ctx.topo.world_size} "
+                    "ranks can rebuild resharded (each needs every old rank's blob of it in one "
+                    "tier). Nothing was deleted. Restart with "
+                    f"{claim.stored_world} ranks, or use another job_id."
+                    + ("".join(f"; {line}" for line in unlisted))
+                )
             if unlisted:
                 raise RestoreError(
                     f"cannot tell what job {self.ctx.job_id!r} stores, so nothing is restored "
@@ -98,14 +125,22 @@ class Restorer:
         rejected: dict[int, list[str]] = {}
         excluded: set[int] = set()
         while True:
+            refusal: tuple[str, str] | None = None
             chosen = (
                 version if version is not None else agree(everyone, excluded=frozenset(excluded))
             )
             if chosen is None:
                 raise RestoreError(self._rejection_report(rejected, unlisted))
-            raw, source, reasons = await self.reader.fetch(chosen, mine)
+            raw: RawState | Resharded | None
+            if self.ctx.claim.world_of(chosen) == self.ctx.topo.world_size:
+                raw, source, reasons = await self.reader.fetch(chosen, mine)
+            else:
+                try:
+                    raw, source, reasons = await self.elastic.fetch(chosen, mine)
+                except ReshardError as exc:
+                    raw, source, reasons = None, None, []
+                    refusal = ("ReshardError", str(exc))
             rebuilt: Any = None
-            refusal: tuple[str, str] | None = None
             if raw is not None:
                 try:
                     with paused_gc():  # tens of thousands of short-lived objects: see there
@@ -129,7 +164,7 @@ class Restorer:
                 kind, text = refusals[0][1]
                 ranks = [r for r, _ in refusals]
                 message = f"rank {refusals[0][0]} (of ranks {ranks} refusing): {text}"
-                raise (StateMismatch if kind == "StateMismatch" else UnsupportedObject)(message)
+                raise _REFUSALS.get(kind, UnsupportedObject)(message)
             if all(v.ok for v in verdicts):
                 break
             for r, v in enumerate(verdicts):
@@ -156,6 +191,18 @@ class Restorer:
             with paused_gc():
                 rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
         await self._truncate_from(chosen + 1, reason="restore: abandoned future")
+        old_world = self.ctx.claim.world_of(chosen)
+        if old_world != self.ctx.topo.world_size:
+            # From the next version on, this world saves: recorded in the job record and the
+            # nodes' identities, so the next opening reads each version the way it was saved.
+            await self.ctx.claim.record_world(chosen + 1)
+            logger.warning(
+                "tiercheck: restored version %s of job %r saved by %s ranks onto %s ranks",
+                chosen,
+                self.ctx.job_id,
+                old_world,
+                self.ctx.topo.world_size,
+            )
         self._adopt_whole(everyone, upto=chosen)
         for pipe in self.pipes.values():
             if pipe.durable and not pipe.unlisted:
@@ -171,9 +218,10 @@ class Restorer:
             source_tiers={r: v.source or "" for r, v in enumerate(verdicts)},
             seconds=time.perf_counter() - started,
             rejected={v: tuple(lines) for v, lines in rejected.items()},
+            saved_by=old_world,
         )
 
-    def _rebuild(self, raw: RawState, state: Any, strict: bool) -> Any:
+    def _rebuild(self, raw: RawState | Resharded, state: Any, strict: bool) -> Any:
         """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
         if state is not None:
             # Views only read from, to be copied into the state (and cloned where strict=False
@@ -239,13 +287,19 @@ class Restorer:
         """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""
         by_tier: dict[str, frozenset[int]] = {}
         errors: dict[str, str] = {}
+        world = self.ctx.topo.world_size
+        elastic = self.ctx.options.job.elastic
         for pipe in self.pipes.values():
             try:
                 pipe.own = await pipe.list_own()
                 if pipe.durable:
-                    versions = await commit_versions(pipe.tier)
+                    listed = await commit_versions(pipe.tier)
+                    versions = {v for v in listed if self.ctx.claim.world_of(v) == world}
                 else:
-                    versions = set(pipe.own)
+                    listed = None
+                    versions = set(pipe.own)  # this world's versions only
+                if elastic:
+                    versions |= await self.elastic.servable(pipe, listed)
             except Exception as exc:
                 logger.warning("tiercheck: cannot list the %r tier for restore: %r", pipe.name, exc)
                 errors[pipe.name] = f"{type(exc).__name__}: {exc}"

@@ -98,6 +98,9 @@ class Restored:
     seconds: float
     #: Newer versions that were passed over, and why (by version: one line per rank and tier).
     rejected: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    #: How many ranks saved the version: this run's number, or another one when the restore
+    #: resharded it (``elastic=True``).
+    saved_by: int = 0
 
 
 def _resolved() -> concurrent.futures.Future[None]:

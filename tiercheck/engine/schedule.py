@@ -68,6 +68,13 @@ class Schedule:
         """
         if self.session_started:
             return
+        claim = self.ctx.claim
+        if claim.world_changed:
+            raise VersionError(
+                f"job {self.ctx.job_id!r} was saved by {claim.stored_world} ranks and this run "
+                f"has {self.ctx.topo.world_size}: call restore() first (it reshards the newest "
+                "version onto this world), or use a new job_id to start another run"
+            )
         stored = [(name, v) for name, p in self.pipes.items() for v in p.own if v >= version]
         if stored:
             newest = max(v for _, v in stored)

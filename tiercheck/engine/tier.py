@@ -30,6 +30,7 @@ from tiercheck.consistency.keys import (
     commit_key,
     parse_blob_key,
     parse_commit_key,
+    version_prefix,
 )
 from tiercheck.consistency.manifest import Durable, Evict
 from tiercheck.consistency.protocol import committed_in_tier
@@ -157,7 +158,13 @@ class TierPipeline:
         bases: dict[int, int | None] = {d.version: d.base for d in durable}
         async for key in self.tier.list("v"):
             parsed = parse_blob_key(key)
-            if parsed is not None and parsed.rank == self.ctx.rank:
+            # A version another number of ranks saved is not this rank's state, whatever its
+            # rank number: only an elastic restore reads it (tiercheck.engine.elastic).
+            if (
+                parsed is not None
+                and parsed.rank == self.ctx.rank
+                and self.ctx.claim.world_of(parsed.version) == self.ctx.topo.world_size
+            ):
                 if parsed.kind == "full":
                     base = None
                 elif parsed.version in bases:
@@ -377,9 +384,21 @@ class TierPipeline:
         blob = self.own.pop(version, None)
         if blob is not None:
             await self.tier.delete(blob.key)
+        elif (old := self.ctx.claim.world_of(version)) != self.ctx.topo.world_size:
+            await self._evict_other_world(version, old)
         self.committed.discard(version)
         self.ctx.stats.evicted[self.name] = self.ctx.stats.evicted.get(self.name, 0) + 1
         self.ctx.journal.log(Evict(version, self.ctx.rank, self.name, reason))
+
+    async def _evict_other_world(self, version: int, old_world: int) -> None:
+        """A version saved by ``old_world`` ranks: this rank deletes the blobs of the old ranks
+        ``s`` with ``s % world_size == rank``, so that together the new ranks delete them all."""
+        world, rank = self.ctx.topo.world_size, self.ctx.rank
+        keys = [k async for k in self.tier.list(version_prefix(version))]
+        for key in keys:
+            parsed = parse_blob_key(key)
+            if parsed is not None and parsed.rank % world == rank and parsed.rank < old_world:
+                await self.tier.delete(key)
 
     async def truncate_from(self, first: int, reason: str) -> None:
         """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""

@@ -1,0 +1,245 @@
+"""Elastic restore in one process: a job saved by N ranks restored on M ranks (threads).
+
+The state holds what FSDP2 hands over -- DTensors, as stored :class:`DTensorShard` records, so no
+process group is needed here (the real FSDP2 jobs under torchrun are in
+tests/distributed/test_elastic.py) -- plus plain tensors and numbers. Each case checks what every
+new rank gets against the global tensors the old ranks saved, and that a refusal changes nothing
+stored.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_never_lose import run_ranks, stored_files
+from tiercheck import ReshardError, SyncCheckpointer, VersionError, WorldSizeMismatch
+from tiercheck.codec import read_meta
+from tiercheck.codec.dtensor import DTensorShard
+from tiercheck.consistency.identity import JOB_KEY, JobRecord
+from tiercheck.testing import LocalGroup
+
+ROWS, COLS = 11, 6  # 11 rows over 4 ranks: 3, 3, 3, 2; over 3: 4, 4, 3
+
+
+def global_weight(version: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(version)
+    return torch.randn(ROWS, COLS, generator=g)
+
+
+def global_bias(version: int) -> torch.Tensor:
+    return torch.arange(5, dtype=torch.float64) * (version + 1)
+
+
+def rows(rank: int, world: int) -> slice:
+    """The rows torch's Shard(0) gives ``rank`` of ``world`` (torch.chunk's rule)."""
+    chunk = math.ceil(ROWS / world)
+    start = min(rank * chunk, ROWS)
+    return slice(start, min(start + chunk, ROWS))
+
+
+def shard(version: int, rank: int, world: int) -> DTensorShard:
+    part = rows(rank, world)
+    return DTensorShard(
+        local=global_weight(version)[part].clone(),
+        shape=(ROWS, COLS),
+        stride=(COLS, 1),
+        placements=(("shard", 0),),
+        mesh=(world,),
+        names=None,
+        device="cpu",
+        coord=(rank,),
+        offset=(part.start, 0),
+    )
+
+
+def replicated(version: int, rank: int, world: int) -> DTensorShard:
+    return DTensorShard(
+        local=global_bias(version).clone(),
+        shape=(5,),
+        stride=(1,),
+        placements=(("replicate",),),
+        mesh=(world,),
+        names=None,
+        device="cpu",
+        coord=(rank,),
+        offset=(0,),
+    )
+
+
+def state_of(version: int, rank: int, world: int, *, own: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s state of ``version`` in a ``world``-rank job; ``own`` adds a leaf that
+    differs between ranks (a rank's own data position)."""
+    state: dict[str, Any] = {
+        "w": shard(version, rank, world),
+        "b": replicated(version, rank, world),
+        "lr": torch.tensor(0.5),
+        "step": version,
+    }
+    if own:
+        state["position"] = torch.tensor([rank * 100 + version])
+    return state
+
+
+def job(root: Path, rank: int, world: int, group: LocalGroup, **kw: Any) -> SyncCheckpointer:
+    """Rank ``rank`` of job "job", every rank on one node (one shared memory folder)."""
+    kw.setdefault("base_every", 2)
+    kw.setdefault("tiers", ["local", "persistent"])
+    kw.setdefault("persist", "all")
+    return SyncCheckpointer(
+        "job",
+        rank=rank,
+        world_size=world,
+        ranks_per_node=world,
+        coordinator=group.coordinator(rank),
+        local_root=root / "node",
+        persistent=(root / "durable").as_uri(),
+        **kw,
+    )
+
+
+def save_versions(root: Path, world: int, versions: range, *, own: bool = False) -> None:
+    group = LocalGroup(world)
+
+    def one(r: int) -> None:
+        with job(root, r, world, group) as ckpt:
+            for v in versions:
+                ckpt.save(v, state_of(v, r, world, own=own))
+            ckpt.wait()
+
+    run_ranks(world, one)
+
+
+def restore_all(root: Path, world: int, **kw: Any) -> list[Any]:
+    group = LocalGroup(world)
+
+    def one(r: int) -> Any:
+        with job(root, r, world, group, **kw) as ckpt:
+            return ckpt.restore()
+
+    return run_ranks(world, one)
+
+
+def check_resharded(got: Any, version: int, rank: int, world: int) -> None:
+    """What rank ``rank`` of ``world`` restored equals its part of the saved global tensors."""
+    state = got.state
+    assert got.version == version
+    assert torch.equal(state["w"], global_weight(version)[rows(rank, world)])
+    assert torch.equal(state["b"], global_bias(version))
+    assert torch.equal(state["lr"], torch.tensor(0.5))
+    assert state["step"] == version
+
+
+def flip_in_tensor(path: Path, tensor: str) -> None:
+    """Flip a bit inside one tensor's bytes of a full blob (its header stays intact)."""
+    data = bytearray(path.read_bytes())
+    meta = read_meta(bytes(data))
+    spec = meta.layout.specs[meta.layout.index[tensor]]
+    data[meta.body_offset + spec.offset + spec.nbytes // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def saved_by_4(tmp_path: Path) -> Path:
+    """A job saved by 4 ranks on one node, versions 0..3 in both tiers."""
+    root = tmp_path / "job4"
+    save_versions(root, 4, range(4))
+    return root
+
+
+def clone(root: Path, to: Path) -> Path:
+    shutil.copytree(root, to, symlinks=True)
+    return to
+
+
+def test_another_world_size_restores_resharded_from_memory_and_goes_on(
+    saved_by_4: Path, tmp_path: Path
+) -> None:
+    root = clone(saved_by_4, tmp_path / "run")
+    got = restore_all(root, 2, elastic=True)
+    for q, restored in enumerate(got):
+        check_resharded(restored, 3, q, 2)
+        assert restored.saved_by == 4
+        assert restored.source_tier == "local"
+    record = JobRecord.from_bytes((root / "durable" / "job" / JOB_KEY).read_bytes())
+    assert (record.world_size, record.worlds) == (2, ((0, 4), (4, 2)))
+
+    # The 2-rank run goes on saving; the next opening (not elastic) restores its own version,
+    # and a 4-rank opening is now the one refused.
+    group = LocalGroup(2)
+
+    def go_on(r: int) -> None:
+        with job(root, r, 2, group, elastic=True) as ckpt:
+            assert ckpt.restore() is not None
+            ckpt.save(4, state_of(4, r, 2))
+            ckpt.wait()
+
+    run_ranks(2, go_on)
+    for q, restored in enumerate(restore_all(root, 2)):
+        check_resharded(restored, 4, q, 2)
+        assert (restored.saved_by, restored.source_tier) == (2, "local")
+    with pytest.raises(WorldSizeMismatch, match="saved by 2 ranks; this run has 4"):
+        restore_all(root, 4)
+
+
+def test_from_the_persistent_tier_onto_more_and_fewer_ranks(
+    saved_by_4: Path, tmp_path: Path
+) -> None:
+    for world in (3, 1, 6):
+        root = clone(saved_by_4, tmp_path / f"to{world}")
+        shutil.rmtree(root / "node")  # the node's memory is gone
+        for q, restored in enumerate(restore_all(root, world, elastic=True)):
+            check_resharded(restored, 3, q, world)
+            assert restored.source_tier == "persistent"
+            assert restored.saved_by == 4
+
+
+def test_a_damaged_range_one_rank_needs_falls_back_for_that_rank(
+    saved_by_4: Path, tmp_path: Path
+) -> None:
+    root = clone(saved_by_4, tmp_path / "run")
+    # New rank 1 of 2 needs old ranks 2 and 3; new rank 0 reads old ranks 0 and 1.
+    damaged = next((root / "node").rglob("v000000000003/r00003.full"))
+    flip_in_tensor(damaged, "['w']")
+    got = restore_all(root, 2, elastic=True)
+    for q, restored in enumerate(got):
+        check_resharded(restored, 3, q, 2)
+    assert got[0].source_tiers == {0: "local", 1: "persistent"}
+    assert any(p.is_file() for p in root.rglob("quarantine/v000000000003/r00003.full"))
+
+
+def test_leaves_that_differ_between_ranks_are_refused_or_wrapped(tmp_path: Path) -> None:
+    root = tmp_path / "job"
+    save_versions(root, 4, range(2), own=True)
+    before = stored_files(root)
+    with pytest.raises(ReshardError, match="position") as caught:
+        restore_all(root, 3, elastic=True)
+    assert "per_rank='wrap'" in str(caught.value)
+    assert stored_files(root) == before  # nothing changed, the job record neither
+    record = JobRecord.from_bytes((root / "durable" / "job" / JOB_KEY).read_bytes())
+    assert (record.world_size, record.worlds) == (4, ())
+    # The original job still restores, on its own 4 ranks.
+    for r, restored in enumerate(restore_all(root, 4)):
+        assert torch.equal(restored.state["position"], torch.tensor([r * 100 + 1]))
+    # Wrapped: new rank q continues from old rank q % 4's position.
+    for q, restored in enumerate(restore_all(root, 6, elastic=True, per_rank="wrap")):
+        check_resharded(restored, 1, q, 6)
+        assert torch.equal(restored.state["position"], torch.tensor([(q % 4) * 100 + 1]))
+
+
+def test_a_save_before_the_elastic_restore_is_refused(saved_by_4: Path) -> None:
+    before = stored_files(saved_by_4)
+    group = LocalGroup(2)
+
+    def one(r: int) -> None:
+        with job(saved_by_4, r, 2, group, elastic=True) as ckpt:
+            ckpt.save(10, state_of(10, r, 2))
+
+    with pytest.raises(VersionError, match="call restore\\(\\) first"):
+        run_ranks(2, one)
+    assert stored_files(saved_by_4) == before

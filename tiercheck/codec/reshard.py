@@ -1,0 +1,727 @@
+"""Elastic restore's core: what new rank ``q`` of ``M`` would have saved, from ``N`` old blobs.
+
+A version saved by ``N`` ranks holds one blob per rank. :func:`plan_reshard` looks at the
+:class:`~tiercheck.codec.flatten.Layout` of every old blob (headers only, no tensor bytes) and
+says what new rank ``q`` needs: the layout it would have saved itself (:attr:`ReshardPlan.layout`),
+which tensors of which old blobs to read (:attr:`ReshardPlan.wanted`, so a ranged read fetches
+only those), and how to cut them. :func:`assemble` then builds the new rank's tensors from the old
+ones it was given. Both are pure: no I/O, no process group, no collective; every new rank can
+compute the plan of every other.
+
+The rules:
+
+* **DTensors** (their records: global shape and stride, placements, mesh, offset; see
+  :mod:`~tiercheck.codec.dtensor`) are resharded onto a 1-D mesh over the new world with the same
+  placements. What can be resharded: a DTensor saved on a 1-D mesh of all ``N`` ranks, placed
+  ``Shard(d)`` or ``Replicate()`` -- FSDP2's layout. Under ``Shard(d)``, new rank ``q`` holds what
+  torch gives it (``torch.chunk`` semantics: chunks of ``ceil(L / M)`` rows of dimension ``d``,
+  ``L`` its global size; rank ``q`` starts at ``min(q * chunk, L)``, its size is clipped, and
+  may be 0); its rows are cut from the old shards they overlap, located by each old record's
+  offset and local shape. A ``Replicate()`` DTensor comes whole from the lowest old rank (0).
+  The new record says mesh ``(M,)``, coordinate ``(q,)`` and the new offset; everything else
+  (shape, stride, placements, mesh dimension names, device type) is kept.
+  Refused with :class:`~tiercheck.errors.ReshardError`: ``Partial`` and ``_StridedShard``
+  placements, meshes of several dimensions or of another size than ``N``, a DTensor whose global
+  shape, stride, dtype or placements differ between old ranks (or that some old rank lacks), and
+  old shards that do not tile the global tensor exactly.
+* **Everything else** -- plain tensors, numpy arrays and the non-tensor values of the state
+  (ints, strings, floats...) -- is not sharded, so it must come from one old rank, chosen by
+  ``per_rank``:
+
+  - ``"refuse"`` (the default): taken from old rank 0, and it must be the same on every old
+    rank. Planning compares the non-tensor values (and the plain tensors' paths, dtypes and
+    shapes) of all ``N`` layouts; :func:`assemble` compares, bit for bit, the plain tensors of
+    old rank 0 with those of every other old rank this new rank reads. Any difference is a
+    :class:`~tiercheck.errors.ReshardError` naming the paths and ranks. So that every old rank
+    gets compared by someone, an old rank that no new rank reads for its shards is read (its
+    plain tensors only) by new rank ``s % M``.
+  - ``"wrap"``: taken from old rank ``q % N``, compared with nothing. For per-rank state that
+    differs by design -- a rank's own data-loader position or RNG state goes to new rank ``q``
+    from old rank ``q mod N`` (with ``M > N`` several new ranks start from the same one; with
+    ``M < N`` the state of old ranks ``M..N-1`` is not used).
+
+``N == M`` gives back every rank's own layout and tensors unchanged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import msgpack
+import torch
+
+from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout
+from tiercheck.errors import ConfigError, FormatError, ReshardError
+
+__all__ = ["Piece", "ReshardPlan", "assemble", "plan_reshard", "torch_chunk"]
+
+PerRank = Literal["refuse", "wrap"]
+
+#: What the messages tell a user whose state cannot be resharded.
+_SUPPORTED = (
+    "tiercheck reshards DTensors saved on a 1-D mesh over all saving ranks with Shard(d) or "
+    "Replicate() placements (FSDP2's layout)"
+)
+_MAX_SHOWN = 20
+
+
+# --- skeleton walking ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tuple:
+    """A tuple of the skeleton (kept apart from lists, and hashable for dict keys)."""
+
+    items: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        return repr(self.items)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ODict:
+    """An ``OrderedDict`` of the skeleton (its mapping and ``_metadata``)."""
+
+    mapping: Any
+    meta: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _DTensor:
+    """A DTensor record of the skeleton: the index of its local tensor and the record."""
+
+    index: int
+    record: dict[str, Any]
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    # Only the containers (which may hold DTensors) and DTensor records are opened; every
+    # other extension (tensor references, big ints, dtypes...) stays as its exact bytes.
+    if code == _EXT_TUPLE:
+        return _Tuple(tuple(_unpack(data)))
+    if code == _EXT_ODICT:
+        mapping, meta = _unpack(data)
+        return _ODict(mapping, meta)
+    if code == _EXT_DTENSOR:
+        index, record = _unpack(data)
+        if type(index) is not int or type(record) is not dict:
+            raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
+        return _DTensor(index, record)
+    return msgpack.ExtType(code, data)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(
+        data,
+        ext_hook=_ext_hook,
+        strict_map_key=False,
+        raw=False,
+        use_list=True,
+        unicode_errors="surrogatepass",
+    )
+
+
+def _pack(obj: Any, dtensor: Callable[[_DTensor], Any]) -> bytes:
+    """The skeleton bytes of a tree from :func:`_unpack`, each DTensor record replaced by
+    ``dtensor(record)`` (packed as a DTensor extension when it returns a :class:`_DTensor`)."""
+
+    def default(value: Any) -> Any:
+        if type(value) is _Tuple:
+            return msgpack.ExtType(_EXT_TUPLE, _pack(list(value.items), dtensor))
+        if type(value) is _ODict:
+            return msgpack.ExtType(_EXT_ODICT, _pack([value.mapping, value.meta], dtensor))
+        if type(value) is _DTensor:
+            new = dtensor(value)
+            if type(new) is _DTensor:
+                return msgpack.ExtType(_EXT_DTENSOR, _pack([new.index, new.record], dtensor))
+            return new
+        raise TypeError(f"cannot pack {type(value).__name__}")
+
+    data = msgpack.packb(obj, default=default, use_bin_type=True, unicode_errors="surrogatepass")
+    assert isinstance(data, bytes)
+    return data
+
+
+def _dtensors(tree: Any) -> list[_DTensor]:
+    """Every DTensor record in the tree, in skeleton order."""
+    out: list[_DTensor] = []
+
+    def walk(obj: Any) -> None:
+        t = type(obj)
+        if t is _DTensor:
+            out.append(obj)
+        elif t is dict:
+            for k, v in obj.items():
+                walk(k)
+                walk(v)
+        elif t is list:
+            for v in obj:
+                walk(v)
+        elif t is _Tuple:
+            for v in obj.items:
+                walk(v)
+        elif t is _ODict:
+            walk(obj.mapping)
+            walk(obj.meta)
+
+    walk(tree)
+    return out
+
+
+def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
+    """Append to ``out`` the paths where trees ``a`` and ``b`` differ (DTensor records are
+    compared by their local tensor's index only: their records are checked on their own)."""
+    ta, tb = type(a), type(b)
+    if ta is not tb:
+        out.append(path or "the state itself")
+    elif ta is dict:
+        if list(a) != list(b):
+            only_a = [k for k in a if k not in b]
+            only_b = [k for k in b if k not in a]
+            if only_a or only_b:
+                out.append(f"{path} (keys {only_a} against {only_b})")
+                return
+        for k in a:
+            _differences(a[k], b[k], f"{path}[{k!r}]", out)
+    elif ta is list or ta is _Tuple:
+        items_a, items_b = (a, b) if ta is list else (a.items, b.items)
+        if len(items_a) != len(items_b):
+            out.append(f"{path} (length {len(items_a)} against {len(items_b)})")
+            return
+        for i, (x, y) in enumerate(zip(items_a, items_b, strict=True)):
+            _differences(x, y, f"{path}[{i}]", out)
+    elif ta is _ODict:
+        _differences(a.mapping, b.mapping, path, out)
+        _differences(a.meta, b.meta, f"{path}._metadata", out)
+    elif ta is _DTensor:
+        if a.index != b.index:
+            out.append(path)
+    else:
+        # Leaves compare by their packed bytes: exact for floats (NaN, -0.0) and extensions.
+        same = _pack(a, lambda d: d) == _pack(b, lambda d: d)
+        if not same:
+            out.append(path)
+
+
+# --- torch's rule ----------------------------------------------------------------------------
+
+
+def torch_chunk(length: int, world: int, rank: int) -> tuple[int, int]:
+    """``(offset, size)`` of rank ``rank``'s shard of ``length`` rows split over ``world`` ranks.
+
+    torch's own rule for ``Shard(d)`` (``Shard.local_shard_size_and_offset`` and
+    ``compute_local_shape_and_global_offset``): ``torch.chunk`` semantics, chunks of
+    ``ceil(length / world)``; a rank past the end holds an empty shard at offset ``length``.
+    """
+    chunk = -(-length // world) if world else 0
+    start = min(rank * chunk, length)
+    return start, min(start + chunk, length) - start
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """One box copied from an old rank's tensor into a new tensor.
+
+    ``size`` elements in every dimension, from ``src_start`` in tensor ``index`` of old rank
+    ``rank`` to ``dst_start`` in the new tensor (all tuples have the tensor's number of
+    dimensions; a 0-dim tensor has empty ones).
+    """
+
+    rank: int
+    index: int
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Check:
+    """A plain tensor that old ranks 0 and ``rank`` must hold bit for bit alike."""
+
+    path: str
+    index0: int
+    rank: int
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    """What new rank :attr:`new_rank` of :attr:`new_world` reads and builds (see the module
+    docstring for the rules).
+
+    * :attr:`layout`: the layout that rank would have saved (DTensor records rewritten for the
+      new world: mesh ``(M,)``, coordinate ``(q,)``, the new offset; specs with the new local
+      shapes). Its tensors are what :func:`assemble` returns, in spec order.
+    * :attr:`wanted`: old rank -> indices (ascending) of the tensors of that rank's layout
+      that :func:`assemble` needs. Old ranks none of whose tensors are needed are absent.
+    * :attr:`pieces`: for each tensor of :attr:`layout`, the boxes it is made of. A tensor with
+      no elements has none.
+    * :attr:`sources`: ``(old rank, index) -> (dtype, shape)`` of every wanted tensor, as its
+      old layout says (what :func:`assemble` checks it was given).
+    * :attr:`checks`: the plain tensors compared bit for bit between old rank 0 and the other
+      old ranks read (``per_rank="refuse"`` only).
+    """
+
+    layout: Layout
+    wanted: dict[int, tuple[int, ...]]
+    pieces: tuple[tuple[Piece, ...], ...]
+    sources: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...]]]
+    checks: tuple[_Check, ...]
+    new_rank: int
+    new_world: int
+    old_world: int
+    per_rank: PerRank
+
+
+@dataclasses.dataclass
+class _Stored:
+    """One old rank's layout, decoded once."""
+
+    rank: int
+    layout: Layout
+    tree: Any
+    dtensors: dict[str, _DTensor]  # by the path of the local tensor's spec
+
+
+def _decode(rank: int, layout: Layout) -> _Stored:
+    try:
+        tree = _unpack(layout.skeleton)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        if isinstance(exc, FormatError):
+            raise
+        raise FormatError(f"old rank {rank}'s state skeleton is malformed: {exc}") from exc
+    dtensors: dict[str, _DTensor] = {}
+    for dt in _dtensors(tree):
+        if not 0 <= dt.index < len(layout.specs):
+            raise FormatError(
+                f"old rank {rank}'s skeleton refers to tensor {dt.index}; its layout has "
+                f"{len(layout.specs)}"
+            )
+        dtensors[layout.specs[dt.index].path] = dt
+    return _Stored(rank, layout, tree, dtensors)
+
+
+@dataclasses.dataclass
+class _Sharded:
+    """One DTensor as all old ranks hold it."""
+
+    path: str
+    record: dict[str, Any]  # old rank 0's
+    dtype: torch.dtype
+    dim: int | None  # the sharded dimension; None: replicated
+    # Per old rank, ascending by start: (start, stop, rank, index) along ``dim``.
+    intervals: list[tuple[int, int, int, int]]
+    indices: list[int]  # the local tensor's index in each old rank's layout
+    local_shapes: list[tuple[int, ...]]
+
+
+def _global_fields(record: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(
+        record.get(k) for k in ("shape", "stride", "placements", "mesh", "names", "device")
+    )
+
+
+def _refuse_layout(path: str, what: str) -> ReshardError:
+    return ReshardError(
+        f"cannot reshard the DTensor at {path}: {what}. {_SUPPORTED}. Restore on the number "
+        "of ranks that saved it, or save this state with a supported layout."
+    )
+
+
+def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
+    n = len(olds)
+    first = olds[0].dtensors[path]
+    record = first.record
+    dtype = olds[0].layout.specs[first.index].dtype
+    try:
+        shape = tuple(int(d) for d in record["shape"])
+        mesh = [int(d) for d in record["mesh"]]
+        placements = [list(p) for p in record["placements"]]
+        missing = [k for k in ("stride", "names", "device", "offset") if k not in record]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"old rank 0 holds a malformed DTensor record at {path}: {exc}") from exc
+    if len(mesh) != 1 or len(placements) != 1:
+        raise _refuse_layout(path, f"it was saved on a mesh of shape {tuple(mesh)}")
+    if mesh[0] != n:
+        raise _refuse_layout(
+            path, f"it was saved on a mesh of {mesh[0]} ranks, but {n} ranks saved the version"
+        )
+    placement = placements[0]
+    kind = placement[0] if placement else None
+    dim: int | None
+    if kind == "replicate":
+        dim = None
+    elif kind == "shard" and len(placement) == 2 and type(placement[1]) is int:
+        dim = placement[1]
+        if not 0 <= dim < len(shape):
+            raise _refuse_layout(path, f"it is sharded on dimension {dim} of a {shape} tensor")
+    else:
+        raise _refuse_layout(path, f"its placement is {placement!r}")
+    indices: list[int] = []
+    local_shapes: list[tuple[int, ...]] = []
+    intervals: list[tuple[int, int, int, int]] = []
+    for old in olds:
+        dt = old.dtensors.get(path)
+        if dt is None:
+            raise ReshardError(
+                f"cannot reshard: old rank 0 holds a DTensor at {path} but old rank {old.rank} "
+                "does not. The old ranks must hold the same DTensors (every rank of an FSDP2 "
+                "job does)."
+            )
+        spec = old.layout.specs[dt.index]
+        if _global_fields(dt.record) != _global_fields(record) or spec.dtype != dtype:
+            raise ReshardError(
+                f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
+                f"its layout (dtype, global shape, stride, placements or mesh): "
+                f"{str(dtype).removeprefix('torch.')} {_global_fields(record)} against "
+                f"{str(spec.dtype).removeprefix('torch.')} {_global_fields(dt.record)}. "
+                "The old blobs do not belong to one consistent save."
+            )
+        try:
+            offset = tuple(int(o) for o in dt.record["offset"])
+        except (TypeError, ValueError) as exc:
+            raise FormatError(f"old rank {old.rank}'s DTensor record at {path}: {exc}") from exc
+        local = spec.shape
+        if len(offset) != len(shape) or len(local) != len(shape):
+            raise _tiling(path, old.rank, offset, local, shape)
+        for k, (o, s, g) in enumerate(zip(offset, local, shape, strict=True)):
+            # Along the sharded dimension an empty shard may sit anywhere up to the end
+            # (torch puts it at the end); elsewhere each shard spans the whole dimension.
+            whole = k != dim
+            if (whole and (o != 0 or s != g)) or not (o >= 0 and o + s <= g):
+                raise _tiling(path, old.rank, offset, local, shape)
+        indices.append(dt.index)
+        local_shapes.append(local)
+        if dim is not None:
+            intervals.append((offset[dim], offset[dim] + local[dim], old.rank, dt.index))
+    if dim is not None:
+        intervals.sort()
+        end = 0
+        for start, stop, rank, _ in intervals:
+            if start == stop:
+                continue
+            if start != end:
+                raise ReshardError(
+                    f"cannot reshard the DTensor at {path}: the old shards do not cover its "
+                    f"dimension {dim} exactly (old rank {rank}'s shard starts at {start}, the "
+                    f"shards before it end at {end}). The old blobs do not belong to one "
+                    "consistent save."
+                )
+            end = stop
+        if end != shape[dim]:
+            raise ReshardError(
+                f"cannot reshard the DTensor at {path}: the old shards cover its dimension "
+                f"{dim} up to {end} of {shape[dim]}. The old blobs do not belong to one "
+                "consistent save."
+            )
+        intervals = [iv for iv in intervals if iv[0] != iv[1]]
+    return _Sharded(path, record, dtype, dim, intervals, indices, local_shapes)
+
+
+def _tiling(
+    path: str, rank: int, offset: tuple[int, ...], local: tuple[int, ...], shape: tuple[int, ...]
+) -> ReshardError:
+    return ReshardError(
+        f"cannot reshard the DTensor at {path}: old rank {rank}'s local shard {local} at offset "
+        f"{offset} is not one a 1-D mesh gives a global {shape} tensor, so the pieces would not "
+        "cover the new shards exactly. The old blobs do not belong to one consistent save."
+    )
+
+
+def _new_shard(sh: _Sharded, new_rank: int, new_world: int) -> tuple[tuple[int, ...], list[int]]:
+    """New rank's local shape and global offset of ``sh``."""
+    shape = [int(d) for d in sh.record["shape"]]
+    offset = [0] * len(shape)
+    if sh.dim is not None:
+        start, size = torch_chunk(shape[sh.dim], new_world, new_rank)
+        offset[sh.dim] = start
+        shape[sh.dim] = size
+    return tuple(shape), offset
+
+
+def _pieces(sh: _Sharded, local: tuple[int, ...], offset: list[int]) -> list[Piece]:
+    if math.prod(local) == 0:
+        return []
+    zeros = (0,) * len(local)
+    if sh.dim is None:
+        return [Piece(0, sh.indices[0], zeros, zeros, local)]
+    d = sh.dim
+    lo, hi = offset[d], offset[d] + local[d]
+    out: list[Piece] = []
+    first = bisect.bisect_right([iv[1] for iv in sh.intervals], lo)
+    for start, stop, rank, index in sh.intervals[first:]:
+        if start >= hi:
+            break
+        a, b = max(lo, start), min(hi, stop)
+        src = list(zeros)
+        dst = list(zeros)
+        size = list(local)
+        src[d], dst[d], size[d] = a - start, a - lo, b - a
+        out.append(Piece(rank, index, tuple(src), tuple(dst), tuple(size)))
+    return out
+
+
+def _plain_indices(layout: Layout, dtensor_indices: set[int]) -> list[int]:
+    return [i for i in range(len(layout.specs)) if i not in dtensor_indices]
+
+
+def plan_reshard(
+    stored: Sequence[Layout],
+    *,
+    new_rank: int,
+    new_world: int,
+    per_rank: PerRank = "refuse",
+) -> ReshardPlan:
+    """The plan of new rank ``new_rank`` of ``new_world`` to rebuild from the old blobs whose
+    layouts are ``stored`` (``stored[s]``: old rank ``s``'s; ``N = len(stored)``).
+
+    Pure and deterministic: every new rank computes the same plans from the same layouts.
+    Raises :class:`~tiercheck.errors.ReshardError` for state that cannot be resharded under the
+    rules of the module docstring (the message says what is supported and what to do),
+    :class:`~tiercheck.errors.ConfigError` for bad arguments and
+    :class:`~tiercheck.errors.FormatError` for a malformed skeleton.
+    """
+    n = len(stored)
+    if n < 1:
+        raise ConfigError("plan_reshard needs the layout of at least one old rank")
+    if new_world < 1 or not 0 <= new_rank < new_world:
+        raise ConfigError(f"new rank {new_rank} is not a rank of a world of {new_world}")
+    if per_rank not in ("refuse", "wrap"):
+        raise ConfigError(f"per_rank must be 'refuse' or 'wrap', got {per_rank!r}")
+    olds = [_decode(s, layout) for s, layout in enumerate(stored)]
+    paths = set(olds[0].dtensors)
+    for old in olds[1:]:
+        if set(old.dtensors) != paths:
+            extra = sorted(set(old.dtensors) ^ paths)[:_MAX_SHOWN]
+            raise ReshardError(
+                f"cannot reshard: old ranks 0 and {old.rank} hold DTensors at different paths "
+                f"({extra}). The old ranks must hold the same DTensors (every rank of an FSDP2 "
+                "job does)."
+            )
+    sharded = {path: _sharded(path, olds) for path in olds[0].dtensors}
+
+    source = olds[new_rank % n if per_rank == "wrap" else 0]
+    if per_rank == "refuse":
+        _compare_plain(olds)
+
+    # The new rank's layout: the source's skeleton and specs, each DTensor rewritten.
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        (spec.path, spec.dtype, spec.shape) for spec in source.layout.specs
+    ]
+    pieces: list[list[Piece]] = [[] for _ in entries]
+    dtensor_indices: set[int] = set()
+
+    def rewrite(dt: _DTensor) -> _DTensor:
+        path = source.layout.specs[dt.index].path
+        sh = sharded[path]
+        local, offset = _new_shard(sh, new_rank, new_world)
+        record = dict(dt.record)
+        record["mesh"] = [new_world]
+        record["coord"] = [new_rank]
+        record["offset"] = offset
+        entries[dt.index] = (path, sh.dtype, local)
+        pieces[dt.index] = _pieces(sh, local, offset)
+        dtensor_indices.add(dt.index)
+        return _DTensor(dt.index, record)
+
+    skeleton = _pack(source.tree, rewrite)
+    layout = (
+        source.layout
+        if skeleton == source.layout.skeleton
+        and all(
+            entry[2] == spec.shape for entry, spec in zip(entries, source.layout.specs, strict=True)
+        )
+        else Layout.build(skeleton, entries)
+    )
+    for i in _plain_indices(source.layout, dtensor_indices):
+        shape = source.layout.specs[i].shape
+        if math.prod(shape):
+            zeros = (0,) * len(shape)
+            pieces[i] = [Piece(source.rank, i, zeros, zeros, shape)]
+
+    wanted: dict[int, set[int]] = {}
+    for plist in pieces:
+        for p in plist:
+            wanted.setdefault(p.rank, set()).add(p.index)
+    checks: list[_Check] = []
+    if per_rank == "refuse" and n > 1:
+        readers = set(wanted)
+        # An old rank that no new rank reads for its shards is read by new rank s % M, so
+        # that its plain tensors are compared too.
+        shard_read = _read_for_shards(sharded, olds)
+        readers |= {s for s in range(1, n) if s not in shard_read and s % new_world == new_rank}
+        plain0 = {olds[0].layout.specs[i].path: i for i in _plain_indices_of(olds[0])}
+        for s in sorted(readers - {0}):
+            for path, i0 in plain0.items():
+                i = olds[s].layout.index[path]
+                checks.append(_Check(path, i0, s, i))
+                wanted.setdefault(0, set()).add(i0)
+                wanted.setdefault(s, set()).add(i)
+    sources = {
+        (s, i): (stored[s].specs[i].dtype, stored[s].specs[i].shape)
+        for s, indices in wanted.items()
+        for i in indices
+    }
+    return ReshardPlan(
+        layout=layout,
+        wanted={s: tuple(sorted(wanted[s])) for s in sorted(wanted) if wanted[s]},
+        pieces=tuple(tuple(p) for p in pieces),
+        sources=sources,
+        checks=tuple(checks),
+        new_rank=new_rank,
+        new_world=new_world,
+        old_world=n,
+        per_rank=per_rank,
+    )
+
+
+def _plain_indices_of(old: _Stored) -> list[int]:
+    return _plain_indices(old.layout, {dt.index for dt in old.dtensors.values()})
+
+
+def _read_for_shards(sharded: Mapping[str, _Sharded], olds: Sequence[_Stored]) -> set[int]:
+    """The old ranks some new rank reads DTensor pieces from, whatever the new world.
+
+    Under ``Shard(d)`` every old shard with elements overlaps new shards with elements (the
+    new shards tile the same dimension); a replicated DTensor is read from old rank 0.
+    """
+    out: set[int] = set()
+    for sh in sharded.values():
+        if sh.dim is None:
+            if math.prod(sh.local_shapes[0]):
+                out.add(0)
+            continue
+        for s in range(len(olds)):
+            if math.prod(sh.local_shapes[s]):
+                out.add(s)
+    return out
+
+
+def _compare_plain(olds: Sequence[_Stored]) -> None:
+    """Refuse when old ranks differ in their non-DTensor values or plain tensors' specs."""
+
+    def normalized(dt: _DTensor) -> Any:
+        return ["dtensor", dt.index]
+
+    first = olds[0]
+    base = _pack(first.tree, normalized)
+    specs0 = [first.layout.specs[i] for i in _plain_indices_of(first)]
+    problems: list[str] = []
+    for old in olds[1:]:
+        paths: list[str] = []
+        if _pack(old.tree, normalized) != base:
+            _differences(first.tree, old.tree, "", paths)
+            if not paths:
+                paths.append("(the encoding of the state)")
+        specs = [old.layout.specs[i] for i in _plain_indices_of(old)]
+        if [(s.path, s.dtype, s.shape) for s in specs] != [
+            (s.path, s.dtype, s.shape) for s in specs0
+        ]:
+            mine = {s.path: (s.dtype, s.shape) for s in specs0}
+            theirs = {s.path: (s.dtype, s.shape) for s in specs}
+            paths.extend(
+                f"{p} (tensor)"
+                for p in sorted(set(mine) | set(theirs))
+                if mine.get(p) != theirs.get(p)
+            )
+        if paths:
+            shown = paths[:_MAX_SHOWN]
+            more = f" and {len(paths) - len(shown)} more" if len(paths) > len(shown) else ""
+            problems.append(f"old ranks 0 and {old.rank} differ at {', '.join(shown)}{more}")
+    if problems:
+        raise ReshardError(_per_rank_message(problems))
+
+
+def _per_rank_message(problems: Sequence[str]) -> str:
+    shown = list(problems[:_MAX_SHOWN])
+    if len(problems) > len(shown):
+        shown.append(f"... and {len(problems) - len(shown)} more")
+    return (
+        "cannot restore on another number of ranks: state outside DTensors must be the same on "
+        "every old rank to be given to the new ranks, and it is not:\n  "
+        + "\n  ".join(shown)
+        + "\nIf this state is per-rank by design (a data-loader position, an RNG state), pass "
+        "per_rank='wrap': new rank q then takes it from old rank q mod N. Otherwise restore on "
+        "the number of ranks that saved the version."
+    )
+
+
+# --- assembling ------------------------------------------------------------------------------
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as uint8 with a last dimension of its element size (a view; 0-dim included)."""
+    return (
+        t.unsqueeze(-1).view(torch.uint8)
+        if t.is_contiguous()
+        else t.contiguous().unsqueeze(-1).view(torch.uint8)
+    )
+
+
+def _fresh(dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Made as bytes then viewed: allocating some dtypes directly makes torch warn (complex32).
+    raw = torch.empty((*shape, dtype.itemsize), dtype=torch.uint8, device=device)
+    return raw.view(dtype).squeeze(-1)
+
+
+def assemble(
+    plan: ReshardPlan, old: Mapping[int, Mapping[int, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """The new rank's tensors, in ``plan.layout.specs`` order, cut from the old ranks' tensors.
+
+    ``old[s][i]`` is tensor ``i`` of old rank ``s``; those listed in ``plan.wanted`` must be
+    there (with the dtype and shape of their old layout; others are ignored). Each returned
+    tensor is fresh and contiguous, on the device of the old tensors it is cut from (the CPU
+    when it has no elements). Under ``per_rank="refuse"`` the plain tensors of old rank 0 and
+    of every other old rank read are first compared bit for bit: a difference raises
+    :class:`~tiercheck.errors.ReshardError` naming the paths and ranks. A missing or misshapen
+    old tensor raises ``ValueError`` (the caller's mistake, not the data's).
+    """
+    for (s, i), (dtype, shape) in plan.sources.items():
+        t = old.get(s, {}).get(i)
+        if t is None:
+            raise ValueError(f"assemble needs tensor {i} of old rank {s} (see plan.wanted)")
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(
+                f"tensor {i} of old rank {s} is {t.dtype}{tuple(t.shape)}; its layout says "
+                f"{dtype}{shape}"
+            )
+    differing: dict[int, list[str]] = {}
+    for check in plan.checks:
+        a = _bytes_of(old[0][check.index0])
+        b = _bytes_of(old[check.rank][check.index])
+        if a.device != b.device:
+            b = b.to(a.device)
+        if not torch.equal(a, b):
+            differing.setdefault(check.rank, []).append(check.path)
+    if differing:
+        problems = []
+        for rank, paths in sorted(differing.items()):
+            shown = paths[:_MAX_SHOWN]
+            more = f" and {len(paths) - len(shown)} more" if len(paths) > len(shown) else ""
+            problems.append(
+                f"old ranks 0 and {rank} hold different values at {', '.join(shown)}{more}"
+            )
+        raise ReshardError(_per_rank_message(problems))
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for spec, pieces in zip(plan.layout.specs, plan.pieces, strict=True):
+            device = old[pieces[0].rank][pieces[0].index].device if pieces else torch.device("cpu")
+            new = _fresh(spec.dtype, spec.shape, device)
+            dst_bytes = new.unsqueeze(-1).view(torch.uint8)
+            for p in pieces:
+                src_bytes = _bytes_of(old[p.rank][p.index])
+                src = tuple(slice(a, a + n) for a, n in zip(p.src_start, p.size, strict=True))
+                dst = tuple(slice(a, a + n) for a, n in zip(p.dst_start, p.size, strict=True))
+                dst_bytes[dst].copy_(src_bytes[src])
+            out.append(new)
+    return out

@@ -1,0 +1,211 @@
+"""Elastic restore: a version saved by another number of ranks, resharded onto this world.
+
+A version's world size comes from the job's history (:mod:`tiercheck.consistency.worlds`). When
+it differs from this run's, no rank has "its" blob: new rank ``q`` reads the headers of every
+old rank's blob, plans which old tensors it needs (:func:`~tiercheck.codec.reshard.plan_reshard`),
+reads those -- only their byte ranges where the tier serves ranges
+(:class:`~tiercheck.tiers.base.SupportsRangedGet`), each range verified against its checksum --
+and puts together the state it would have saved itself
+(:func:`~tiercheck.codec.reshard.assemble`). The result goes through the same check against the
+caller's state and the same copy into it as any restore.
+
+A tier can serve such a version when it holds every old rank's blob of it: the persistent tier
+when the ``COMMIT`` record is there, a memory tier when its listing shows a blob of every old
+rank (a one-node job: the node's shared memory holds all of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiercheck.codec import BlobMeta, Layout, RawState, decode, read_meta
+from tiercheck.codec.reshard import assemble, plan_reshard
+from tiercheck.consistency.commit import CommitRecord
+from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
+from tiercheck.consistency.recovery import Inventory
+from tiercheck.engine.tier import writes_commit_records
+from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
+from tiercheck.tiers.base import Buffer, Tier
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.read import Reader
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["ElasticReader", "Resharded"]
+
+logger = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True)
+class Resharded:
+    """What this rank would have saved of ``version`` in this world: a layout and its tensors."""
+
+    version: int
+    layout: Layout
+    parts: tuple[torch.Tensor, ...]
+    #: How many ranks saved the version.
+    old_world: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors, in ``layout`` order."""
+        return list(self.parts)
+
+
+class ElasticReader:
+    """Reads versions another number of ranks saved, resharded for this rank."""
+
+    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline], reader: Reader) -> None:
+        self.ctx = ctx
+        self.pipes = pipes
+        self.reader = reader
+        # Blobs fetched during one read: the header and the tensors come from the same blob.
+        self._blobs: dict[tuple[str, str], Buffer] = {}
+
+    async def _get(self, tier: Tier, key: str) -> Buffer:
+        blob = self._blobs.get((tier.name, key))
+        if blob is None:
+            blob = self._blobs[(tier.name, key)] = await tier.get(key)
+        return blob
+
+    async def servable(self, pipe: TierPipeline, listed: set[int] | None) -> set[int]:
+        """Versions of other worlds ``pipe``'s tier holds whole (every old rank's blob).
+
+        ``listed`` is what the durable tier's ``COMMIT`` records list; ``None`` for a memory
+        tier, whose blobs are listed here.
+        """
+        world, claim = self.ctx.topo.world_size, self.ctx.claim
+        if listed is not None:
+            return {v for v in listed if claim.world_of(v) != world}
+        ranks: dict[int, set[int]] = {}
+        async for key in pipe.tier.list("v"):
+            parsed = parse_blob_key(key)
+            if parsed is not None and claim.world_of(parsed.version) != world:
+                ranks.setdefault(parsed.version, set()).add(parsed.rank)
+        return {v for v, held in ranks.items() if held >= set(range(claim.world_of(v)))}
+
+    async def fetch(
+        self, version: int, mine: Inventory
+    ) -> tuple[Resharded | None, str | None, list[str]]:
+        """Read ``version`` resharded from the fastest tier that serves it; else why not.
+
+        A :class:`~tiercheck.errors.ReshardError` (the version cannot be resharded onto this
+        world at all) is raised, not passed over: no other tier would do better.
+        """
+        reasons: list[str] = []
+        for name in mine.sources(version):
+            try:
+                return await self.read(self.pipes[name].tier, version), name, reasons
+            except ReshardError:
+                raise
+            except Exception as exc:
+                self.ctx.stats.restore_fallbacks += 1
+                reasons.append(f"{name}: {type(exc).__name__}: {exc}")
+                logger.warning(
+                    "tiercheck: version %s (resharded) from the %r tier is unusable (%r); "
+                    "trying the next tier",
+                    version,
+                    name,
+                    exc,
+                )
+        if not reasons:
+            reasons.append("no tier holds every old rank's blob of it")
+        return None, None, reasons
+
+    async def read(self, tier: Tier, version: int) -> Resharded:
+        """This rank's share of ``version`` from ``tier``, put together from the old ranks'."""
+        self._blobs.clear()
+        try:
+            return await self._read(tier, version)
+        finally:
+            self._blobs.clear()
+
+    async def _read(self, tier: Tier, version: int) -> Resharded:
+        old_world = self.ctx.claim.world_of(version)
+        keys = await self._keys(tier, version, old_world)
+        metas = await asyncio.gather(
+            *(self._meta(tier, keys[s], version, s) for s in range(old_world))
+        )
+        plan = plan_reshard(
+            [m.layout for m in metas],
+            new_rank=self.ctx.rank,
+            new_world=self.ctx.topo.world_size,
+            per_rank=self.ctx.options.job.per_rank,
+        )
+        old: dict[int, Mapping[int, torch.Tensor]] = {}
+        for s, wanted in sorted(plan.wanted.items()):
+            old[s] = await self._tensors(tier, keys[s], metas[s], wanted)
+        parts = await asyncio.to_thread(assemble, plan, old)
+        return Resharded(version, plan.layout, tuple(parts), old_world)
+
+    async def _keys(self, tier: Tier, version: int, old_world: int) -> dict[int, str]:
+        """Every old rank's blob key of ``version`` in ``tier``."""
+        if writes_commit_records(tier):
+            record = CommitRecord.from_bytes(bytes(await tier.get(commit_key(version))))
+            if record.world_size != old_world:
+                raise FormatError(
+                    f"the COMMIT record of version {version} lists {record.world_size} ranks; "
+                    f"the job's history says {old_world} saved it"
+                )
+            return {e.rank: e.key for e in record.entries}
+        found: dict[int, tuple[str, str]] = {}
+        async for key in tier.list(version_prefix(version)):
+            parsed = parse_blob_key(key)
+            if parsed is None or parsed.rank >= old_world:
+                continue
+            # "full" sorts before "packed": the cheaper read.
+            if parsed.rank not in found or (parsed.kind, key) < found[parsed.rank]:
+                found[parsed.rank] = (parsed.kind, key)
+        missing = sorted(set(range(old_world)) - set(found))
+        if missing:
+            raise BlobNotFound(
+                f"{tier.name!r} lacks the blobs of old ranks {missing} of version {version}"
+            )
+        return {r: k for r, (_, k) in found.items()}
+
+    async def _meta(self, tier: Tier, key: str, version: int, rank: int) -> BlobMeta:
+        blob = await self._get(tier, key)
+        try:
+            meta = await asyncio.to_thread(read_meta, blob)
+            if meta.version != version or meta.rank != rank:
+                raise FormatError(
+                    f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
+                )
+        except (ChecksumMismatch, FormatError) as exc:
+            await self.reader.quarantine(tier, key, blob, exc)
+            raise
+        return meta
+
+    async def _tensors(
+        self, tier: Tier, key: str, meta: BlobMeta, wanted: Sequence[int]
+    ) -> dict[int, torch.Tensor]:
+        """The ``wanted`` tensors of one old rank's blob, verified."""
+        raw = await self._decode(tier, key, meta)
+        tensors = raw.tensors()
+        return {i: tensors[i] for i in wanted}
+
+    async def _decode(self, tier: Tier, key: str, meta: BlobMeta) -> RawState:
+        blob = await self._get(tier, key)
+        base: RawState | None = None
+        if meta.base is not None:
+            base_keys = await self._keys(
+                tier, meta.base.version, self.ctx.claim.world_of(meta.base.version)
+            )
+            base_key = base_keys[meta.rank]
+            base_meta = await self._meta(tier, base_key, meta.base.version, meta.rank)
+            if base_meta.base is not None:
+                raise FormatError(f"{key}: its base {base_key} is a delta itself")
+            base = await self._decode(tier, base_key, base_meta)
+        try:
+            return await asyncio.to_thread(
+                decode, blob, base=base, executor=self.ctx.cpu, meta=meta
+            )
+        except (ChecksumMismatch, FormatError) as exc:
+            await self.reader.quarantine(tier, key, blob, exc)
+            raise
