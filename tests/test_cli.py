@@ -446,6 +446,37 @@ def test_export_needs_a_rank_when_there_are_several(tmp_path: Path, run: Any) ->
 # --- export ----------------------------------------------------------------------------------
 
 
+def test_export_full_puts_a_sharded_version_together(tmp_path: Path, run: Any) -> None:
+    from tests.engine.test_elastic import global_bias, global_weight, save_versions
+
+    save_versions(tmp_path, 4, range(2))  # DTensors sharded over 4 ranks, plus plain leaves
+    durable = tmp_path / "durable" / "job"
+    ran = run("export", durable, tmp_path / "out", "--full", "--format", "pt", "--json")
+    assert ran.code == EXIT_OK, ran.err
+    assert (ran.json()["rank"], ran.json()["full"]) == (None, True)
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(state["w"], global_weight(1))  # 11 rows from 4 ranks' 3 + 3 + 3 + 2
+    assert torch.equal(state["b"], global_bias(1))
+    assert state["step"] == 1
+    _assert_one_line_error(run("export", durable, tmp_path / "x", "--full", "--rank", "0"))
+
+
+def test_ls_counts_each_version_against_the_world_that_saved_it(tmp_path: Path, run: Any) -> None:
+    from tests.engine.test_elastic import go_on, save_versions
+
+    save_versions(tmp_path, 4, range(2))
+    go_on(tmp_path, 2, 2)  # restored on 2 ranks, version 2 saved by 2
+    for where in (["--local-root", tmp_path / "node"], [tmp_path / "durable" / "job"]):
+        ran = run("ls", *where, "--json")
+        assert ran.code == EXIT_OK, ran.err
+        (found,) = ran.json()["locations"]
+        expected = {v["version"]: v["expected_ranks"] for v in found["versions"]}
+        # The memory tier keeps 2 versions, the persistent tier 3.
+        keep = 2 if where[0] == "--local-root" else 3
+        assert expected == {v: [0, 1, 2, 3] if v < 2 else [0, 1] for v in range(3 - keep, 3)}
+        assert all(v["complete"] for v in found["versions"])
+
+
 @pytest.mark.parametrize("version", [3, 4])  # a base and a delta against it
 def test_export_round_trips_bit_for_bit(
     stored: Stored, run: Any, tmp_path: Path, version: int

@@ -125,6 +125,20 @@ def restore_all(root: Path, world: int, **kw: Any) -> list[Any]:
     return run_ranks(world, one)
 
 
+def go_on(root: Path, world: int, *versions: int) -> None:
+    """A ``world``-rank run restores (elastic) and saves ``versions``."""
+    group = LocalGroup(world)
+
+    def one(r: int) -> None:
+        with job(root, r, world, group, elastic=True) as ckpt:
+            assert ckpt.restore() is not None
+            for version in versions:
+                ckpt.save(version, state_of(version, r, world))
+            ckpt.wait()
+
+    run_ranks(world, one)
+
+
 def check_resharded(got: Any, version: int, rank: int, world: int) -> None:
     """What rank ``rank`` of ``world`` restored equals its part of the saved global tensors."""
     state = got.state
@@ -171,20 +185,18 @@ def test_another_world_size_restores_resharded_from_memory_and_goes_on(
 
     # The 2-rank run goes on saving; the next opening (not elastic) restores its own version,
     # and a 4-rank opening is now the one refused.
-    group = LocalGroup(2)
-
-    def go_on(r: int) -> None:
-        with job(root, r, 2, group, elastic=True) as ckpt:
-            assert ckpt.restore() is not None
-            ckpt.save(4, state_of(4, r, 2))
-            ckpt.wait()
-
-    run_ranks(2, go_on)
+    go_on(root, 2, 4)
     for q, restored in enumerate(restore_all(root, 2)):
         check_resharded(restored, 4, q, 2)
         assert (restored.saved_by, restored.source_tier) == (2, "local")
     with pytest.raises(WorldSizeMismatch, match="saved by 2 ranks; this run has 4"):
         restore_all(root, 4)
+    # Retention removes the old world's versions whole, every old rank's blob of them, once
+    # the new world's are the newest `keep` (memory keeps 2, persistent 3).
+    go_on(root, 2, 5, 6)
+    left = sorted({p.parent.name for p in root.rglob("v*/r0000*.*") if p.is_file()})
+    assert left == [f"v{v:012d}" for v in (4, 5, 6)], left
+    assert not list((root / "node").rglob("v000000000004/*"))
 
 
 def test_from_the_persistent_tier_onto_more_and_fewer_ranks(

@@ -18,7 +18,10 @@ from tiercheck.catalog.base import Location, NullProgress, Progress
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.read import decode_blob
 from tiercheck.catalog.scan import Catalog
-from tiercheck.codec import DTensorShard
+from tiercheck.codec import DTensorShard, RawState, unflatten
+from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.reshard import assemble, plan_reshard
+from tiercheck.errors import BlobNotFound, ReshardError
 from tiercheck.statetree import own_copy
 
 __all__ = ["EXPORT_MODE", "ExportResult", "export", "safetensors_payload"]
@@ -30,7 +33,8 @@ class ExportResult:
 
     location: Location
     version: int
-    rank: int
+    #: The rank exported, or ``None`` for the whole state assembled from every rank.
+    rank: int | None
     #: ``(format, path, bytes)`` per file written.
     files: list[tuple[str, str, int]]
     tensors: int
@@ -42,6 +46,7 @@ class ExportResult:
             **self.location.to_json(),
             "version": self.version,
             "rank": self.rank,
+            "full": self.rank is None,
             "tensors": self.tensors,
             "files": [{"format": f, "path": p, "bytes": n} for f, p, n in self.files],
             "warnings": self.warnings,
@@ -207,19 +212,53 @@ def _local_shards(state: Any) -> tuple[Any, int]:
     return convert(state), count
 
 
+async def _assembled(
+    opened: OpenLocation, catalog: Catalog, version: int, warnings: list[str]
+) -> RawState | Resharded:
+    """The whole state of ``version``: every rank's blob put together as one rank's.
+
+    DTensors become their full (unsharded) tensors (:func:`~tiercheck.codec.reshard.plan_reshard`
+    onto a world of one); state outside DTensors must be the same on every rank, or it is
+    rank 0's (and a warning says so).
+    """
+    entry = catalog.versions[version]
+    ranks = sorted(entry.blobs)
+    if ranks != list(range(len(ranks))):
+        raise BlobNotFound(
+            f"version {version} has blobs of ranks {ranks} in the "
+            f"{catalog.location.tier_name} tier; the whole state needs every rank from 0"
+        )
+    raws = [await decode_blob(opened, catalog, entry.blobs[r]) for r in ranks]
+    layouts = [raw.layout for raw in raws]
+    try:
+        plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="refuse")
+        parts = assemble(plan, {s: dict(enumerate(raws[s].tensors())) for s in plan.wanted})
+    except ReshardError as exc:
+        if "per_rank='wrap'" not in str(exc):
+            raise
+        warnings.append(
+            "state outside DTensors differs between ranks; rank 0's was exported: "
+            + str(exc).splitlines()[1].strip()
+        )
+        plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="wrap")
+        parts = assemble(plan, {s: dict(enumerate(raws[s].tensors())) for s in plan.wanted})
+    return Resharded(version, plan.layout, tuple(parts), len(ranks))
+
+
 async def export(
     opened: OpenLocation,
     catalog: Catalog,
     *,
     version: int,
-    rank: int,
+    rank: int | None,
     out: Path,
     formats: Sequence[Literal["pt", "safetensors"]],
     allow_pickle: bool = False,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Decode ``rank``'s blob of ``version`` (with its base) and write it as ``out.pt`` and/or
-    ``out.safetensors``.
+    ``out.safetensors``; with ``rank=None``, the whole state put together from every rank's
+    blob (sharded DTensors as full tensors, see :func:`_assembled`).
 
     The ``.pt`` file is ``torch.save`` of the restored state -- nested as it was saved, every
     tensor its own storage -- and so a pickle, as every ``torch.save`` file is; load it with
@@ -231,17 +270,23 @@ async def export(
     """
     progress = progress or NullProgress()
     entry = catalog.versions[version]
-    blob = entry.blobs[rank]
-    progress.start(1 + len(formats), f"exporting version {version} rank {rank}")
+    which = "every rank" if rank is None else f"rank {rank}"
+    progress.start(1 + len(formats), f"exporting version {version} {which}")
     files: list[tuple[str, str, int]] = []
     warnings: list[str] = []
     try:
-        raw = await decode_blob(opened, catalog, blob)
+        raw: RawState | Resharded
+        if rank is None:
+            raw = await _assembled(opened, catalog, version, warnings)
+        else:
+            raw = await decode_blob(opened, catalog, entry.blobs[rank])
         count = len(raw.layout.specs)
-        state = own_copy(raw.state(allow_pickle=allow_pickle))
+        state = own_copy(unflatten(raw.layout, raw.tensors(), allow_pickle=allow_pickle))
         has_dtensors = raw.layout.has_dtensors
         del raw
-        if has_dtensors:
+        if rank is None:
+            state, _ = _local_shards(state)  # each the full tensor: a mesh of one rank
+        elif has_dtensors:
             state, count_shards = _local_shards(state)
             warnings.append(
                 f"{count_shards} DTensors were exported as rank {rank}'s local shards; their "
@@ -264,7 +309,7 @@ async def export(
             meta = {
                 "job": catalog.location.job,
                 "version": version,
-                "rank": rank,
+                "rank": "all" if rank is None else rank,
                 "tier": catalog.location.tier_name,
             }
             tensors, metadata, warnings = await asyncio.to_thread(

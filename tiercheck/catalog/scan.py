@@ -31,6 +31,7 @@ from tiercheck.consistency.identity import (
 from tiercheck.consistency.keys import BlobKind, parse_blob_key, parse_commit_key
 from tiercheck.consistency.manifest import Durable
 from tiercheck.consistency.protocol import committed_in_tier
+from tiercheck.consistency.worlds import world_of
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, FormatError, ManifestError, StorageError, TiercheckError
 from tiercheck.tiers.local import LocalTier
@@ -321,9 +322,21 @@ async def scan_location(opened: OpenLocation) -> Catalog:
     else:
         await _read_manifest(opened, catalog)
         await _read_identity(opened, catalog)
+        _apply_worlds(catalog)
         await _read_replicas(opened, catalog)
     await _fill_sizes(opened, catalog)
     return catalog
+
+
+def _apply_worlds(catalog: Catalog) -> None:
+    """A node root of a job that changed its number of ranks: each version expects the ranks
+    of the world that saved it (the identity's history, see tiercheck.consistency.worlds)."""
+    identity = catalog.identity
+    if identity is None or not identity.worlds:
+        return
+    for v, entry in catalog.versions.items():
+        size = world_of(v, identity.worlds, identity.world_size)
+        entry.expected_ranks = tuple(r for r in entry.expected_ranks if r < size)
 
 
 def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[int, str]], bool]:

@@ -28,6 +28,12 @@ def configure_export(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rank", type=nonnegative, help="the rank (default: the only one)")
     p.add_argument(
+        "--full",
+        action="store_true",
+        help="the whole state put together from every rank's blob: sharded DTensors (FSDP2) "
+        "as full tensors",
+    )
+    p.add_argument(
         "--format",
         choices=("pt", "safetensors", "both"),
         default="both",
@@ -92,19 +98,25 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
                 f"{short(sorted(cat.versions)) or 'no versions'}"
             )
         rank = args.rank
-        if rank is None:
+        if args.full and rank is not None:
+            raise UsageError("pass --rank or --full, not both")
+        if args.full:
+            pass
+        elif rank is None:
             if len(cat.ranks) != 1:
                 raise UsageError(
-                    f"the {loc.describe()} holds ranks {short(cat.ranks)}; pass --rank"
+                    f"the {loc.describe()} holds ranks {short(cat.ranks)}; pass --rank, or "
+                    "--full for the whole state"
                 )
             rank = cat.ranks[0]
-        if rank not in entry.blobs:
+        if rank is not None and rank not in entry.blobs:
             raise UsageError(
                 f"version {version} has no blob of rank {rank} in the {loc.describe()}; "
                 f"ranks present: {short(sorted(entry.blobs)) or 'none'}"
             )
         if not entry.committed and not console.json_mode:
-            console.note(f"version {version} is not committed; exporting rank {rank}'s blob anyway")
+            which = "every rank's blob" if rank is None else f"rank {rank}'s blob"
+            console.note(f"version {version} is not committed; exporting {which} anyway")
         result = await export(
             opened,
             cat,
@@ -118,8 +130,9 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
     if console.json_mode:
         console.json({"command": "export", **result.to_json()})
         return EXIT_OK
+    which = "the whole state" if result.rank is None else f"rank {result.rank}"
     console.line(
-        f"exported version {result.version} rank {result.rank} ({result.tensors} tensors) "
+        f"exported version {result.version} {which} ({result.tensors} tensors) "
         f"from the {loc.describe()}"
     )
     for fmt, path, size in result.files:

@@ -17,10 +17,10 @@ The rules:
   torch gives it (``torch.chunk`` semantics: chunks of ``ceil(L / M)`` rows of dimension ``d``,
   ``L`` its global size; rank ``q`` starts at ``min(q * chunk, L)``, its size is clipped, and
   may be 0); its rows are cut from the old shards they overlap, located by each old record's
-  offset and local shape. A ``Replicate()`` DTensor comes whole from the lowest old rank (0).
-  The new record says mesh ``(M,)``, coordinate ``(q,)`` and the new offset; everything else
-  (shape, stride, placements, mesh dimension names, device type) is kept.
-  Refused with :class:`~tiercheck.errors.ReshardError`: ``Partial`` and ``_StridedShard``
+  offset and local shape (not by its coordinate). A ``Replicate()`` DTensor comes whole from
+  the lowest old rank (0). The new record says mesh ``(M,)``, coordinate ``(q,)`` and the new
+  offset; everything else (shape, stride, placements, mesh dimension names, device type) is
+  kept. Refused with :class:`~tiercheck.errors.ReshardError`: ``Partial`` and ``_StridedShard``
   placements, meshes of several dimensions or of another size than ``N``, a DTensor whose global
   shape, stride, dtype or placements differ between old ranks (or that some old rank lacks), and
   old shards that do not tile the global tensor exactly.
@@ -40,7 +40,9 @@ The rules:
     from old rank ``q mod N`` (with ``M > N`` several new ranks start from the same one; with
     ``M < N`` the state of old ranks ``M..N-1`` is not used).
 
-``N == M`` gives back every rank's own layout and tensors unchanged.
+Every dtype the codec stores, 0-dim tensors and zero-size dimensions are handled (bytes are
+copied and compared as bytes, never as values: NaNs and ``-0.0`` travel exactly). ``N == M``
+gives back every rank's own layout and tensors unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -55,16 +58,22 @@ import msgpack
 import torch
 
 from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout
+from tiercheck.codec.plan import paused_gc
 from tiercheck.errors import ConfigError, FormatError, ReshardError
 
 __all__ = ["Piece", "ReshardPlan", "assemble", "plan_reshard", "torch_chunk"]
 
+#: Where state outside DTensors comes from (see the module docstring).
 PerRank = Literal["refuse", "wrap"]
 
 #: What the messages tell a user whose state cannot be resharded.
 _SUPPORTED = (
     "tiercheck reshards DTensors saved on a 1-D mesh over all saving ranks with Shard(d) or "
     "Replicate() placements (FSDP2's layout)"
+)
+_INCONSISTENT = (
+    "The old blobs do not belong to one consistent save: restore another version (or on the "
+    "number of ranks that saved this one)."
 )
 _MAX_SHOWN = 20
 
@@ -177,14 +186,17 @@ def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
     compared by their local tensor's index only: their records are checked on their own)."""
     ta, tb = type(a), type(b)
     if ta is not tb:
-        out.append(path or "the state itself")
+        out.append(path or "the state")
     elif ta is dict:
         if list(a) != list(b):
             only_a = [k for k in a if k not in b]
             only_b = [k for k in b if k not in a]
+            where = path or "the state"
             if only_a or only_b:
-                out.append(f"{path} (keys {only_a} against {only_b})")
+                out.append(f"{where} (keys {only_a} against {only_b})")
                 return
+            # Taking old rank 0's would be harmless, but "the same on every rank" is the rule.
+            out.append(f"{where} (the same keys in another order)")
         for k in a:
             _differences(a[k], b[k], f"{path}[{k!r}]", out)
     elif ta is list or ta is _Tuple:
@@ -239,6 +251,16 @@ class Piece:
     src_start: tuple[int, ...]
     dst_start: tuple[int, ...]
     size: tuple[int, ...]
+
+    @property
+    def src(self) -> tuple[slice, ...]:
+        """The box in the old tensor, as an index."""
+        return tuple(slice(a, a + n) for a, n in zip(self.src_start, self.size, strict=True))
+
+    @property
+    def dst(self) -> tuple[slice, ...]:
+        """The box in the new tensor, as an index."""
+        return tuple(slice(a, a + n) for a, n in zip(self.dst_start, self.size, strict=True))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -322,10 +344,8 @@ class _Sharded:
     local_shapes: list[tuple[int, ...]]
 
 
-def _global_fields(record: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(
-        record.get(k) for k in ("shape", "stride", "placements", "mesh", "names", "device")
-    )
+#: A DTensor record's fields that every rank holding it must agree on.
+_global_fields = operator.itemgetter("shape", "stride", "placements", "mesh", "names", "device")
 
 
 def _refuse_layout(path: str, what: str) -> ReshardError:
@@ -344,9 +364,7 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
         shape = tuple(int(d) for d in record["shape"])
         mesh = [int(d) for d in record["mesh"]]
         placements = [list(p) for p in record["placements"]]
-        missing = [k for k in ("stride", "names", "device", "offset") if k not in record]
-        if missing:
-            raise KeyError(", ".join(missing))
+        reference = _global_fields(record)
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"old rank 0 holds a malformed DTensor record at {path}: {exc}") from exc
     if len(mesh) != 1 or len(placements) != 1:
@@ -369,6 +387,7 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
     indices: list[int] = []
     local_shapes: list[tuple[int, ...]] = []
     intervals: list[tuple[int, int, int, int]] = []
+    zeros = (0,) * len(shape)
     for old in olds:
         dt = old.dtensors.get(path)
         if dt is None:
@@ -378,27 +397,37 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
                 "job does)."
             )
         spec = old.layout.specs[dt.index]
-        if _global_fields(dt.record) != _global_fields(record) or spec.dtype != dtype:
+        try:
+            fields = _global_fields(dt.record)
+            offset = tuple(map(int, dt.record["offset"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(
+                f"old rank {old.rank} holds a malformed DTensor record at {path}: {exc}"
+            ) from exc
+        if fields != reference or spec.dtype != dtype:
             raise ReshardError(
                 f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
                 f"its layout (dtype, global shape, stride, placements or mesh): "
-                f"{str(dtype).removeprefix('torch.')} {_global_fields(record)} against "
-                f"{str(spec.dtype).removeprefix('torch.')} {_global_fields(dt.record)}. "
-                "The old blobs do not belong to one consistent save."
+                f"{str(dtype).removeprefix('torch.')} {reference} against "
+                f"{str(spec.dtype).removeprefix('torch.')} {fields}. {_INCONSISTENT}"
             )
-        try:
-            offset = tuple(int(o) for o in dt.record["offset"])
-        except (TypeError, ValueError) as exc:
-            raise FormatError(f"old rank {old.rank}'s DTensor record at {path}: {exc}") from exc
         local = spec.shape
-        if len(offset) != len(shape) or len(local) != len(shape):
-            raise _tiling(path, old.rank, offset, local, shape)
-        for k, (o, s, g) in enumerate(zip(offset, local, shape, strict=True)):
+        if dim is None:
+            fits = offset == zeros and local == shape
+        else:
             # Along the sharded dimension an empty shard may sit anywhere up to the end
             # (torch puts it at the end); elsewhere each shard spans the whole dimension.
-            whole = k != dim
-            if (whole and (o != 0 or s != g)) or not (o >= 0 and o + s <= g):
-                raise _tiling(path, old.rank, offset, local, shape)
+            fits = (
+                len(offset) == len(local) == len(shape)
+                and offset[:dim] == zeros[:dim]
+                and offset[dim + 1 :] == zeros[dim + 1 :]
+                and local[:dim] == shape[:dim]
+                and local[dim + 1 :] == shape[dim + 1 :]
+                and offset[dim] >= 0
+                and offset[dim] + local[dim] <= shape[dim]
+            )
+        if not fits:
+            raise _tiling(path, old.rank, offset, local, shape)
         indices.append(dt.index)
         local_shapes.append(local)
         if dim is not None:
@@ -413,15 +442,13 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
                 raise ReshardError(
                     f"cannot reshard the DTensor at {path}: the old shards do not cover its "
                     f"dimension {dim} exactly (old rank {rank}'s shard starts at {start}, the "
-                    f"shards before it end at {end}). The old blobs do not belong to one "
-                    "consistent save."
+                    f"shards before it end at {end}). {_INCONSISTENT}"
                 )
             end = stop
         if end != shape[dim]:
             raise ReshardError(
                 f"cannot reshard the DTensor at {path}: the old shards cover its dimension "
-                f"{dim} up to {end} of {shape[dim]}. The old blobs do not belong to one "
-                "consistent save."
+                f"{dim} up to {end} of {shape[dim]}. {_INCONSISTENT}"
             )
         intervals = [iv for iv in intervals if iv[0] != iv[1]]
     return _Sharded(path, record, dtype, dim, intervals, indices, local_shapes)
@@ -433,7 +460,7 @@ def _tiling(
     return ReshardError(
         f"cannot reshard the DTensor at {path}: old rank {rank}'s local shard {local} at offset "
         f"{offset} is not one a 1-D mesh gives a global {shape} tensor, so the pieces would not "
-        "cover the new shards exactly. The old blobs do not belong to one consistent save."
+        f"cover the new shards exactly. {_INCONSISTENT}"
     )
 
 
@@ -490,6 +517,15 @@ def plan_reshard(
     :class:`~tiercheck.errors.ConfigError` for bad arguments and
     :class:`~tiercheck.errors.FormatError` for a malformed skeleton.
     """
+    # Decoding N skeletons of thousands of entries makes tens of thousands of short-lived
+    # objects: a collection triggered by them would walk the whole training process.
+    with paused_gc():
+        return _plan(stored, new_rank, new_world, per_rank)
+
+
+def _plan(
+    stored: Sequence[Layout], new_rank: int, new_world: int, per_rank: PerRank
+) -> ReshardPlan:
     n = len(stored)
     if n < 1:
         raise ConfigError("plan_reshard needs the layout of at least one old rank")
@@ -720,8 +756,6 @@ def assemble(
             dst_bytes = new.unsqueeze(-1).view(torch.uint8)
             for p in pieces:
                 src_bytes = _bytes_of(old[p.rank][p.index])
-                src = tuple(slice(a, a + n) for a, n in zip(p.src_start, p.size, strict=True))
-                dst = tuple(slice(a, a + n) for a, n in zip(p.dst_start, p.size, strict=True))
-                dst_bytes[dst].copy_(src_bytes[src])
+                dst_bytes[p.dst].copy_(src_bytes[p.src])
             out.append(new)
     return out

@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tiercheck.codec import BlobMeta, Layout, RawState, decode, read_meta
+from tiercheck.codec import BlobMeta, RawState, decode, read_meta
+from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
@@ -41,21 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["ElasticReader", "Resharded"]
 
 logger = logging.getLogger("tiercheck")
-
-
-@dataclass(frozen=True)
-class Resharded:
-    """What this rank would have saved of ``version`` in this world: a layout and its tensors."""
-
-    version: int
-    layout: Layout
-    parts: tuple[torch.Tensor, ...]
-    #: How many ranks saved the version.
-    old_world: int
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors, in ``layout`` order."""
-        return list(self.parts)
 
 
 class ElasticReader:

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiercheck.codec import RawState, unflatten
+from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
 from tiercheck.consistency.recovery import Inventory, agree, candidates
-from tiercheck.engine.elastic import ElasticReader, Resharded
+from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
 from tiercheck.errors import (
@@ -71,6 +72,8 @@ class Restorer:
         self.schedule = schedule
         self.encoder = encoder
         self.elastic = ElasticReader(ctx, pipes, reader)
+        # The versions with COMMIT records in each durable tier, as the inventory listed them.
+        self._listed: dict[str, set[int]] = {}
 
     async def restore(
         self, state: Any, version: int | None, strict: bool, started: float
@@ -206,9 +209,9 @@ class Restorer:
         self._adopt_whole(everyone, upto=chosen)
         for pipe in self.pipes.values():
             if pipe.durable and not pipe.unlisted:
-                pipe.committed = {
-                    v for v in mine.by_tier.get(pipe.name, frozenset()) if v <= chosen
-                }
+                # Every version with a COMMIT record counts, another world's too: retention
+                # keeps the newest `keep` of them all.
+                pipe.committed = {v for v in self._listed.get(pipe.name, ()) if v <= chosen}
         self.schedule.restart_from(chosen)
         self.encoder.drop_base()
         return Restored(
@@ -293,7 +296,7 @@ class Restorer:
             try:
                 pipe.own = await pipe.list_own()
                 if pipe.durable:
-                    listed = await commit_versions(pipe.tier)
+                    listed = self._listed[pipe.name] = await commit_versions(pipe.tier)
                     versions = {v for v in listed if self.ctx.claim.world_of(v) == world}
                 else:
                     listed = None

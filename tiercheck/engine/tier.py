@@ -30,7 +30,6 @@ from tiercheck.consistency.keys import (
     commit_key,
     parse_blob_key,
     parse_commit_key,
-    version_prefix,
 )
 from tiercheck.consistency.manifest import Durable, Evict
 from tiercheck.consistency.protocol import committed_in_tier
@@ -109,6 +108,10 @@ class TierPipeline:
         self.idle.set()
         #: This rank's blobs in the tier, by version.
         self.own: dict[int, OwnBlob] = {}
+        #: Versions another number of ranks saved (tiercheck.consistency.worlds), with the keys
+        #: of their blobs this rank removes when retention drops them: old ranks ``s`` with
+        #: ``s % world_size == rank``, so that together the ranks remove them all.
+        self.others: dict[int, list[str]] = {}
         #: Versions committed in the tier for every rank.
         self.committed: set[int] = set()
         #: The newest version whose commit round is over: everything newer is in flight.
@@ -138,7 +141,7 @@ class TierPipeline:
                     if self.durable
                     else self.ctx.journal.committed(self.name)
                 ),
-                held=self.own,
+                held={**self.others, **self.own},
             )
         except Exception as exc:
             logger.error(
@@ -152,19 +155,26 @@ class TierPipeline:
             self.committed = set()
 
     async def list_own(self) -> dict[int, OwnBlob]:
-        """This rank's blobs in the tier, by version, with the base each is a delta on."""
+        """This rank's blobs in the tier, by version, with the base each is a delta on.
+
+        Also refreshes :attr:`others` from the same listing.
+        """
         out: dict[int, OwnBlob] = {}
+        others: dict[int, list[str]] = {}
+        world, claim = self.ctx.topo.world_size, self.ctx.claim
         durable = await self.ctx.journal.blobs(self.name, self.ctx.rank)
         bases: dict[int, int | None] = {d.version: d.base for d in durable}
         async for key in self.tier.list("v"):
             parsed = parse_blob_key(key)
+            if parsed is None:
+                continue
             # A version another number of ranks saved is not this rank's state, whatever its
             # rank number: only an elastic restore reads it (tiercheck.engine.elastic).
-            if (
-                parsed is not None
-                and parsed.rank == self.ctx.rank
-                and self.ctx.claim.world_of(parsed.version) == self.ctx.topo.world_size
-            ):
+            if claim.world_of(parsed.version) != world:
+                if parsed.rank % world == self.ctx.rank:
+                    others.setdefault(parsed.version, []).append(key)
+                continue
+            if parsed.rank == self.ctx.rank:
                 if parsed.kind == "full":
                     base = None
                 elif parsed.version in bases:
@@ -173,6 +183,7 @@ class TierPipeline:
                     # Not in this node's manifest (a new node): any older blob may be its base.
                     base = UNKNOWN_BASE
                 out[parsed.version] = OwnBlob(key, base)
+        self.others = others
         return out
 
     async def restorable(self) -> list[int]:
@@ -364,7 +375,11 @@ class TierPipeline:
             self.committed &= await commit_versions(self.tier)
         doomed = evictable(
             committed=self.committed,
-            own={v: b.base for v, b in self.own.items()},
+            # Another world's version may be a delta on any older one: UNKNOWN_BASE keeps them.
+            own={
+                **dict.fromkeys(self.others, UNKNOWN_BASE),
+                **{v: b.base for v, b in self.own.items()},
+            },
             keep=self.policy.keep,
             # Rounds run in version order, so everything newer than `settled` is in flight
             # in this tier and stays; in flight elsewhere does not matter here.
@@ -384,25 +399,15 @@ class TierPipeline:
         blob = self.own.pop(version, None)
         if blob is not None:
             await self.tier.delete(blob.key)
-        elif (old := self.ctx.claim.world_of(version)) != self.ctx.topo.world_size:
-            await self._evict_other_world(version, old)
+        for key in self.others.pop(version, []):
+            await self.tier.delete(key)
         self.committed.discard(version)
         self.ctx.stats.evicted[self.name] = self.ctx.stats.evicted.get(self.name, 0) + 1
         self.ctx.journal.log(Evict(version, self.ctx.rank, self.name, reason))
 
-    async def _evict_other_world(self, version: int, old_world: int) -> None:
-        """A version saved by ``old_world`` ranks: this rank deletes the blobs of the old ranks
-        ``s`` with ``s % world_size == rank``, so that together the new ranks delete them all."""
-        world, rank = self.ctx.topo.world_size, self.ctx.rank
-        keys = [k async for k in self.tier.list(version_prefix(version))]
-        for key in keys:
-            parsed = parse_blob_key(key)
-            if parsed is not None and parsed.rank % world == rank and parsed.rank < old_world:
-                await self.tier.delete(key)
-
     async def truncate_from(self, first: int, reason: str) -> None:
         """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
-        doomed = {v for v in self.own if v >= first}
+        doomed = {v for v in (*self.own, *self.others) if v >= first}
         if self.ctx.rank == 0 and self.durable:
             async for key in self.tier.list("v"):
                 v = parse_commit_key(key)
