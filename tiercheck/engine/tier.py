@@ -375,9 +375,13 @@ class TierPipeline:
             self.committed &= await commit_versions(self.tier)
         doomed = evictable(
             committed=self.committed,
-            # Another world's version may be a delta on any older one: UNKNOWN_BASE keeps them.
+            # Another world's packed blob may be a delta on any older version: UNKNOWN_BASE
+            # keeps those while it stays.
             own={
-                **dict.fromkeys(self.others, UNKNOWN_BASE),
+                **{
+                    v: None if all(k.endswith(".full") for k in keys) else UNKNOWN_BASE
+                    for v, keys in self.others.items()
+                },
                 **{v: b.base for v, b in self.own.items()},
             },
             keep=self.policy.keep,
