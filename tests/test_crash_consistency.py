@@ -54,7 +54,7 @@ from tiercheck import (
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.manifest import Manifest, Record
 from tiercheck.testing import LocalGroup
-from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash
+from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash, abandon
 from tiercheck.tiers import LocalTier, PersistentTier
 
 from .helpers import assert_state_equal, clone_state
@@ -236,7 +236,7 @@ class CrashMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.ckpt is not None:
-            self.ckpt._abandon()
+            abandon(self.ckpt)
         self._patch.undo()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -351,7 +351,7 @@ class CrashMachine(RuleBasedStateMachine):
         self._harvest()
         died = self.plan.dead
         self.plan.kill()
-        self.ckpt._abandon()
+        abandon(self.ckpt)
         if two_ranks_first:
             self._refused_with_two_ranks()
         self.capacity = 2048 if small_memory else None
