@@ -26,7 +26,7 @@ from tiercheck import (
 )
 from tiercheck.consistency.keys import parse_blob_key
 from tiercheck.consistency.manifest import Manifest
-from tiercheck.testing.faults import FaultPlan, FaultyTier
+from tiercheck.testing.faults import FaultPlan, FaultyTier, abandon
 from tiercheck.tiers import DelegatingTier, FailureScope, LocalTier, PersistentTier, Tier
 
 from .helpers import TinyTrainer, assert_state_equal, clone_state
@@ -459,7 +459,7 @@ async def test_a_crash_before_commit_restores_the_previous_version(tmp_path: Pat
         await handle.done("local")
     assert plan.dead
     assert [op for _, op, _, _ in plan.log[opened:]] == ["commit", "put", "put", "commit"]
-    ckpt._abandon()
+    abandon(ckpt)
     async with _ckpt(tmp_path) as again:
         restored = await again.restore()
     assert restored is not None

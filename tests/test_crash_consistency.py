@@ -1,8 +1,8 @@
 r"""Crash consistency, proved by a Hypothesis state machine against a plain model.
 
 The machine saves random states, lets the process "die" at any chosen write (a tier put,
-delete or reservation commit, or a manifest append), loses the node's memory, corrupts stored
-blobs, and restarts. Its faults come through wrappers: every tier is a
+delete or reservation commit, a manifest append or compaction), loses the node's memory,
+corrupts stored blobs, and restarts. Its faults come through wrappers: every tier is a
 :class:`~tiercheck.testing.faults.FaultyTier` and the node's manifest a :class:`FaultyManifest`,
 all numbering their writes in one :class:`~tiercheck.testing.faults.FaultPlan`.
 
@@ -54,7 +54,7 @@ from tiercheck import (
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.manifest import Manifest, Record
 from tiercheck.testing import LocalGroup
-from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash
+from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash, abandon
 from tiercheck.tiers import LocalTier, PersistentTier
 
 from .helpers import assert_state_equal, clone_state
@@ -83,10 +83,10 @@ def _state(seed: int, n: int, dtype_index: int, extra: bool) -> dict[str, Any]:
 
 
 class FaultyManifest:
-    """A node's manifest whose appends are writes of a :class:`FaultPlan`.
+    """A node's manifest whose appends and compactions are writes of a :class:`FaultPlan`.
 
-    Wraps the real :class:`Manifest` (everything but ``append`` is forwarded as is): an append
-    counts as one write of the plan, in the same sequence as the tiers' writes, so the process
+    Wraps the real :class:`Manifest` (everything else is forwarded as is): each counts as one
+    write of the plan, in the same sequence as the tiers' writes, so the process
     can die at it (before it reaches LMDB), exactly as at a tier's write.
     """
 
@@ -97,6 +97,12 @@ class FaultyManifest:
     def append(self, *records: Record) -> None:
         self.plan.write("manifest", "manifest", records[0].op)
         self.inner.append(*records)
+
+    def compact_if_grown(self, keep_after: int, **kw: Any) -> int:
+        # A death inside the compaction's one transaction leaves what a death before it does
+        # (tests/consistency/test_manifest.py kills a process there): one write of the plan.
+        self.plan.write("manifest", "manifest", "compact")
+        return self.inner.compact_if_grown(keep_after, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -165,6 +171,8 @@ class CrashMachine(RuleBasedStateMachine):
             return self.manifests[-1]
 
         open_manifests_through(self._patch, faulty)
+        # Compact the manifest's log every few saves, so that deaths fall around compactions.
+        self._patch.setattr(tiercheck.engine.journal, "COMPACT_MIN_RECORDS", 12)
         # What happened, for the failure message: a failure that depends on background timing
         # cannot be replayed by Hypothesis, so the message has to carry the story itself.
         self.history: list[str] = []
@@ -228,7 +236,7 @@ class CrashMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.ckpt is not None:
-            self.ckpt._abandon()
+            abandon(self.ckpt)
         self._patch.undo()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -343,7 +351,7 @@ class CrashMachine(RuleBasedStateMachine):
         self._harvest()
         died = self.plan.dead
         self.plan.kill()
-        self.ckpt._abandon()
+        abandon(self.ckpt)
         if two_ranks_first:
             self._refused_with_two_ranks()
         self.capacity = 2048 if small_memory else None

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import lmdb
+import msgpack
 import pytest
+import xxhash
 
 from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest
 from tiercheck.errors import ManifestError
@@ -188,3 +191,107 @@ def test_manifest_survives_a_killed_writer(tmp_path: Path) -> None:
         m.append(Begin(101, 2, "base"))
         assert {100, 101} <= set(m.versions())
     assert os.path.exists(os.path.join(path, "data.mdb"))
+
+
+def _save_and_retain(m: Manifest, versions: range, keep: int = 2) -> None:
+    """What one rank with one tier logs per save: begin, durable, commit, then retention."""
+    for v in versions:
+        m.append(Begin(v, 0, "base"), _durable(v), Commit(v, "local"))
+        if v >= keep:
+            m.append(Evict(v - keep, 0, "local"))
+
+
+def test_compact_if_grown_waits_for_the_log_to_grow_then_keeps_what_lives(
+    tmp_path: Path,
+) -> None:
+    with Manifest(tmp_path / "m") as m:
+        _save_and_retain(m, range(3))  # 3 * 3 + 1 records
+        assert m.compact_if_grown(3, min_records=20, growth=4) == 0  # not due yet
+        assert m.log_size() == 10
+        _save_and_retain(m, range(3, 8))
+        grown = m.log_size()
+        assert grown > 20
+        before = m.dump_index()
+        removed = m.compact_if_grown(8, min_records=20, growth=4)
+        assert removed > 0
+        assert m.log_size() == grown - removed
+        # Only the versions still held (6 and 7) keep their records.
+        assert {r.version for r in m.log()} == {6, 7}
+        m.rebuild_index()
+        after = m.dump_index()
+        assert after["blobs"] == before["blobs"]
+        assert after["commits"] == before["commits"]
+        assert set(after["versions"]) == {6, 7}
+        # What the compaction left sets the next bar: 4 x 6 records, not min_records again.
+        _save_and_retain(m, range(8, 12))
+        assert 20 < m.log_size() <= 24
+        assert m.compact_if_grown(12, min_records=20, growth=4) == 0
+        _save_and_retain(m, range(12, 13))
+        assert m.compact_if_grown(13, min_records=20, growth=4) > 0
+        assert {r.version for r in m.log()} == {11, 12}
+
+
+def test_compaction_keeps_versions_in_flight(tmp_path: Path) -> None:
+    with Manifest(tmp_path / "m") as m:
+        _save_and_retain(m, range(4))
+        m.append(Begin(4, 0, "base"))  # begun, nothing durable yet
+        m.append(Begin(5, 0, "base"), Abort(5, 0, "skipped"))
+        m.compact(keep_after=4)
+        assert {r.version for r in m.log()} == {2, 3, 4, 5}
+        assert set(m.versions()) == {2, 3, 4, 5}
+        m.compact(keep_after=6)  # 5 was given up: nothing of it is held anywhere
+        assert {r.version for r in m.log()} == {2, 3}
+
+
+def test_a_compaction_killed_before_it_commits_leaves_the_whole_log(tmp_path: Path) -> None:
+    path = str(tmp_path / "m")
+    with Manifest(path) as m:
+        _save_and_retain(m, range(10))
+        records = list(m.log())
+        index = m.dump_index()
+    # The process dies with every deletion of the compaction done but not committed: the
+    # latest moment a crash can interrupt it.
+    code = (
+        "import os, signal, sys\n"
+        "from tiercheck.consistency.manifest import Manifest\n"
+        "original = Manifest._compact\n"
+        "def dying(self, txn, keep_after):\n"
+        "    assert original(self, txn, keep_after) > 0\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "Manifest._compact = dying\n"
+        "m = Manifest(sys.argv[1])\n"
+        "m.compact_if_grown(10, min_records=5)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code, path], check=False)
+    assert killed.returncode == -9
+    with Manifest(path) as m:
+        assert list(m.log()) == records
+        assert m.dump_index() == index
+        m.rebuild_index()
+        assert m.dump_index() == index
+        # And the next compaction, not interrupted, does the work.
+        assert m.compact_if_grown(10, min_records=5) > 0
+        assert {r.version for r in m.log()} == {8, 9}
+
+
+def test_abort_records_of_older_logs_still_parse(tmp_path: Path) -> None:
+    # Abort records once carried a `tier` field (always "": the whole save).
+    path = tmp_path / "m"
+    with Manifest(path) as m:
+        m.append(Begin(1, 0, "base"))
+    body = msgpack.packb(
+        {"op": "abort", "version": 1, "rank": 0, "reason": "skipped", "tier": "", "time": 1.0},
+        use_bin_type=True,
+    )
+    env = lmdb.open(str(path), max_dbs=8)
+    log = env.open_db(b"log")
+    with env.begin(write=True) as txn:
+        txn.put(
+            struct.pack(">Q", 1), struct.pack(">I", xxhash.xxh32_intdigest(body)) + body, db=log
+        )
+        txn.put(b"seq", struct.pack(">Q", 2), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with Manifest(path) as m:
+        assert list(m.log())[-1] == Abort(1, 0, "skipped", time=1.0)
+        m.rebuild_index()
+        assert m.versions()[1]["aborted"] == [0]

@@ -10,7 +10,8 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
 Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`'s job, above the
 codec (``check_into``, ``load_into`` and ``own_copy``).
 
-Modules: :mod:`.flatten` (skeleton, layout, payload), :mod:`.delta` (XOR),
+Modules: :mod:`.flatten` (skeleton, layout, payload) and :mod:`.rebuild` (the skeleton read
+back: ``unflatten``), :mod:`.delta` (XOR),
 :mod:`.planes` (byte planes), :mod:`.frames` (the packed body; :mod:`.resources`, the zstd
 contexts, buffers and threads it runs on), :mod:`.blob` (format, encoders,
 decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dtypes`,
@@ -46,10 +47,10 @@ from tiercheck.codec.flatten import (
     Layout,
     TensorSpec,
     flatten,
-    unflatten,
     write_payload,
 )
 from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.rebuild import unflatten
 from tiercheck.codec.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
 
 __all__ = [

@@ -59,7 +59,7 @@ from tiercheck.codec.delta import match_base
 from tiercheck.codec.digest import DIGEST_CHUNK, tree_digest, tree_root
 from tiercheck.codec.digest import raw_digest as _raw_digest
 from tiercheck.codec.dtypes import dtype_from_name
-from tiercheck.codec.flatten import Layout, align, flatten, unflatten, write_payload
+from tiercheck.codec.flatten import Layout, align, flatten, write_payload
 from tiercheck.codec.frames import (
     Buffer,
     DecodeSettings,
@@ -72,6 +72,7 @@ from tiercheck.codec.frames import (
     plan_frames,
 )
 from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.rebuild import unflatten
 from tiercheck.codec.resources import OutputArena, ScratchPool, run_bounded
 from tiercheck.codec.stages import (
     FlattenStage,

@@ -16,7 +16,7 @@ plan) -- plus a small record in the skeleton, never a pickle:
 That is enough to put shards saved by one world size together again on another (see DESIGN.md,
 elastic restore); today a restore needs the same layout.
 
-:class:`DTensorShard` is how a stored DTensor comes back from :func:`~.flatten.unflatten`: the
+:class:`DTensorShard` is how a stored DTensor comes back from :func:`~.rebuild.unflatten`: the
 local tensor plus the record. :func:`~tiercheck.statetree.load_into` copies it into the local
 shard of a live DTensor after checking that the record matches that DTensor's layout (else
 :class:`~tiercheck.errors.StateMismatch`). :func:`materialize` turns the shards of a state

@@ -4,9 +4,10 @@
 :class:`Layout` -- a msgpack *skeleton* in which every tensor is replaced by its index, plus one
 :class:`TensorSpec` per tensor -- and the list of the caller's own tensors (nothing is copied).
 :func:`write_payload` copies those tensors into one flat byte buffer, the *raw payload*, at
-offsets fixed by the layout; :func:`unflatten` rebuilds the state around tensors (typically views
-into a payload). Restoring a rebuilt state into live objects in place is not the codec's job:
-see :func:`tiercheck.statetree.load_into`.
+offsets fixed by the layout; :func:`~tiercheck.codec.rebuild.unflatten` (its own module, the
+skeleton read back) rebuilds the state around tensors (typically views into a payload).
+Restoring a rebuilt state into live objects in place is not the codec's job: see
+:func:`tiercheck.statetree.load_into`.
 
 What the skeleton holds (everything else raises :class:`~tiercheck.errors.UnsupportedObject`
 naming the path of the object, unless ``allow_pickle=True``):
@@ -24,7 +25,7 @@ naming the path of the object, unless ``allow_pickle=True``):
   tensors, any other fixed-size dtype (``>f4``, ``datetime64``, ``U5``...) as its raw bytes;
 * ``DTensor``s (FSDP2 and tensor-parallel state): the local shard travels as a tensor and the
   layout (global shape and stride, placements, mesh shape, shard offsets) as plain data in the
-  skeleton (see :mod:`~tiercheck.codec.dtensor`). They come back from :func:`unflatten` as
+  skeleton (see :mod:`~tiercheck.codec.dtensor`). They come back from ``unflatten`` as
   :class:`~tiercheck.codec.dtensor.DTensorShard`; :func:`~tiercheck.statetree.load_into` copies
   each into the local shard of a live DTensor whose layout matches. A blob holding one names
   ``tiercheck.flatten/2``.
@@ -39,7 +40,7 @@ its base class.
 
 **Views that share storage** are saved *by value*: every path that holds a tensor gets its own
 :class:`TensorSpec` and its own bytes, even when two tensors alias the same memory (tied weights
-in a ``state_dict``). Restoring with :func:`unflatten` gives independent tensors; restoring with
+in a ``state_dict``). Restoring with ``unflatten`` gives independent tensors; restoring with
 :func:`~tiercheck.statetree.load_into` copies into the caller's live tensors, so their aliasing is
 kept as it was.
 """
@@ -59,7 +60,7 @@ import torch
 
 from tiercheck.codec.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.dtypes import dtype_name, is_supported_dtype
-from tiercheck.errors import FormatError, UnsupportedObject
+from tiercheck.errors import UnsupportedObject
 
 __all__ = [
     "ALIGNMENT",
@@ -68,7 +69,6 @@ __all__ = [
     "TensorSpec",
     "align",
     "flatten",
-    "unflatten",
     "write_payload",
 ]
 
@@ -494,116 +494,6 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Layout, list[tor
     return layout, walker.tensors
 
 
-# --- unflatten -------------------------------------------------------------------------------
-
-
-class _Unflattener:
-    def __init__(self, tensors: Sequence[torch.Tensor], allow_pickle: bool) -> None:
-        self.tensors = tensors
-        self.allow_pickle = allow_pickle
-
-    def unpack(self, data: bytes) -> Any:
-        return msgpack.unpackb(
-            data,
-            ext_hook=self.ext_hook,
-            strict_map_key=False,
-            raw=False,
-            use_list=True,
-            unicode_errors="surrogatepass",
-        )
-
-    def tensor(self, index: object) -> torch.Tensor:
-        if type(index) is not int or not 0 <= index < len(self.tensors):
-            raise FormatError(
-                f"skeleton refers to tensor {index!r}; the layout has {len(self.tensors)}"
-            )
-        return self.tensors[index]
-
-    def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == _EXT_TENSOR:
-            # The index is a msgpack int; the one-byte form (positive fixint, index < 128) and
-            # the uint16 form cover most states without a nested unpack.
-            first = data[0] if data else 0xC1
-            if len(data) == 1 and first < 0x80:
-                return self.tensor(first)
-            if len(data) == 3 and first == 0xCD:
-                return self.tensor(int.from_bytes(data[1:], "big"))
-            return self.tensor(self.unpack(data))
-        if code == _EXT_TUPLE:
-            return tuple(self.unpack(data))
-        if code == _EXT_ODICT:
-            mapping, meta = self.unpack(data)
-            od = collections.OrderedDict(mapping)
-            if meta is not None:
-                od._metadata = meta  # type: ignore[attr-defined]
-            return od
-        if code == _EXT_SIZE:
-            return torch.Size(self.unpack(data))
-        if code == _EXT_BIGINT:
-            return int.from_bytes(data, "little", signed=True)
-        if code == _EXT_NDARRAY:
-            return self.ndarray(self.unpack(data))
-        if code == _EXT_COMPLEX:
-            re, im = np.frombuffer(data, dtype="<f8", count=2).tolist()
-            return complex(re, im)
-        if code == _EXT_DTYPE:
-            dtype = getattr(torch, data.decode(), None)
-            if not isinstance(dtype, torch.dtype):
-                raise FormatError(f"skeleton names an unknown torch dtype {data!r}")
-            return dtype
-        if code == _EXT_DEVICE:
-            return torch.device(data.decode())
-        if code == _EXT_BYTEARRAY:
-            return bytearray(data)
-        if code == _EXT_DTENSOR:
-            index, record = self.unpack(data)
-            if type(record) is not dict:
-                raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
-            return DTensorShard.from_record(self.tensor(index), record)
-        if code == _EXT_PICKLE:
-            if not self.allow_pickle:
-                raise UnsupportedObject(
-                    "the state holds a pickled object; pass allow_pickle=True to load it "
-                    "(only for checkpoints from trusted sources: unpickling can run code)"
-                )
-            return pickle.loads(data)  # noqa: S301 -- explicit opt-in, documented as unsafe
-        raise FormatError(f"skeleton holds unknown extension code {code}")
-
-    def ndarray(self, fields: Any) -> Any:
-        index, dtype_str, shape, scalar = fields
-        tensor = self.tensor(index)
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        if dtype_str is None:
-            arr = tensor.numpy()
-        else:
-            dt = np.dtype(dtype_str)
-            if dt.hasobject:
-                raise FormatError(f"skeleton holds a numpy array of object dtype {dtype_str!r}")
-            arr = tensor.numpy().view(dt).reshape(shape)
-        return arr[()] if scalar else arr
-
-
-def unflatten(
-    layout: Layout, tensors: Sequence[torch.Tensor], *, allow_pickle: bool = False
-) -> Any:
-    """Rebuild the state of ``layout`` around ``tensors`` (one per spec, typically its views).
-
-    Tensors are placed as given (no copy); numpy arrays come back as arrays sharing the tensors'
-    memory. A skeleton holding pickled objects needs ``allow_pickle=True``, else
-    :class:`~tiercheck.errors.UnsupportedObject`; a malformed skeleton raises
-    :class:`~tiercheck.errors.FormatError`.
-    """
-    if len(tensors) != len(layout.specs):
-        raise ValueError(f"got {len(tensors)} tensors for a layout of {len(layout.specs)}")
-    try:
-        return _Unflattener(tensors, allow_pickle).unpack(layout.skeleton)
-    except (msgpack.UnpackException, ValueError, TypeError, KeyError) as exc:
-        if isinstance(exc, (FormatError, UnsupportedObject)):
-            raise
-        raise FormatError(f"malformed state skeleton: {exc}") from exc
-
-
 # --- payload ---------------------------------------------------------------------------------
 
 
@@ -639,3 +529,13 @@ def write_payload(
                 view.copy_(src, non_blocking=non_blocking)
         for start, end in layout.gaps:
             dest[start:end].zero_()
+
+
+def __getattr__(name: str) -> Any:
+    # ``unflatten`` lives in :mod:`.rebuild` (which imports this module); importing it from
+    # here keeps working.
+    if name == "unflatten":
+        from tiercheck.codec.rebuild import unflatten
+
+        return unflatten
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

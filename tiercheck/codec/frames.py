@@ -32,6 +32,7 @@ import torch
 import xxhash
 import zstandard
 
+from tiercheck.buffer import Buffer
 from tiercheck.codec.delta import xor_bytes
 from tiercheck.codec.flatten import Layout
 from tiercheck.codec.planes import (
@@ -73,9 +74,6 @@ RAW = 0
 ZSTD = 1
 #: The low half of every element kept interleaved, stored raw (only as a frame's first entry).
 LOW = 2
-#: Any contiguous bytes-like object: a whole blob, or one of the parts whose concatenation is a
-#: blob. The same union as the tiers' ``Buffer``, which the codec may not import.
-Buffer = bytes | bytearray | memoryview
 #: One stored plane: its mode and the buffers whose concatenation is its stored bytes.
 PlaneOut = tuple[int, list[Buffer]]
 _SAMPLE_SLICES = 4

@@ -4,7 +4,9 @@ One LMDB environment per node, shared by every rank (process) of that node. Each
 LMDB transaction that appends records to the ``log`` table *and* applies them to the index
 tables, so the index never disagrees with the log, and a crash at any moment leaves either the
 whole transaction or none of it. The index can always be rebuilt by replaying the log
-(:meth:`Manifest.rebuild_index`).
+(:meth:`Manifest.rebuild_index`). The log keeps only what is still worth telling: once it has
+grown well past what the last compaction left, the checkpointer compacts it after retention
+(:meth:`Manifest.compact_if_grown`), dropping the records of versions gone from every tier.
 
 Records (``op`` field):
 
@@ -115,13 +117,12 @@ class Evict:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """A rank gave up ``version`` (``tier`` empty: the whole save; else that tier only)."""
+    """A rank gave up ``version``: the whole save (skipped, or its staging or encoding failed)."""
 
     op: ClassVar[str] = "abort"
     version: int
     rank: int
     reason: str
-    tier: str = ""
     time: float = 0.0
 
 
@@ -149,6 +150,10 @@ def _decode(value: bytes, where: str) -> Record:
     try:
         fields = msgpack.unpackb(body, raw=False)
         cls = _RECORD_TYPES[fields.pop("op")]
+        if cls is Abort:
+            # Logs written before Abort lost its `tier` field (always "", the whole save)
+            # still carry it.
+            fields.pop("tier", None)
         return cls(**fields)
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise ManifestError(f"manifest value at {where} is not a valid record: {exc}") from exc
@@ -259,8 +264,7 @@ class Manifest:
         if isinstance(record, Begin):
             self._update_version(txn, record.version, "begun", record.rank, record)
         elif isinstance(record, Abort):
-            if not record.tier:
-                self._update_version(txn, record.version, "aborted", record.rank, record)
+            self._update_version(txn, record.version, "aborted", record.rank, record)
         elif isinstance(record, Durable):
             key = _tier_key(record.tier, record.version, record.rank)
             txn.put(key, _encode(record), db=self._blobs)
@@ -301,36 +305,78 @@ class Manifest:
             raise ManifestError(f"cannot rebuild the manifest at {self.path}: {exc}") from exc
 
     def compact(self, keep_after: int) -> int:
-        """Drop log records of versions older than ``keep_after`` that no index entry mentions.
+        """Drop the log records of versions older than ``keep_after`` that no index entry
+        mentions (evicted from every tier, or aborted), and their ``versions`` entries.
 
-        Returns the number of log records removed. Versions still present in any index table
-        are never touched, so a rebuild after compaction gives the same index as before it.
-        The checkpointer does not call it yet: its log grows by a few records per save (about
-        a hundred bytes each) until an operator compacts it; calling it after retention, below
-        the oldest version still held, is the intended use.
+        Returns the number of log records removed. The records of a version still present in
+        the ``blobs`` or ``commits`` table are never touched, so a rebuild after compaction
+        gives the same index as before it. The whole rewrite is one LMDB write transaction: a
+        crash at any moment leaves the log as it was or compacted, never in between (LMDB's
+        copy-on-write pages become visible only when the transaction commits), and every rank
+        of the node keeps using the one environment it has open (a new file renamed over it
+        would leave them writing to the old one). The freed pages are reused by later appends,
+        so the file stops growing. The checkpointer calls :meth:`compact_if_grown` after
+        retention, with ``keep_after`` its oldest version still in flight.
         """
         self._check_open()
-        live = {v for _, v, _ in self._iter_keys(self._blobs)}
-        live |= {v for _, v, _ in self._iter_keys(self._commits)}
-        removed = 0
         try:
             with self._env.begin(write=True) as txn:
-                doomed = []
-                for seq, value in txn.cursor(db=self._log):
-                    record = _decode(value, f"log #{_U64.unpack(seq)[0]}")
-                    if record.version < keep_after and record.version not in live:
-                        doomed.append(seq)
-                for seq in doomed:
-                    txn.delete(seq, db=self._log)
-                versions = txn.cursor(db=self._versions)
-                stale = [k for k, _ in versions if _U64.unpack(k)[0] < keep_after]
-                for k in stale:
-                    if _U64.unpack(k)[0] not in live:
-                        txn.delete(k, db=self._versions)
-                removed = len(doomed)
+                return self._compact(txn, keep_after)
         except lmdb.Error as exc:
             raise ManifestError(f"cannot compact the manifest at {self.path}: {exc}") from exc
-        return removed
+
+    def compact_if_grown(self, keep_after: int, *, min_records: int = 1000, growth: int = 4) -> int:
+        """:meth:`compact` once the log has grown well past what the last compaction left.
+
+        Due when the log holds more than ``min_records`` records and more than ``growth``
+        times as many as the last compaction left (records of versions still held are
+        kept, so a log that is mostly live is not rescanned at every save: the work stays a
+        constant per append). Returns the number of records removed (0 when not due).
+        """
+        self._check_open()
+        try:
+            with self._env.begin() as txn:
+                if not self._compaction_due(txn, min_records, growth):
+                    return 0
+            # Checked again under the write lock: another rank of the node may have just done it.
+            with self._env.begin(write=True) as txn:
+                if not self._compaction_due(txn, min_records, growth):
+                    return 0
+                removed = self._compact(txn, keep_after)
+                left = txn.stat(self._log)["entries"]
+                txn.put(b"compacted", _U64.pack(left), db=self._meta)
+                return removed
+        except lmdb.Error as exc:
+            raise ManifestError(f"cannot compact the manifest at {self.path}: {exc}") from exc
+
+    def log_size(self) -> int:
+        """How many records the log holds."""
+        self._check_open()
+        with self._env.begin() as txn:
+            entries: int = txn.stat(self._log)["entries"]
+            return entries
+
+    def _compaction_due(self, txn: lmdb.Transaction, min_records: int, growth: int) -> bool:
+        entries: int = txn.stat(self._log)["entries"]
+        raw = txn.get(b"compacted", db=self._meta)
+        left = 0 if raw is None else _U64.unpack(raw)[0]
+        return entries > max(min_records, growth * left)
+
+    def _compact(self, txn: lmdb.Transaction, keep_after: int) -> int:
+        live = {_split_tier_key(bytes(k))[1] for k, _ in txn.cursor(db=self._blobs)}
+        live |= {_split_tier_key(bytes(k))[1] for k, _ in txn.cursor(db=self._commits)}
+        doomed = []
+        for seq, value in txn.cursor(db=self._log):
+            record = _decode(bytes(value), f"log #{_U64.unpack(seq)[0]}")
+            if record.version < keep_after and record.version not in live:
+                doomed.append(seq)
+        for seq in doomed:
+            txn.delete(seq, db=self._log)
+        stale = [k for k, _ in txn.cursor(db=self._versions) if _U64.unpack(k)[0] < keep_after]
+        for k in stale:
+            if _U64.unpack(k)[0] not in live:
+                txn.delete(k, db=self._versions)
+        return len(doomed)
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -94,6 +94,11 @@ class CommitRounds:
                     logger.exception("tiercheck: retention in the %r tier failed", tier.name)
                 else:
                     pipe.peer_warned = False
+                # Retention may have left the versions of whole saves behind in every tier:
+                # their records need not stay in the manifest's log (versions in flight do).
+                pipe.ctx.journal.compact(
+                    min([j.version for j in pipe.ctx.jobs], default=job.version + 1)
+                )
             if isinstance(tier, SupportsPrepare) and pipe.reserve_size and queue.empty():
                 # Retention just freed memory to recycle: ready the next snapshot's, so the
                 # next save's reserve costs a rename instead of sizing and mapping pages.

@@ -253,14 +253,3 @@ class CheckpointerCore:
             )
             self._engine = Engine(self._config)
         return self._loop, self._engine
-
-    def _abandon(self) -> None:
-        """Stop dead, as a crashed process would (for tests): nothing is flushed or closed."""
-        self._closed = True
-        if self._loop is not None:
-            if self._engine is not None:
-                self._engine.closed = True
-            self._loop.stop()
-            self._loop = None
-        if self._engine is not None:
-            self._engine.ctx.claim.lock.release()  # the kernel drops a dead process's locks

@@ -109,7 +109,7 @@ class Encoder:
                 if encoding not in encoded:
                     encoded[encoding] = await self._encode(raw, encoding, base)
                 parts, meta = encoded[encoding]
-                if self.pipes[name].offer(job, parts, meta) and encoding == "full":
+                if self.pipes[name].lane.offer(job, parts, meta) and encoding == "full":
                     job.holder.acquire()  # the parts reference the staged payload
             if job.kind == "base":
                 self.schedule.planned_base = job.version

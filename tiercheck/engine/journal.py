@@ -7,6 +7,7 @@ tiers. So a manifest that cannot be opened or written is logged and counted, nev
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +18,14 @@ from tiercheck.consistency.manifest import Durable, Manifest, Record
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.errors import TiercheckError
 
-__all__ = ["Journal"]
+__all__ = ["COMPACT_GROWTH", "COMPACT_MIN_RECORDS", "Journal"]
 
 logger = logging.getLogger("tiercheck")
+
+#: The log is compacted once it holds more than this many records (a few per save)...
+COMPACT_MIN_RECORDS = 1000
+#: ... and more than this many times what the last compaction left.
+COMPACT_GROWTH = 4
 
 
 class Journal:
@@ -48,7 +54,7 @@ class Journal:
         fut = loop.run_in_executor(self._exec, manifest.append, *records)
         fut.add_done_callback(self._done)
 
-    def _done(self, fut: asyncio.Future[None]) -> None:
+    def _done(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -66,6 +72,29 @@ class Journal:
                 "in stats.manifest_errors",
                 exc,
             )
+
+    def compact(self, keep_after: int) -> None:
+        """After retention: compact the log if it has grown well past what is live (see
+        :meth:`Manifest.compact_if_grown`), in the manifest's thread, after the appends queued
+        before it. ``keep_after``: the oldest version this rank still has in flight (or the
+        next one); failures are logged and counted like failed appends."""
+        if self.manifest is None:
+            return
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._exec,
+            functools.partial(
+                self.manifest.compact_if_grown,
+                keep_after,
+                min_records=COMPACT_MIN_RECORDS,
+                growth=COMPACT_GROWTH,
+            ),
+        )
+        fut.add_done_callback(self._compacted)
+
+    def _compacted(self, fut: asyncio.Future[int]) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result():
+            logger.debug("tiercheck: compacted the manifest: %d records dropped", fut.result())
+        self._done(fut)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the manifest's thread, after the appends queued before it."""

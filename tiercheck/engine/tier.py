@@ -1,8 +1,8 @@
 """One tier's pipeline: its writer lane, its commit rounds, what it holds, what it keeps.
 
 Every tier a checkpointer uses gets a :class:`TierPipeline`. Encoded versions arrive in its
-*lane* (:meth:`TierPipeline.offer`); the lane worker writes them one at a time, in version
-order, and reports each as durable (or why not) to the job. The round worker
+*lane* (:class:`~tiercheck.engine.lane.Lane`), whose worker writes them one at a time, in
+version order, and reports each as durable (or why not) to the job. The round worker
 (:class:`~tiercheck.engine.commit.CommitRounds`) then decides with the other ranks whether the
 version is committed in this tier, and after each round :meth:`TierPipeline.retain` trims the
 tier to its policy's ``keep``.
@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.keys import (
-    BlobKind,
-    blob_key,
     commit_key,
     parse_blob_key,
     parse_commit_key,
@@ -36,8 +34,8 @@ from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.engine.jobs import Job, OwnBlob
 from tiercheck.engine.options import TierPolicy
-from tiercheck.errors import PeerUnavailable, Superseded, TierFull, TierWriteFailed
-from tiercheck.tiers.base import Buffer, FailureScope, Reservation, SupportsReserve, Tier, TierSetup
+from tiercheck.errors import TierFull, TierWriteFailed
+from tiercheck.tiers.base import FailureScope, Reservation, SupportsReserve, Tier, TierSetup
 from tiercheck.tiers.registry import get_tier_class
 
 if TYPE_CHECKING:
@@ -52,9 +50,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("tiercheck")
-
-#: What waits in a tier's lane: the job, the blob's parts, and its metadata.
-LaneItem = tuple[Job, list[Buffer], BlobMeta]
 
 
 def build_tier(name: str, setup: TierSetup) -> Tier:
@@ -93,6 +88,7 @@ class TierPipeline:
         self, ctx: Context, tier: Tier, policy: TierPolicy, on_base_lost: Callable[[], None]
     ) -> None:
         from tiercheck.engine.commit import CommitRounds
+        from tiercheck.engine.lane import Lane
 
         self.ctx = ctx
         self.tier = tier
@@ -100,8 +96,8 @@ class TierPipeline:
         self.policy = policy
         #: Commits proven by COMMIT records in the tier (it outlives the cluster).
         self.durable = writes_commit_records(tier)
-        #: Encoded versions waiting to be written; ``None`` ends the lane worker.
-        self.lane: asyncio.Queue[LaneItem | None] = asyncio.Queue()
+        #: The writer: encoded versions waiting to be written, in version order.
+        self.lane = Lane(self)
         self.rounds = CommitRounds(self, on_base_lost)
         #: Set while the round worker has nothing left to do (retention included).
         self.idle = asyncio.Event()
@@ -205,12 +201,12 @@ class TierPipeline:
 
     def start(self) -> None:
         """Start the lane worker and the round worker."""
-        self.workers.append(asyncio.create_task(self._lane_worker()))
+        self.workers.append(asyncio.create_task(self.lane.run()))
         self.workers.append(asyncio.create_task(self.rounds.run()))
 
     def end(self) -> None:
         """Tell both workers to end once their queues are drained."""
-        self.lane.put_nowait(None)
+        self.lane.queue.put_nowait(None)
         self.rounds.queue.put_nowait(None)
 
     def launch(self, job: Job) -> None:
@@ -236,23 +232,6 @@ class TierPipeline:
             timeout = min(self.ctx.options.coordination.peer_timeout, 10.0)
             await asyncio.wait_for(self.idle.wait(), timeout=timeout)
         return await tier.reserve(key, size)
-
-    def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta) -> bool:
-        """Queue an encoded version for writing; ``False`` (and the version dropped for this
-        tier) when the tier is ``tier_queue`` versions behind."""
-        tier_queue = self.ctx.options.tiers.tier_queue
-        if self.lane.qsize() >= tier_queue:
-            job.lane_done(
-                self.name,
-                None,
-                TierWriteFailed(
-                    f"the {self.name!r} tier is {tier_queue} versions behind; "
-                    f"version {job.version} was dropped for it"
-                ),
-            )
-            return False
-        self.lane.put_nowait((job, parts, meta))
-        return True
 
     def skip(self, job: Job, exc: BaseException) -> None:
         """The tier cannot take this version: count it, log the reason once, go on without it."""
@@ -297,44 +276,6 @@ class TierPipeline:
         self.ctx.journal.log(record)
         job.handle.stats.tiers[self.name].bytes = meta.nbytes
         return record
-
-    async def _lane_worker(self) -> None:
-        """Write blobs to the tier, one at a time, in version order."""
-        tier, queue = self.tier, self.lane
-        while True:
-            item = await queue.get()
-            if item is None:
-                return
-            job, parts, meta = item
-            kind: BlobKind = "full" if meta.kind == "full" else "packed"
-            key = blob_key(job.version, self.ctx.rank, kind)
-            try:
-                if self.durable:
-                    await self.ctx.claim.check(tier)
-                await tier.putv(key, parts)
-            except Exception as exc:
-                if isinstance(exc, PeerUnavailable):
-                    self.peer_trouble(f"writing {key}", exc)
-                elif not isinstance(exc, Superseded):
-                    logger.warning(
-                        "tiercheck: writing %s to the %r tier failed: %r", key, tier.name, exc
-                    )
-                job.lane_done(
-                    tier.name,
-                    None,
-                    TierWriteFailed(
-                        f"version {job.version} could not be written to the "
-                        f"{tier.name!r} tier: {exc!r}"
-                    ),
-                    cause=exc,
-                )
-            else:
-                job.lane_done(tier.name, self.record_durable(job, key, meta))
-            finally:
-                if kind == "full" and job.holder is not None:
-                    job.holder.drop()
-                # Do not keep the last blob alive while waiting for the next one.
-                del item, parts
 
     def peer_trouble(self, what: str, exc: BaseException) -> None:
         """Another rank is gone or silent: one WARNING line per spell, then DEBUG."""

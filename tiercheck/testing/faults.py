@@ -5,7 +5,8 @@ mutating operations (put, putv, delete, reservation commit) across all of them, 
 they happen. At operation ``die_at`` the process "dies": that operation and every later one on
 any wrapped tier raises :class:`SimulatedCrash` without touching storage, exactly as if the
 process had been killed between two writes. Operations listed in ``fail_at`` raise
-:class:`InjectedFault` once (a transient error) and the process lives on.
+:class:`InjectedFault` once (a transient error) and the process lives on. :func:`abandon`
+stops a checkpointer dead, as the crash of its process would.
 
 Example::
 
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.wrapper import DelegatingTier
 
-__all__ = ["FaultPlan", "FaultyTier", "InjectedFault", "SimulatedCrash"]
+if TYPE_CHECKING:
+    from tiercheck.engine.core import CheckpointerCore
+
+__all__ = ["FaultPlan", "FaultyTier", "InjectedFault", "SimulatedCrash", "abandon"]
 
 
 class SimulatedCrash(Exception):
@@ -130,3 +134,21 @@ class FaultyTier(DelegatingTier):
             self.plan.write(write, self.name, key)
         elif op in _READS:
             self.plan.read(op, self.name, key)
+
+
+def abandon(checkpointer: CheckpointerCore) -> None:
+    """Stop ``checkpointer`` dead, as a crashed process would: nothing is flushed or closed.
+
+    Its private event loop stops where it is; only the job lock is let go, as the kernel lets
+    a dead process's locks go. For tests that model a crash inside one process.
+    """
+    # The checkpointer's own private state: this is the test kit, standing in for the kernel.
+    checkpointer._closed = True
+    loop, engine = checkpointer._loop, checkpointer._engine
+    if loop is not None:
+        if engine is not None:
+            engine.closed = True
+        loop.stop()
+        checkpointer._loop = None
+    if engine is not None:
+        engine.ctx.claim.lock.release()

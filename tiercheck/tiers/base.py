@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from tiercheck.buffer import Buffer
 from tiercheck.errors import ConfigError, InvalidKey, TierClosed
 
 if TYPE_CHECKING:
@@ -61,8 +62,6 @@ __all__ = [
     "validate_key",
 ]
 
-#: What tiers accept and return: any contiguous bytes-like object.
-Buffer = bytes | bytearray | memoryview
 
 MAX_KEY_LENGTH = 1024
 

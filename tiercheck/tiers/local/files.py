@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from tiercheck.errors import InvalidKey
+from tiercheck.errors import InvalidKey, StorageError, TiercheckError, TierFull
 from tiercheck.tiers import atomic
 from tiercheck.tiers.base import validate_key
 
@@ -33,7 +33,7 @@ MAP_READS_FROM: Final = 1 << 20
 # Reads at least this large go to anonymous memory rather than a bytearray (see read_exactly).
 ANONYMOUS_FROM: Final = 1 << 20
 
-# What a full filesystem answers (TierFull, see LocalTier._os_error).
+# What a full filesystem answers (TierFull, see typed_os_error).
 FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 # What a filesystem that cannot preallocate answers to posix_fallocate (glibc emulates it on
 # most; these remain where it cannot).
@@ -151,3 +151,21 @@ def scan_sizes(root: str) -> dict[str, int]:
                     with contextlib.suppress(FileNotFoundError):
                         sizes[key] = entry.stat(follow_symlinks=False).st_size
     return sizes
+
+
+def typed_os_error(where: str, exc: OSError) -> TiercheckError:
+    """The typed error for ``exc``, raised by the operation ``where`` describes: a full
+    filesystem is :class:`~tiercheck.errors.TierFull`, anything else a
+    :class:`~tiercheck.errors.StorageError`."""
+    if exc.errno in FULL_ERRNOS:
+        return TierFull(
+            f"{where}: the filesystem is full ({exc.strerror}); nothing was written. "
+            "Free memory (delete old versions) or give the tier a larger root (in a "
+            "container, a larger /dev/shm: docker run --shm-size=...)."
+        )
+    if isinstance(exc, (NotADirectoryError, IsADirectoryError)):
+        return StorageError(
+            f"{where} failed: a key cannot be both a blob and the folder of other keys "
+            f"(like 'a' and 'a/b') in a filesystem-backed tier ({exc})"
+        )
+    return StorageError(f"{where} failed: {exc}")

@@ -7,6 +7,7 @@ aborting), run in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -195,6 +196,24 @@ class _Reserving(_Space):
             reservation._state = _ABORTED
             self._pending -= reservation.nbytes
         atomic.discard(reservation._temp_path)
+
+    def _close_sync(self) -> None:
+        """Closing: drop prepared memory and spares, abort reservations not committed."""
+        with self._lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            self._drop_prepared(prepared)
+        with self._lock:
+            victims = [s.path for s in self._spares]
+            self._spares.clear()
+            self._spare_bytes = 0
+            uncommitted = [r for r in self._reservations if r._state == _OPEN]
+        for reservation in uncommitted:
+            with contextlib.suppress(RuntimeError):
+                # Raced with its own commit, which then owns it.
+                self._abort_sync(reservation)
+        for path in victims:
+            atomic.discard(path)
 
     def _released(self, reservation: LocalReservation) -> None:
         with self._lock:

@@ -8,8 +8,6 @@ See :class:`LocalTier`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -20,15 +18,13 @@ from tiercheck.defaults import NodeRoot, default_root
 from tiercheck.errors import (
     ConfigError,
     InvalidKey,
-    StorageError,
     TiercheckError,
-    TierFull,
 )
 from tiercheck.tiers import atomic
 from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
 from tiercheck.tiers.local.blobs import _BlobFiles
-from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate
-from tiercheck.tiers.local.reservation import _OPEN, LocalReservation, _Reserving
+from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate, typed_os_error
+from tiercheck.tiers.local.reservation import LocalReservation, _Reserving
 from tiercheck.tiers.local.space import _Prepared, _Spare
 
 _T = TypeVar("_T")
@@ -312,36 +308,5 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         except TiercheckError:
             raise
         except OSError as exc:
-            raise self._os_error(op, key, exc) from exc
-
-    def _os_error(self, op: str, key: str, exc: OSError) -> TiercheckError:
-        where = f"{op} of key {key!r} in the local tier at {self._root}"
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return TierFull(
-                f"{where}: the filesystem is full ({exc.strerror}); nothing was written. "
-                "Free memory (delete old versions) or give the tier a larger root (in a "
-                "container, a larger /dev/shm: docker run --shm-size=...)."
-            )
-        if isinstance(exc, (NotADirectoryError, IsADirectoryError)):
-            return StorageError(
-                f"{where} failed: a key cannot be both a blob and the folder of other keys "
-                f"(like 'a' and 'a/b') in a filesystem-backed tier ({exc})"
-            )
-        return StorageError(f"{where} failed: {exc}")
-
-    def _close_sync(self) -> None:
-        with self._lock:
-            prepared, self._prepared = self._prepared, None
-        if prepared is not None:
-            self._drop_prepared(prepared)
-        with self._lock:
-            victims = [s.path for s in self._spares]
-            self._spares.clear()
-            self._spare_bytes = 0
-            uncommitted = [r for r in self._reservations if r._state == _OPEN]
-        for reservation in uncommitted:
-            with contextlib.suppress(RuntimeError):
-                # Raced with its own commit, which then owns it.
-                self._abort_sync(reservation)
-        for path in victims:
-            atomic.discard(path)
+            where = f"{op} of key {key!r} in the local tier at {self._root}"
+            raise typed_os_error(where, exc) from exc
