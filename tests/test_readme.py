@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -74,8 +75,8 @@ def _script(tmp_path: Path, name: str, job: str) -> tuple[Path, str]:
     return script, fresh
 
 
-def _run(command: list[str], cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(command: list[str], cwd: Path, **extra_env: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     run = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=cwd, env=env, check=False
     )
@@ -116,6 +117,67 @@ def test_the_hf_example_resumes_under_torchrun(tmp_path: Path) -> None:
     assert "started from scratch" in first
     assert "started from step 60 (local tier)" in second
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+# Appended to the FSDP2 example by its test: each rank's local shards of the model and the
+# optimizer's state, written where the test reads them (the process group is gone by then;
+# taking local shards needs none).
+_FSDP2_EPILOGUE = """
+import os as _os
+from torch.distributed.tensor import DTensor as _DTensor
+
+
+def _local(value):
+    return value.to_local().clone() if isinstance(value, _DTensor) else value
+
+
+torch.save(
+    {
+        "model": {k: _local(v) for k, v in model.state_dict().items()},
+        "optim": {
+            i: {k: _local(v) for k, v in s.items()} for i, s in opt.state_dict()["state"].items()
+        },
+    },
+    _os.path.join(OUT, f"rank{_os.environ['RANK']}-run{_os.environ['RUN']}.pt"),
+)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_fsdp2_example_resumes_every_shard_under_torchrun(tmp_path: Path) -> None:
+    code = example("fsdp2")
+    job = f"readme-{uuid.uuid4().hex[:8]}"
+    assert '"file:///tmp/tiercheck-ckpt"' in code
+    assert '"fsdp2-run"' in code
+    code = code.replace('"file:///tmp/tiercheck-ckpt"', repr((tmp_path / "ckpt").as_uri()))
+    code = code.replace('"fsdp2-run"', repr(job))
+    script = tmp_path / "train.py"
+    script.write_text(code + f"\nOUT = {str(tmp_path)!r}\n" + _FSDP2_EPILOGUE)
+    outputs = []
+    try:
+        for run in range(2):
+            outputs.append(_run([*TORCHRUN, str(script)], tmp_path, RUN=str(run)))
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    # Searched, not split into lines: two ranks' prints may interleave in the shared pipe.
+    starts = [sorted(re.findall(r"rank (\d) starting at step (\d+)", out)) for out in outputs]
+    assert starts[0] == [("0", "0"), ("1", "0")]
+    # The second run found the first one's newest version on both ranks: nothing left to train.
+    assert starts[1] == [("0", "20"), ("1", "20")]
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"rank{rank}-run0.pt", weights_only=True)
+        restored = torch.load(tmp_path / f"rank{rank}-run1.pt", weights_only=True)
+        assert saved["model"]["0.weight"].shape == (32, 64)  # half the rows: a shard
+        assert sorted(restored["model"]) == sorted(saved["model"])
+        for key, value in saved["model"].items():
+            assert torch.equal(restored["model"][key], value), (rank, key)
+        # The second run's optimizer was fresh (no state) until restore filled it.
+        assert sorted(restored["optim"]) == sorted(saved["optim"]) == [0, 1, 2, 3]
+        for index, entry in saved["optim"].items():
+            assert sorted(restored["optim"][index]) == ["exp_avg", "exp_avg_sq", "step"]
+            for key, value in entry.items():
+                assert torch.equal(restored["optim"][index][key], value), (rank, index, key)
 
 
 @pytest.mark.multiprocess

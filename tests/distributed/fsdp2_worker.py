@@ -1,8 +1,7 @@
 """One rank of a tiny FSDP2 (``fully_shard``) training job on CPU/gloo (see test_fsdp2.py).
 
 Restores whatever is stored, trains to ``--steps`` saving every step, and writes its final local
-shards (model parameters and optimizer state) to ``--out/rank{r}.pt``; prints one line
-``rank R restored V from TIER`` (``V`` is ``-1`` on a fresh start). Two ways to checkpoint:
+shards (model parameters and optimizer state) to ``--out/rank{r}.pt``. Two ways to checkpoint:
 
 * ``--mode plain``: a plain loop handing over ``model.state_dict()`` and ``opt.state_dict()``
   (DTensors) and the RNG state; resumes by restoring without a state and loading the result
@@ -10,17 +9,25 @@ shards (model parameters and optimizer state) to ``--out/rank{r}.pt``; prints on
 * ``--mode stateful``: ``{"app": ModelAndOptimizer(model, opt), "rng": RNGState()}`` restored
   in place, the optimizer fresh.
 
-``--kill-after K --kill-rank R`` SIGKILLs rank ``R`` (``-1``: every rank) right after the save
-of step ``K`` returned, saves of earlier steps possibly still in flight. Each step's batch is a
-function of the step and the rank only, so a resumed run replays the same data.
+The test kills it from outside at moments of its choosing; ``--delay`` seconds of sleep after
+each step make a run last long enough for that. Each step's batch is a function of the step
+and the rank only, so a run resumed at any step replays the same data.
+
+It prints, one line each (``A`` is torchrun's restart count):
+
+* ``rank R attempt A pid P restored V from TIER`` -- training starts (``V`` is ``-1`` and
+  ``TIER`` ``-`` on a fresh start);
+* ``rank 0 attempt A committed V TIER`` -- version ``V`` is committed in ``TIER`` for every
+  rank (rank 0 reports for all);
+* ``rank R attempt A done`` -- the final shards are written.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +41,31 @@ import tiercheck
 from tiercheck.adapters import ModelAndOptimizer, RNGState
 
 
-def _say(line: str) -> None:
-    # One write per line: with PYTHONUNBUFFERED, print writes the text and its newline apart,
-    # and the two ranks' lines then interleave in the shared pipe.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+class Say:
+    """This rank's report lines."""
+
+    def __init__(self, rank: int) -> None:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"rank {rank} attempt {attempt}"
+        self.pending: dict[tiercheck.SaveHandle, set[str]] = {}
+
+    def __call__(self, line: str) -> None:
+        # One write per line: with PYTHONUNBUFFERED, print writes the text and its newline apart,
+        # and the two ranks' lines then interleave in the shared output.
+        sys.stdout.write(f"{self.prefix} {line}\n")
+        sys.stdout.flush()
+
+    def commits(self, handle: tiercheck.SaveHandle | None = None) -> None:
+        """Report each version committed in a tier since the last call (never blocks)."""
+        if handle is not None:
+            self.pending[handle] = set(handle.tiers)
+        for h, tiers in list(self.pending.items()):
+            for tier in sorted(tiers):
+                if h.committed(tier):
+                    self(f"committed {h.version} {tier}")
+                    tiers.discard(tier)
+            if not tiers:
+                del self.pending[h]
 
 
 def local(value: Any) -> Any:
@@ -62,11 +89,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--mode", choices=["plain", "stateful"], required=True)
-    parser.add_argument("--kill-after", type=int, default=-1)
-    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--delay", type=float, default=0.0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    say = Say(rank)
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -91,7 +118,7 @@ def main() -> None:
             restored = ckpt.restore(stateful)
         version = -1 if restored is None else restored.version
         source = "-" if restored is None else restored.source_tier
-        _say(f"rank {rank} restored {version} from {source}")
+        say(f"pid {os.getpid()} restored {version} from {source}")
         for step in range(version + 1, args.steps):
             g = torch.Generator().manual_seed(step * 100 + rank)
             model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
@@ -103,14 +130,16 @@ def main() -> None:
                     "optim": opt.state_dict(),
                     "rng": torch.get_rng_state(),
                 }
-                ckpt.save(step, state)
+                handle = ckpt.save(step, state)
             else:
-                ckpt.save(step, stateful)
-            if step == args.kill_after and args.kill_rank in (-1, rank):
-                os.kill(os.getpid(), signal.SIGKILL)
+                handle = ckpt.save(step, stateful)
+            if rank == 0:
+                say.commits(handle)
+            time.sleep(args.delay)
         ckpt.wait()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(shards(model, opt), args.out / f"rank{rank}.pt")
+    say("done")
     dist.destroy_process_group()
 
 

@@ -186,7 +186,12 @@ def test_configurations_not_covered_are_refused(tmp_path: Path, overrides: dict[
 
 
 def _covered(
-    backend: str = "NO", mode: str = "not_parallel", parallelism: object = None
+    backend: str = "NO",
+    mode: str = "not_parallel",
+    parallelism: object = None,
+    *,
+    deepspeed: bool = False,
+    fsdp: bool = False,
 ) -> SimpleNamespace:
     """What ``_check_covered`` reads of a Trainer, for a configuration that cannot run here."""
     args = SimpleNamespace(
@@ -196,7 +201,7 @@ def _covered(
         distributed_type=DistributedType(backend), parallelism_config=parallelism
     )
     return SimpleNamespace(
-        args=args, accelerator=accelerator, is_deepspeed_enabled=False, is_fsdp_enabled=False
+        args=args, accelerator=accelerator, is_deepspeed_enabled=deepspeed, is_fsdp_enabled=fsdp
     )
 
 
@@ -217,9 +222,23 @@ def test_one_process_and_ddp_are_covered(backend: str, mode: str) -> None:
         _covered("MULTI_XPU", "distributed"),
         _covered("NO", "sagemaker_model_parallel"),
         _covered("MULTI_GPU", "distributed", parallelism=object()),
+        _covered("FSDP", "distributed", fsdp=True),
+        _covered("DEEPSPEED", "distributed", deepspeed=True),
     ],
-    ids=["xla", "megatron", "xpu", "sagemaker_mp", "parallelism_config"],
+    ids=["xla", "megatron", "xpu", "sagemaker_mp", "parallelism_config", "fsdp", "deepspeed"],
 )
 def test_other_parallelism_is_refused_naming_what_is_covered(trainer: SimpleNamespace) -> None:
     with pytest.raises(ConfigError, match="it covers one process, and DDP"):
+        TiercheckTrainerMixin._check_covered(trainer)  # type: ignore[arg-type]
+
+
+def test_fsdp_is_refused_on_cpus_too(tmp_path: Path) -> None:
+    # Under torchrun on CPUs, accelerate (1.x) ignores TrainingArguments.fsdp: its
+    # AcceleratorState turns the FSDP plugin on only for GPU-like backends, so the Trainer
+    # reports MULTI_CPU, is_fsdp_enabled False, and trains with DDP. Asking for FSDP is still
+    # refused, so that a script tried on CPUs is not refused only once it reaches GPUs.
+    trainer = _covered("MULTI_CPU", "distributed")
+    trainer.args = _args(tmp_path, fsdp=True)
+    assert trainer.args.fsdp_plugin_args is not None  # what would reach accelerate
+    with pytest.raises(ConfigError, match=r"cover FSDP .*it covers one process, and DDP"):
         TiercheckTrainerMixin._check_covered(trainer)  # type: ignore[arg-type]

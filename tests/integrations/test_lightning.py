@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest.mock import patch
 
@@ -14,7 +15,7 @@ pytest.importorskip("lightning", reason="the Lightning integration needs the 'li
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from tiercheck import ConfigError, RestoreError
 from tiercheck.integrations.lightning import (
@@ -382,6 +383,19 @@ def test_strategies_not_covered_are_refused_naming_what_is(strategy: Any, tmp_pa
         ConfigError, match=r"covers SingleDeviceStrategy .*DDPStrategy .* and ModelParallelStrategy"
     ):
         _setup(strategy, tmp_path)
+
+
+def test_fsdp_v1_is_refused_naming_what_is_covered(tmp_path: Path) -> None:
+    # Lightning runs FSDPStrategy on GPUs only ("requires a GPU accelerator"), so the trainer
+    # is what the callback reads of one: the strategy, its plugin and the world size.
+    strategy = FSDPStrategy()
+    strategy.checkpoint_io = _io(tmp_path)
+    trainer = SimpleNamespace(strategy=strategy, world_size=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"and ModelParallelStrategy .*; got FSDPStrategy .*its own sharded checkpoints",
+    ):
+        TiercheckCallback().setup(trainer, Net(), "fit")  # type: ignore[arg-type]
 
 
 class ShardedAdamW(torch.optim.AdamW):

@@ -44,7 +44,9 @@ sharded per rank, and the batches of the resumed epoch skipped).
 
 Covered: one process on one device (or several GPUs through ``DataParallel``), and DDP over
 several processes on CPUs (gloo) or CUDA GPUs. Not covered (refused with
-:class:`~tiercheck.errors.ConfigError`): DeepSpeed, FSDP, tensor/context parallelism
+:class:`~tiercheck.errors.ConfigError`): DeepSpeed, FSDP (``TrainingArguments.fsdp`` is refused
+even on CPUs, where accelerate 1.x ignores it and trains with DDP: its ``AcceleratorState``
+turns the FSDP plugin on only for GPU-like backends), tensor/context parallelism
 (``parallelism_config``), other accelerate backends (XLA/TPU, Megatron-LM, SageMaker model
 parallel, other accelerators' DDP), ``load_best_model_at_end``, ``save_only_model``,
 hyperparameter search. Checkpoints are not pushed to the Hub (``trainer.push_to_hub()`` after
@@ -150,7 +152,10 @@ class TiercheckTrainerMixin:
         mode = str(getattr(args.parallel_mode, "value", args.parallel_mode))
         refused = {
             "DeepSpeed": self.is_deepspeed_enabled,
-            "FSDP": self.is_fsdp_enabled,
+            # Asked for, not only enabled: on CPUs accelerate ignores the FSDP plugin and trains
+            # with plain DDP, so a script tried on CPUs would be refused only on GPUs.
+            "FSDP (TrainingArguments.fsdp or accelerate's FSDP plugin)": self.is_fsdp_enabled
+            or bool(getattr(args, "fsdp", None)),
             "tensor or context parallelism (parallelism_config)": (
                 getattr(self.accelerator, "parallelism_config", None) is not None
             ),
