@@ -839,15 +839,35 @@ class _FrameJob:
     digest: int
 
 
+@dataclass(frozen=True, slots=True)
+class FrameExtent:
+    """Where one frame of a packed blob lies in its body, and what checks it."""
+
+    frame: Frame
+    start: int  # offset in the body
+    nbytes: int
+    entries: list[tuple[int, int]]  # (mode, size) per stored plane
+    digest: int
+
+
 def _frame_jobs(meta: BlobMeta, info: _PackedInfo, body: memoryview) -> list[_FrameJob]:
     """Where each frame of a packed blob lies in the body, from the frame table."""
+    return [
+        _FrameJob(e.frame, body[e.start : e.start + e.nbytes], e.entries, e.digest)
+        for e in frame_extents(meta, info)
+    ]
+
+
+def frame_extents(meta: BlobMeta, info: _PackedInfo) -> list[FrameExtent]:
+    """Where each frame of a packed blob lies in its body, from the frame table (no body read)."""
+    body_nbytes = meta.nbytes - meta.body_offset
     frames = plan_frames(meta.layout, info.frame_bytes, info.planes)
     if len(info.digests) != len(frames):
         raise FormatError(f"blob has {len(info.digests)} frame digests for {len(frames)} frames")
     sizes = (info.table >> np.uint64(_MODE_BITS)).tolist()
     modes = (info.table & np.uint64((1 << _MODE_BITS) - 1)).tolist()
     digests = info.digests.tolist()
-    jobs: list[_FrameJob] = []
+    jobs: list[FrameExtent] = []
     pos = k = 0
     for frame, digest in zip(frames, digests, strict=True):
         if k >= len(modes):
@@ -857,13 +877,13 @@ def _frame_jobs(meta: BlobMeta, info: _PackedInfo, body: memoryview) -> list[_Fr
         if len(entries) != count:
             raise FormatError("frame table is shorter than the frame plan")
         nbytes = sum(size for _, size in entries)
-        jobs.append(_FrameJob(frame, body[pos : pos + nbytes], entries, digest))
+        jobs.append(FrameExtent(frame, pos, nbytes, entries, digest))
         pos += nbytes
         k += count
-    if k != len(modes) or pos != len(body):
+    if k != len(modes) or pos != body_nbytes:
         raise FormatError(
             f"frame table covers {k} planes and {pos} bytes; the blob has {len(modes)} and "
-            f"{len(body)}"
+            f"{body_nbytes}"
         )
     return jobs
 
