@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -227,7 +228,7 @@ def test_one_of_eight_tensors_costs_its_chunks_only(eight: RawState) -> None:
     # Packed blobs likewise: the frames of that tensor.
     packed = join(encode_packed(eight, rank=0, options=CodecOptions(level=1, threads=1))[0])
     pmeta, psource = ranged(packed)
-    assert_tensors(pmeta.read([2]), expected(eight, [2]))
+    assert_tensors(pmeta.read([2], threads=2), expected(eight, [2]))
     assert psource.fetched < len(packed) // 4
 
 
@@ -379,6 +380,11 @@ def test_wanted_indices_are_checked() -> None:
         meta.read([len(raw.layout.specs)])
     with pytest.raises(ValueError, match="tensor index"):
         meta.read([-1])
+    with pytest.raises(ValueError, match="tensor index"):
+        meta.read([1.0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="tensor index"):
+        meta.read([True])
+    assert_tensors(meta.read([np.int64(2)]), expected(raw, [2]))  # type: ignore[list-item]
     with pytest.raises(ValueError, match="max_read"):
         meta.read([0], max_read=0)
     assert meta.read([]) == {}

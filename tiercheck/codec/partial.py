@@ -31,6 +31,7 @@ that is reused, nor of the fetched bytes.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
@@ -148,11 +149,16 @@ def _describe(meta: BlobMeta) -> str:
 
 def _check_wanted(meta: BlobMeta, wanted: Iterable[int]) -> list[int]:
     count = len(meta.layout.specs)
-    indices = sorted(set(wanted))
-    for i in indices:
-        if type(i) is not int or not 0 <= i < count:
+    indices: set[int] = set()
+    for i in wanted:
+        try:
+            index = operator.index(i)  # ints, numpy ints; not floats
+        except TypeError:
+            index = -1
+        if isinstance(i, bool) or not 0 <= index < count:
             raise ValueError(f"tensor index {i!r} is not one of the {count} tensors of the blob")
-    return indices
+        indices.add(index)
+    return sorted(indices)
 
 
 def _runs(
