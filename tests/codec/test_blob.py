@@ -90,7 +90,13 @@ def test_full_blob_written_in_place_equals_encode_full() -> None:
     raw = snapshot(sample_state(1), version=3)
     total, offset = full_blob_size(raw.layout, version=3, rank=1)
     assert offset % 64 == 0
-    for digest in (None, raw.raw_digest):
+    assert raw.chunk_digests is not None
+    for digest, leaves in [
+        (None, None),
+        (raw.raw_digest, None),
+        (None, raw.chunk_digests),
+        (raw.raw_digest, raw.chunk_digests),
+    ]:
         dest = bytearray(total)
         assert write_full_blob(memoryview(dest), raw.layout, version=3, rank=1) == offset
         with pytest.raises(ChecksumMismatch):
@@ -98,9 +104,42 @@ def test_full_blob_written_in_place_equals_encode_full() -> None:
         _, tensors = flatten(sample_state(1))
         payload = torch.frombuffer(dest, dtype=torch.uint8)[offset:]
         write_payload(raw.layout, tensors, payload)
-        meta = finalize_full_blob(memoryview(dest), raw_digest=digest)
+        meta = finalize_full_blob(memoryview(dest), raw_digest=digest, chunk_digests=leaves)
         assert bytes(dest) == join(encode_full(raw, rank=1)[0])
         assert meta.raw_digest == raw.raw_digest
+        assert meta.chunk_digests == raw.chunk_digests
+
+
+def test_finalize_refuses_digests_that_are_not_the_payloads() -> None:
+    """A raw digest or chunk digests that do not fit: refused, and the blob stays unsealed."""
+    raw = snapshot(sample_state(1), version=3)
+    assert raw.chunk_digests is not None
+    total, offset = full_blob_size(raw.layout, version=3, rank=1)
+    dest = bytearray(total)
+    write_full_blob(dest, raw.layout, version=3, rank=1)
+    dest[offset:] = raw.payload.numpy().tobytes()
+    wrong = [x ^ 1 for x in raw.chunk_digests]
+    for kwargs in [
+        {"raw_digest": raw.raw_digest ^ 1},
+        {"raw_digest": raw.raw_digest, "chunk_digests": wrong},
+        {"chunk_digests": [*raw.chunk_digests, 5]},
+    ]:
+        with pytest.raises(ValueError, match="digest"):
+            finalize_full_blob(dest, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(ChecksumMismatch):
+            verify(dest)
+    with pytest.raises(FormatError, match="write_full_blob"):
+        finalize_full_blob(bytearray(join(encode_packed(raw, rank=0)[0])))
+
+
+def test_a_state_without_chunk_digests_makes_a_full_blob_without_them() -> None:
+    raw = snapshot(sample_state(1), version=3)
+    bare = RawState(raw.version, raw.layout, raw.payload, raw.raw_digest)
+    meta = verify(join(encode_full(bare, rank=0)[0]))
+    assert meta.chunk_digests is None
+    assert verify(join(encode_full(raw, rank=0)[0])).chunk_digests == raw.chunk_digests
+    with pytest.raises(ValueError, match="add up"):
+        RawState(raw.version, raw.layout, raw.payload, raw.raw_digest ^ 1, raw.chunk_digests)
 
 
 def test_write_full_blob_checks_dest() -> None:
@@ -318,7 +357,8 @@ def reseal(data: bytes, edit: Any) -> bytes:
     packed = msgpack.packb(header, use_bin_type=True)
     region = blob_module._header_region(packed)
     old_offset = align(64 + header_nbytes)
-    new_head = blob_module._HEAD.pack(MAGIC, 1, 0, kind, len(packed), body_nbytes)
+    (minor,) = struct.unpack("<H", data[10:12])
+    new_head = blob_module._HEAD.pack(MAGIC, 1, minor, kind, len(packed), body_nbytes)
     return blob_module._seal(new_head, region, raw, body_digest) + region + data[old_offset:]
 
 
@@ -427,22 +467,25 @@ def test_decode_reuses_a_meta_read_before_and_still_verifies_the_body() -> None:
         decode(blob, meta=meta)
 
 
-def test_blob_header_is_byte_for_byte_a_packed_dict() -> None:
-    """Headers are spliced from cached parts; they must equal packing the whole mapping."""
+@pytest.mark.parametrize("chunks", [None, b"", bytes(range(8)), bytes(300), bytes(70000)])
+def test_blob_header_is_byte_for_byte_a_packed_dict(chunks: bytes | None) -> None:
+    """Headers are spliced from cached parts; they must equal packing the whole mapping, and
+    the chunk digests (when present) are its last bytes, after the key finalize looks for."""
     layout, _ = flatten(sample_state(2))
-    header = blob_module._full_header(layout, 7, 1)
-    expected = msgpack.packb(
-        {
-            "version": 7,
-            "rank": 1,
-            "stages": [["tiercheck.flatten/1", {}]],
-            "layout": [
-                layout.skeleton,
-                [[s.path, str(s.dtype)[6:], list(s.shape)] for s in layout.specs],
-            ],
-        },
-        use_bin_type=True,
-    )
+    header = blob_module._full_header(layout, 7, 1, chunks)
+    fields: dict[str, Any] = {
+        "version": 7,
+        "rank": 1,
+        "stages": [["tiercheck.flatten/1", {}]],
+        "layout": [
+            layout.skeleton,
+            [[s.path, str(s.dtype)[6:], list(s.shape)] for s in layout.specs],
+        ],
+    }
+    if chunks is not None:
+        fields["chunks"] = chunks
+        assert header.endswith(blob_module._chunks_key(len(chunks)) + chunks)
+    expected = msgpack.packb(fields, use_bin_type=True)
     assert header == expected
 
 
@@ -458,6 +501,8 @@ def test_a_known_header_is_not_decoded_again_and_describes_the_blob_the_same() -
     dest[offset:] = raw.payload.numpy().tobytes()
     sealed = finalize_full_blob(dest, raw_digest=raw.raw_digest, known=(raw.layout, 9, 2))
     assert sealed == read_meta(dest)
+    assert sealed.chunk_digests == read_meta(dest).chunk_digests == raw.chunk_digests
+    assert meta.chunk_digests == raw.chunk_digests
     other, _ = flatten(sample_state(4, scale=2))
     assert finalize_full_blob(dest, known=(other, 9, 2)) == read_meta(dest)
     assert finalize_full_blob(dest, known=(raw.layout, 10, 2)).version == 9

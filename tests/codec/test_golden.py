@@ -5,6 +5,7 @@ The files are made by ``tests/golden/make_golden.py``; this test only reads them
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ def test_every_golden_file_is_present_and_small() -> None:
         assert (GOLDEN / name).stat().st_size < 64 << 10, name
 
 
-@pytest.mark.parametrize("name", ["base.full.tcb", "base.packed.tcb"])
+@pytest.mark.parametrize("name", ["base.full.tcb", "base.full.v1_1.tcb", "base.packed.tcb"])
 def test_golden_base_decodes_bit_exact(name: str) -> None:
     base_state, _ = golden_states()
     base_raw, _ = golden_raw_states()
@@ -91,4 +92,16 @@ def test_golden_files_exercise_every_plane_mode() -> None:
 def test_full_blob_encoding_has_not_drifted() -> None:
     # A full blob has no compressor in it, so today's encoder must write the very same bytes.
     base_raw, _ = golden_raw_states()
-    assert join(encode_full(base_raw, rank=0)[0]) == read("base.full.tcb")
+    assert join(encode_full(base_raw, rank=0)[0]) == read("base.full.v1_1.tcb")
+
+
+def test_golden_format_versions_and_chunk_digests() -> None:
+    """The 1.0 full blob has no chunk digests; the 1.1 one has those of the payload."""
+    base_raw, _ = golden_raw_states()
+    old, new = read("base.full.tcb"), read("base.full.v1_1.tcb")
+    assert struct.unpack("<HH", old[8:12]) == (1, 0)
+    assert struct.unpack("<HH", new[8:12]) == (1, 1)
+    assert read_meta(old).chunk_digests is None
+    assert read_meta(new).chunk_digests == base_raw.chunk_digests
+    # The same payload either way: the digests and the body agree.
+    assert read_meta(old).raw_digest == read_meta(new).raw_digest == base_raw.raw_digest

@@ -5,7 +5,9 @@
 The states are built from SHAKE-256 byte streams and fixed numbers, never from a random number
 generator, so :func:`golden_states` returns bit-identical states on every machine and torch
 version; ``tests/codec/test_golden.py`` decodes the committed blobs and compares them with it.
-Regenerate only on purpose -- a new format version -- and keep the old files readable.
+Regenerate only on purpose -- a new format version -- and keep the old files readable: files
+of an older format (:data:`OLD_FILES`) are never rewritten, they stay as the blobs written by
+that format, for the tests that check they are still read.
 """
 
 from __future__ import annotations
@@ -19,23 +21,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercheck.codec import CodecOptions, RawState, encode_full, encode_packed, snapshot
+from tiercheck.codec import CodecOptions, RawState, encode_full, snapshot
 
 HERE = Path(__file__).resolve().parent
 
 BASE_VERSION = 100
 DELTA_VERSION = 101
 
-#: file name -> (how it was encoded), for the test's messages.
-FILES = {
-    "base.full.tcb": "full blob of the base state (rank 0)",
+#: Files written by format 1.0 (the packed ones are what 1.1 writes but for the minor version;
+#: the full one has no chunk digests). Kept as they are; :func:`main` does not rewrite them.
+OLD_FILES = {
+    "base.full.tcb": "full blob of the base state, format 1.0: no chunk digests (rank 0)",
     "base.packed.tcb": "packed base: planes + zstd-1, 4 KiB frames (rank 1)",
     "delta.packed.tcb": "packed 1-step delta: xor + planes + zstd-1, 4 KiB frames (rank 1)",
     "delta.raw.tcb": "packed delta without compression: xor only (rank 0)",
 }
 
-#: Small frames and samples, so these few-KB states still have several frames and sampled
-#: planes (and so raw low halves).
+#: Files of the current format, written by :func:`main`.
+NEW_FILES = {
+    "base.full.v1_1.tcb": "full blob of the base state, format 1.1: chunk digests (rank 0)",
+}
+
+#: file name -> (how it was encoded), for the test's messages.
+FILES = {**OLD_FILES, **NEW_FILES}
+
+#: How the packed files were encoded. Small frames and samples, so these few-KB states still
+#: have several frames and sampled planes (and so raw low halves).
 PACKED = CodecOptions(level=1, frame_bytes=4096, sample_bytes=64, threads=1)
 UNCOMPRESSED = CodecOptions(level=None, frame_bytes=4096, threads=1)
 
@@ -143,22 +154,17 @@ def golden_raw_states() -> tuple[RawState, RawState]:
 
 
 def encode_all() -> dict[str, bytes]:
-    """Every golden blob, freshly encoded."""
-    base, delta = golden_raw_states()
+    """Every golden blob of the current format (:data:`NEW_FILES`), freshly encoded."""
+    base, _delta = golden_raw_states()
 
     def join(parts: list[Any]) -> bytes:
         return b"".join(bytes(p) for p in parts)
 
-    return {
-        "base.full.tcb": join(encode_full(base, rank=0)[0]),
-        "base.packed.tcb": join(encode_packed(base, rank=1, options=PACKED)[0]),
-        "delta.packed.tcb": join(encode_packed(delta, rank=1, base=base, options=PACKED)[0]),
-        "delta.raw.tcb": join(encode_packed(delta, rank=0, base=base, options=UNCOMPRESSED)[0]),
-    }
+    return {"base.full.v1_1.tcb": join(encode_full(base, rank=0)[0])}
 
 
 def main() -> None:
-    """Write the golden blobs next to this file."""
+    """Write the golden blobs of the current format next to this file."""
     for name, data in encode_all().items():
         (HERE / name).write_bytes(data)
         print(f"wrote {name}: {len(data)} bytes -- {FILES[name]}")

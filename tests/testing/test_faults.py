@@ -8,7 +8,14 @@ import pytest
 
 from tiercheck.testing import TierTests
 from tiercheck.testing.faults import FaultPlan, FaultyTier, InjectedFault, SimulatedCrash
-from tiercheck.tiers import LocalTier, PersistentTier, SupportsPrepare, SupportsReserve, Tier
+from tiercheck.tiers import (
+    LocalTier,
+    PersistentTier,
+    SupportsPrepare,
+    SupportsRangedGet,
+    SupportsReserve,
+    Tier,
+)
 
 
 class TestFaultyTierWithAPlanThatNeverFires(TierTests):
@@ -125,3 +132,17 @@ def test_a_faulty_tier_has_the_abilities_of_its_inner_tier(tmp_path: Path) -> No
     assert not isinstance(durable, SupportsReserve)
     assert not isinstance(durable, SupportsPrepare)
     assert (local.name, durable.name) == ("local", "persistent")
+
+
+async def test_ranged_reads_are_reads_of_the_plan(tmp_path: Path) -> None:
+    """get_range goes through the plan like get: it works while alive, fails once dead."""
+    plan = FaultPlan(die_on=lambda op, tier, key: op == "delete")
+    tier = FaultyTier(PersistentTier((tmp_path / "durable").as_uri()), plan)
+    assert isinstance(tier, SupportsRangedGet)
+    await tier.put("k", b"0123456789")
+    assert bytes(await tier.get_range("k", 2, 5)) == b"234"
+    with pytest.raises(SimulatedCrash):
+        await tier.delete("k")
+    with pytest.raises(SimulatedCrash):
+        await tier.get_range("k", 2, 5)
+    await tier.aclose()

@@ -20,6 +20,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from tiercheck.errors import BlobNotFound
 from tiercheck.testing import TierStateMachine, TierTests
 from tiercheck.tiers import Buffer, Tier, validate_key
+from tiercheck.tiers.base import check_range
 
 from .dict_tier import DictTier
 
@@ -199,6 +200,40 @@ class ListsOtherPrefixes(DictTier):
             yield key
 
 
+class RangedDictTier(DictTier):
+    """A correct dict tier with ranged reads."""
+
+    async def get_range(self, key: str, start: int, end: int) -> Buffer:
+        """The slice of the stored bytes."""
+        check_range(start, end)
+        return memoryview(await self.get(key))[start:end]
+
+
+class TestRangedDictTier(TierTests):
+    """The suite passes a correct tier with ranged reads that is not a built-in one."""
+
+    async def make_tier(self, tmp_path: Path) -> Tier:
+        return RangedDictTier()
+
+
+class RangeOffByOne(RangedDictTier):
+    async def get_range(self, key: str, start: int, end: int) -> Buffer:
+        return memoryview(await self.get(key))[start : end + 1]
+
+
+class RangeNotClipped(RangedDictTier):
+    async def get_range(self, key: str, start: int, end: int) -> Buffer:
+        data = memoryview(await self.get(key))
+        return bytes(data[start:end]).ljust(end - start, b"\0")
+
+
+class RangeOfNothingIsFound(RangedDictTier):
+    async def get_range(self, key: str, start: int, end: int) -> Buffer:
+        if start == end:
+            return b""
+        return await super().get_range(key, start, end)
+
+
 class RecyclesTooEarly(ReservingDictTier):
     """Recycles a buffer on delete although its reservation was never released."""
 
@@ -354,6 +389,8 @@ BROKEN: list[tuple[type[Tier], Check]] = [
     (IgnoresClose, lambda s, t: s.test_use_after_aclose_raises_tier_closed(t)),
     (ListsOtherPrefixes, lambda s, t: s.test_list_by_prefix_with_nested_keys(t)),
     (RecyclesTooEarly, lambda s, t: s.test_reserved_buffer_survives_delete_and_reuse(t)),
+    (RangeOffByOne, lambda s, t: s.test_get_range_returns_the_slice(t)),
+    (RangeNotClipped, lambda s, t: s.test_get_range_is_clipped_at_the_end(t)),
 ]
 
 
@@ -363,6 +400,12 @@ async def test_suite_fails_a_broken_tier(cls: type[Tier], check: Check) -> None:
     tier = cls()
     with pytest.raises(FAILED):
         await check(SUITE, tier)
+
+
+async def test_suite_fails_a_range_read_that_finds_a_missing_key() -> None:
+    """An empty range of a missing key must still be BlobNotFound."""
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        await SUITE.test_get_range_of_a_missing_key(RangeOfNothingIsFound())
 
 
 async def test_suite_fails_a_non_idempotent_delete() -> None:

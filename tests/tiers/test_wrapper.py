@@ -17,6 +17,7 @@ from tiercheck.tiers import (
     LocalTier,
     PersistentTier,
     SupportsPrepare,
+    SupportsRangedGet,
     SupportsReserve,
     Tier,
 )
@@ -90,6 +91,10 @@ def test_abilities_follow_the_inner_tier(tmp_path: Path) -> None:
     assert not isinstance(durable, (SupportsReserve, SupportsPrepare, SupportsStopServing))
     assert isinstance(serving, SupportsStopServing)
     assert not isinstance(serving, SupportsReserve)
+    assert isinstance(local, SupportsRangedGet)
+    assert isinstance(durable, SupportsRangedGet)
+    assert isinstance(nested, SupportsRangedGet)
+    assert not isinstance(serving, SupportsRangedGet)
     assert isinstance(nested, Recording)
     assert isinstance(nested, SupportsReserve)
     assert isinstance(nested, SupportsPrepare)
@@ -115,6 +120,7 @@ async def test_before_sees_every_operation_in_order(tmp_path: Path) -> None:
         await tier.put("a", b"1")
         await tier.putv("b/c", [b"2", b"3"])
         assert bytes(await tier.get("b/c")) == b"23"
+        assert bytes(await tier.get_range("b/c", 1, 5)) == b"3"
         assert await tier.get_size("a") == 1
         assert await tier.exists("a")
         assert [k async for k in tier.list("b/")] == ["b/c"]
@@ -132,6 +138,7 @@ async def test_before_sees_every_operation_in_order(tmp_path: Path) -> None:
         ("put", "a"),
         ("putv", "b/c"),
         ("get", "b/c"),
+        ("get_range", "b/c"),
         ("get_size", "a"),
         ("exists", "a"),
         ("list", "b/"),

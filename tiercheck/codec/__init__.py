@@ -6,6 +6,7 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
           --encode_full--> full blob (payload as is)
           --encode_packed--> packed blob: xor vs base -> byte planes -> zstd where it pays
     blob  --decode(base=...)--> RawState (verified end to end) --state()--> state
+    blob  --read_meta_ranged / read_tensors--> some tensors, reading only their byte ranges
 
 Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`'s job, above the
 codec (``check_into``, ``load_into`` and ``own_copy``).
@@ -14,7 +15,8 @@ Modules: :mod:`.flatten` (skeleton, layout, payload) and :mod:`.rebuild` (the sk
 back: ``unflatten``), :mod:`.delta` (XOR),
 :mod:`.planes` (byte planes), :mod:`.frames` (the packed body; :mod:`.resources`, the zstd
 contexts, buffers and threads it runs on), :mod:`.blob` (format, encoders,
-decoder), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`, :mod:`.dtypes`,
+decoder), :mod:`.partial` (reading part of a blob), :mod:`.digest` (checksums),
+:mod:`.stages`, :mod:`.options`, :mod:`.dtypes`,
 :mod:`.dtensor` (DTensor records), :mod:`.plan` (the cached layout of a repeating state) and
 :mod:`.copyprogram` (its payload copy in few calls).
 """
@@ -50,6 +52,7 @@ from tiercheck.codec.flatten import (
     write_payload,
 )
 from tiercheck.codec.options import CodecOptions
+from tiercheck.codec.partial import RangedBlob, read_meta_ranged, read_tensors
 from tiercheck.codec.rebuild import unflatten
 from tiercheck.codec.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
 
@@ -65,6 +68,7 @@ __all__ = [
     "FlattenStage",
     "Layout",
     "PlanesStage",
+    "RangedBlob",
     "RawState",
     "Stage",
     "TensorSpec",
@@ -79,6 +83,8 @@ __all__ = [
     "match_base",
     "raw_digest",
     "read_meta",
+    "read_meta_ranged",
+    "read_tensors",
     "snapshot",
     "supported_dtypes",
     "unflatten",

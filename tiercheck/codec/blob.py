@@ -5,7 +5,7 @@ Byte layout (format 1; every integer little-endian)::
     offset size  field
     0      8     magic  b"\\x89TCKPT\\r\\n"  (high byte, CR LF: catch 7-bit and text-mode damage)
     8      2     format major version (1) -- a reader refuses any other major
-    10     2     format minor version (0) -- additions a 1.0 reader may ignore
+    10     2     format minor version (1) -- additions a 1.0 reader may ignore
     12     1     kind: 1 = full (raw payload as is), 2 = packed (xor/planes/zstd pipeline)
     13     3     reserved, zero
     16     8     header_nbytes: length of the msgpack header
@@ -31,7 +31,14 @@ that encodes or decodes it, and checked before it is decompressed.
 
 Header (a msgpack map): ``version``, ``rank``, ``stages`` (``[name, params]`` pairs, see
 :mod:`.stages`), ``layout`` (``[skeleton, [[path, dtype name, shape], ...]]``; offsets are
-recomputed, so a layout read back is always canonical). Packed blobs add ``frame_bytes`` (the
+recomputed, so a layout read back is always canonical). Full blobs of format 1.1 add
+``chunks``, the last key: the leaves of ``body_digest`` (one little-endian u64 per 8 MiB chunk
+of the body), so that a reader of part of the body checks the chunks it reads alone
+(:mod:`.partial`); a 1.0 reader ignores it, and a 1.0 full blob (or one encoded from a state
+whose leaves were not kept) has none -- its parts can only be checked by hashing the whole body.
+Being last, with a size fixed by the payload's, the field can be laid out before the payload is
+written and filled in when the blob is sealed (:func:`write_full_blob`,
+:func:`finalize_full_blob`). Packed blobs add ``frame_bytes`` (the
 frame plan, :func:`~.frames.plan_frames`, is recomputed from it and the layout), ``table`` (one
 little-endian u64 per stored plane, frame after frame: ``stored_nbytes << 2 | mode``, mode 0 =
 raw, 1 = zstd, 2 = the raw low half of each element, first in its frame; the planes are stored
@@ -45,6 +52,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,8 +64,7 @@ import torch
 import xxhash
 
 from tiercheck.codec.delta import match_base
-from tiercheck.codec.digest import DIGEST_CHUNK, tree_digest, tree_root
-from tiercheck.codec.digest import raw_digest as _raw_digest
+from tiercheck.codec.digest import DIGEST_CHUNK, chunk_count, chunk_digests, tree_root
 from tiercheck.codec.dtypes import dtype_from_name
 from tiercheck.codec.flatten import Layout, align, flatten, write_payload
 from tiercheck.codec.frames import (
@@ -105,7 +112,7 @@ __all__ = [
 
 MAGIC = b"\x89TCKPT\r\n"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 PREAMBLE_NBYTES = 64
 _HEAD = struct.Struct("<8sHHB3xQQ")  # bytes 0..32
 _DIGESTS = struct.Struct("<QQQQ")  # bytes 32..64
@@ -158,7 +165,8 @@ class BlobMeta:
     blob decodes to (:func:`~tiercheck.codec.raw_digest`), ``checksum`` the blob's own identity
     (the root of its hash tree, see :mod:`.blob`), ``nbytes`` the blob's size. Beyond the
     contract: ``body_offset`` / ``body_digest`` locate and seal the body, ``stage_objects``
-    holds the parsed stages with their parameters.
+    holds the parsed stages with their parameters. ``chunk_digests``: for a full blob of format
+    1.1, the digest of each 8 MiB chunk of its body (``None`` where the blob has none).
     """
 
     kind: Literal["full", "packed"]
@@ -173,6 +181,7 @@ class BlobMeta:
     body_offset: int = 0
     body_digest: int = 0
     stage_objects: tuple[Stage, ...] = ()
+    chunk_digests: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _packed: _PackedInfo | None = field(default=None, repr=False, compare=False)
 
 
@@ -183,6 +192,10 @@ class RawState:
     ``payload`` is a contiguous uint8 1-D tensor of exactly ``layout.payload_nbytes`` bytes and
     ``raw_digest`` its :func:`~tiercheck.codec.raw_digest` -- build one with :func:`snapshot`, or
     compute the digest yourself: encoders trust it, and decoding checks it end to end.
+    ``chunk_digests``, when known, are the leaves of that digest
+    (:func:`~tiercheck.codec.digest.chunk_digests`): :func:`encode_full` then stores them, so
+    that parts of the blob can be checked alone. They must add up to ``raw_digest`` (checked
+    here, without reading the payload).
 
     The payload normally lives in host memory. :func:`encode_packed` also takes one on a GPU
     (its XOR and plane split then run there; the digest must come from a host copy, as
@@ -194,6 +207,7 @@ class RawState:
     layout: Layout
     payload: torch.Tensor
     raw_digest: int
+    chunk_digests: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         p = self.payload
@@ -205,6 +219,11 @@ class RawState:
             raise ValueError(
                 f"payload holds {p.numel()} bytes; the layout has {self.layout.payload_nbytes}"
             )
+        leaves = self.chunk_digests
+        if leaves is not None and (
+            len(leaves) != chunk_count(p.numel()) or tree_root(leaves, p.numel()) != self.raw_digest
+        ):
+            raise ValueError("chunk_digests do not add up to raw_digest")
 
     def tensors(self) -> list[torch.Tensor]:
         """Typed views of every tensor in the payload (no copy; they share its memory)."""
@@ -235,7 +254,8 @@ def snapshot(
     n = layout.payload_nbytes
     dest = host_buffer(n) if out is None else out[:n]
     write_payload(layout, tensors, dest)
-    return RawState(version, layout, dest, _raw_digest(dest, executor=executor))
+    leaves = chunk_digests(dest, executor=executor)
+    return RawState(version, layout, dest, tree_root(leaves, n), tuple(leaves))
 
 
 # --- header -----------------------------------------------------------------------------------
@@ -330,17 +350,37 @@ def _header_region(header: bytes) -> bytes:
     return header + bytes(pad)
 
 
-def _full_header(layout: Layout, version: int, rank: int) -> bytes:
+def _full_header(layout: Layout, version: int, rank: int, chunks: bytes | None) -> bytes:
+    """The header of a full blob; ``chunks``: its chunk digests' bytes (``None``: left out).
+
+    ``chunks`` comes last, so its bytes are the header's last ``len(chunks)`` bytes.
+    """
     stage = FlattenStage.for_layout(layout.has_dtensors)
-    return _pack_header(
-        {
-            "version": version,
-            "rank": rank,
-            "stages": [[stage.name, stage.params()]],
-            "layout": _LAYOUT,
-        },
-        layout,
-    )
+    fields: dict[str, Any] = {
+        "version": version,
+        "rank": rank,
+        "stages": [[stage.name, stage.params()]],
+        "layout": _LAYOUT,
+    }
+    if chunks is not None:
+        fields["chunks"] = chunks
+    return _pack_header(fields, layout)
+
+
+def _chunks_bytes(leaves: Sequence[int]) -> bytes:
+    return np.asarray(leaves, dtype="<u8").tobytes()
+
+
+def _chunks_key(nbytes: int) -> bytes:
+    """What precedes ``nbytes`` bytes of chunk digests at the end of a full header."""
+    # msgpack's bin 8 / bin 16 / bin 32 headers (the Packer has no call for a header alone).
+    if nbytes < 1 << 8:
+        head = struct.pack(">BB", 0xC4, nbytes)
+    elif nbytes < 1 << 16:
+        head = struct.pack(">BH", 0xC5, nbytes)
+    else:
+        head = struct.pack(">BI", 0xC6, nbytes)
+    return _pack("chunks") + head
 
 
 def _check_ints(version: int, rank: int) -> None:
@@ -356,9 +396,14 @@ def _check_ints(version: int, rank: int) -> None:
 def full_blob_size(layout: Layout, *, version: int, rank: int) -> tuple[int, int]:
     """``(total blob size, payload offset)`` of the full blob of ``layout``."""
     _check_ints(version, rank)
-    region = _header_region(_full_header(layout, version, rank))
+    region = _header_region(_full_header(layout, version, rank, _reserved_chunks(layout)))
     offset = PREAMBLE_NBYTES + len(region)
     return offset + layout.payload_nbytes, offset
+
+
+def _reserved_chunks(layout: Layout) -> bytes:
+    """Zeroed room for the chunk digests, filled in by :func:`finalize_full_blob`."""
+    return bytes(8 * chunk_count(layout.payload_nbytes))
 
 
 def write_full_blob(
@@ -369,13 +414,14 @@ def write_full_blob(
     ``dest`` is writable and exactly :func:`full_blob_size` bytes. The caller then writes the
     raw payload into ``dest[offset:]`` (:func:`~.flatten.write_payload` over
     ``torch.frombuffer``) and seals the blob with :func:`finalize_full_blob`. Until then the
-    digest and checksum fields are zero, so an unsealed blob never verifies.
+    digest and checksum fields are zero, so an unsealed blob never verifies. The header holds
+    zeroed room for the chunk digests (format 1.1), filled in when the blob is sealed.
     """
     _check_ints(version, rank)
     view = _byte_view(dest)
     if view.readonly:
         raise ValueError("dest must be writable")
-    header = _full_header(layout, version, rank)
+    header = _full_header(layout, version, rank, _reserved_chunks(layout))
     region = _header_region(header)
     offset = PREAMBLE_NBYTES + len(region)
     if len(view) != offset + layout.payload_nbytes:
@@ -395,14 +441,18 @@ def finalize_full_blob(
     dest: memoryview | bytearray,
     *,
     raw_digest: int | None = None,
+    chunk_digests: Sequence[int] | None = None,
     executor: Executor | None = None,
     known: tuple[Layout, int, int] | None = None,
 ) -> BlobMeta:
-    """Seal a full blob once its payload is written: digest fields, then the checksum.
+    """Seal a full blob once its payload is written: chunk digests, digest fields, checksum.
 
-    Without ``raw_digest`` the payload is hashed once (in parallel threads on ``executor``);
-    with it, nothing is hashed but the header -- the caller vouches that it is the payload's
-    :func:`~tiercheck.codec.raw_digest` (a wrong one makes every later read fail).
+    With ``chunk_digests`` -- the payload's leaves, as the caller computed them for its digest
+    (:func:`~tiercheck.codec.digest.chunk_digests`) -- nothing is hashed but the header: the
+    caller vouches for them (wrong ones make every later read fail); ``raw_digest``, if given
+    too, must be their root. Without them the payload is hashed once (in parallel threads on
+    ``executor``), and a ``raw_digest`` given alone must match the result
+    (:class:`ValueError` otherwise: the payload is not what the caller hashed).
     """
     view = _byte_view(dest)
     if view.readonly:
@@ -413,7 +463,29 @@ def finalize_full_blob(
     offset = align(PREAMBLE_NBYTES + header_nbytes)
     if len(view) != offset + body_nbytes:
         raise FormatError(f"blob holds {len(view)} bytes; its header says {offset + body_nbytes}")
-    digest = raw_digest if raw_digest is not None else tree_digest(view[offset:], executor=executor)
+    count = chunk_count(body_nbytes)
+    header_end = PREAMBLE_NBYTES + header_nbytes
+    room = 8 * count
+    key = _chunks_key(room)
+    if header_nbytes < room + len(key) or (
+        view[header_end - room - len(key) : header_end - room] != key
+    ):
+        raise FormatError("finalize_full_blob needs a full blob written by write_full_blob")
+    if chunk_digests is None:
+        leaves = _digest_chunks(view[offset:], executor)
+        if raw_digest is not None and tree_root(leaves, body_nbytes) != raw_digest:
+            raise ValueError(
+                "raw_digest is not the digest of the payload written in the blob (was the "
+                "payload changed after it was hashed?)"
+            )
+    else:
+        leaves = list(chunk_digests)
+        if len(leaves) != count:
+            raise ValueError(f"{len(leaves)} chunk digests for a payload of {count} chunks")
+        if raw_digest is not None and tree_root(leaves, body_nbytes) != raw_digest:
+            raise ValueError("chunk_digests do not add up to raw_digest")
+    digest = tree_root(leaves, body_nbytes)
+    view[header_end - room : header_end] = _chunks_bytes(leaves)
     view[:PREAMBLE_NBYTES] = _seal(head, view[PREAMBLE_NBYTES:offset], digest, digest)
     # ``known``: (layout, version, rank) the blob was written with (write_full_blob), so the
     # header need not be decoded again to describe it.
@@ -423,14 +495,19 @@ def finalize_full_blob(
 def encode_full(state: RawState, *, rank: int) -> tuple[list[Buffer], BlobMeta]:
     """The full blob of ``state`` as parts: ``[preamble + header, payload view]``.
 
-    No payload byte is copied or hashed (``state.raw_digest`` is trusted): the second part is a
-    view of ``state.payload``, valid while it is unchanged.
+    No payload byte is copied or hashed (``state.raw_digest`` and ``state.chunk_digests`` are
+    trusted): the second part is a view of ``state.payload``, valid while it is unchanged. The
+    blob stores the state's chunk digests when it has them (:func:`snapshot` and
+    :func:`decode` keep them), and has none otherwise.
     """
     _check_ints(state.version, rank)
     if state.payload.device.type != "cpu":
         raise ValueError(f"encode_full needs a host payload, got one on {state.payload.device}")
     layout = state.layout
-    header = _full_header(layout, state.version, rank)
+    leaves = state.chunk_digests
+    header = _full_header(
+        layout, state.version, rank, None if leaves is None else _chunks_bytes(leaves)
+    )
     region = _header_region(header)
     head = _HEAD.pack(
         MAGIC, FORMAT_MAJOR, FORMAT_MINOR, _KIND_FULL, len(header), layout.payload_nbytes
@@ -594,11 +671,17 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
         raise ChecksumMismatch("blob header does not match its digest: the blob is corrupt")
     if known is not None and kind == _KIND_FULL:
         known_layout, known_version, known_rank = known
+        header_end = PREAMBLE_NBYTES + header_nbytes
+        room = 8 * chunk_count(body_nbytes)
+        chunks = bytes(view[header_end - room : header_end]) if room <= header_nbytes else b""
+        leaves = np.frombuffer(chunks, dtype="<u8").tolist() if len(chunks) == room else []
         if (
-            view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes]
-            == _full_header(known_layout, known_version, known_rank)
+            len(chunks) == room
+            and view[PREAMBLE_NBYTES:header_end]
+            == _full_header(known_layout, known_version, known_rank, chunks)
             and raw == body_digest
             and body_nbytes == known_layout.payload_nbytes
+            and tree_root(leaves, body_nbytes) == body_digest
         ):
             stage = FlattenStage.for_layout(known_layout.has_dtensors)
             return BlobMeta(
@@ -614,6 +697,7 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
                 body_offset=offset,
                 body_digest=body_digest,
                 stage_objects=(stage,),
+                chunk_digests=tuple(leaves),
             )
     try:
         header = msgpack.unpackb(view[PREAMBLE_NBYTES : PREAMBLE_NBYTES + header_nbytes], raw=False)
@@ -635,9 +719,17 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
     kinds = [type(s) for s in stages]
     base: BaseRef | None = None
     packed: _PackedInfo | None = None
+    chunk_leaves: tuple[int, ...] | None = None
     if kind == _KIND_FULL:
         if kinds != [FlattenStage] or raw != body_digest or body_nbytes != layout.payload_nbytes:
             raise FormatError("inconsistent full blob header")
+        stored = header.get("chunks")
+        if stored is not None:
+            if type(stored) is not bytes or len(stored) != 8 * chunk_count(body_nbytes):
+                raise FormatError("bad chunk digests in blob header")
+            chunk_leaves = tuple(np.frombuffer(stored, dtype="<u8").tolist())
+            if tree_root(chunk_leaves, body_nbytes) != body_digest:
+                raise FormatError("chunk digests in the header do not add up to the body digest")
     else:
         if kinds not in _PACKED_STAGE_ORDERS:
             raise FormatError(f"unexpected stage sequence {[s.name for s in stages]}")
@@ -680,6 +772,7 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
         body_offset=offset,
         body_digest=body_digest,
         stage_objects=stages,
+        chunk_digests=chunk_leaves,
         _packed=packed,
     )
 
@@ -714,7 +807,7 @@ def verify(blob: Buffer, *, executor: Executor | None = None) -> BlobMeta:
     meta = _parse(view, len(view))
     body = view[meta.body_offset :]
     if meta._packed is None:
-        if tree_digest(body, executor=executor) != meta.body_digest:
+        if tree_root(_digest_chunks(body, executor), len(body)) != meta.body_digest:
             raise _corrupt(meta)
         return meta
     jobs = _frame_jobs(meta, meta._packed, body)
@@ -725,6 +818,11 @@ def verify(blob: Buffer, *, executor: Executor | None = None) -> BlobMeta:
     if not all(run_bounded(check, jobs, workers=os.cpu_count() or 1, executor=executor)):
         raise _corrupt(meta)
     return meta
+
+
+def _digest_chunks(data: memoryview, executor: Executor | None) -> list[int]:
+    # For functions whose parameter ``chunk_digests`` hides the function of that name.
+    return chunk_digests(data, executor=executor)
 
 
 def _corrupt(meta: BlobMeta) -> ChecksumMismatch:
@@ -742,15 +840,35 @@ class _FrameJob:
     digest: int
 
 
+@dataclass(frozen=True, slots=True)
+class FrameExtent:
+    """Where one frame of a packed blob lies in its body, and what checks it."""
+
+    frame: Frame
+    start: int  # offset in the body
+    nbytes: int
+    entries: list[tuple[int, int]]  # (mode, size) per stored plane
+    digest: int
+
+
 def _frame_jobs(meta: BlobMeta, info: _PackedInfo, body: memoryview) -> list[_FrameJob]:
     """Where each frame of a packed blob lies in the body, from the frame table."""
+    return [
+        _FrameJob(e.frame, body[e.start : e.start + e.nbytes], e.entries, e.digest)
+        for e in frame_extents(meta, info)
+    ]
+
+
+def frame_extents(meta: BlobMeta, info: _PackedInfo) -> list[FrameExtent]:
+    """Where each frame of a packed blob lies in its body, from the frame table (no body read)."""
+    body_nbytes = meta.nbytes - meta.body_offset
     frames = plan_frames(meta.layout, info.frame_bytes, info.planes)
     if len(info.digests) != len(frames):
         raise FormatError(f"blob has {len(info.digests)} frame digests for {len(frames)} frames")
     sizes = (info.table >> np.uint64(_MODE_BITS)).tolist()
     modes = (info.table & np.uint64((1 << _MODE_BITS) - 1)).tolist()
     digests = info.digests.tolist()
-    jobs: list[_FrameJob] = []
+    jobs: list[FrameExtent] = []
     pos = k = 0
     for frame, digest in zip(frames, digests, strict=True):
         if k >= len(modes):
@@ -760,13 +878,13 @@ def _frame_jobs(meta: BlobMeta, info: _PackedInfo, body: memoryview) -> list[_Fr
         if len(entries) != count:
             raise FormatError("frame table is shorter than the frame plan")
         nbytes = sum(size for _, size in entries)
-        jobs.append(_FrameJob(frame, body[pos : pos + nbytes], entries, digest))
+        jobs.append(FrameExtent(frame, pos, nbytes, entries, digest))
         pos += nbytes
         k += count
-    if k != len(modes) or pos != len(body):
+    if k != len(modes) or pos != body_nbytes:
         raise FormatError(
             f"frame table covers {k} planes and {pos} bytes; the blob has {len(modes)} and "
-            f"{len(body)}"
+            f"{body_nbytes}"
         )
     return jobs
 
@@ -854,15 +972,16 @@ def decode(
             if n:
                 np.copyto(payload.numpy(), np.frombuffer(body, dtype=np.uint8))
         # One pass: the body digest of a full blob is its raw digest.
-        digest = _raw_digest(payload, executor=executor)
+        leaves = chunk_digests(payload, executor=executor)
+        digest = tree_root(leaves, n)
         if digest != meta.raw_digest:
             raise _corrupt(meta)
-        return RawState(meta.version, layout, payload, digest)
+        return RawState(meta.version, layout, payload, digest, tuple(leaves))
 
     info = meta._packed
     assert info is not None
     payload = _out_buffer(out, n, base)
-    digest = _decode_packed(
+    leaves = _decode_packed(
         body,
         meta=meta,
         info=info,
@@ -871,12 +990,13 @@ def decode(
         executor=executor,
         workers=threads or os.cpu_count() or 1,
     )
+    digest = tree_root(leaves, n)
     if digest != meta.raw_digest:
         raise ChecksumMismatch(
             f"decoded payload of version {meta.version} rank {meta.rank} does not match the "
             "digest recorded at encode time (a wrong base, or a bug): refusing it"
         )
-    return RawState(meta.version, layout, payload, digest)
+    return RawState(meta.version, layout, payload, digest, tuple(leaves))
 
 
 def _decode_packed(
@@ -888,8 +1008,8 @@ def _decode_packed(
     payload: torch.Tensor,
     executor: Executor | None,
     workers: int,
-) -> int:
-    """Rebuild the payload frame by frame; return its raw digest.
+) -> list[int]:
+    """Rebuild the payload frame by frame; return the leaves of its raw digest.
 
     The digest is computed on the way: each 8 MiB chunk of the payload is hashed by the worker
     that finishes the last frame writing into it, while those bytes are still in cache, instead
@@ -958,4 +1078,4 @@ def _decode_packed(
             hash_chunk(c)
 
     run_bounded(work, range(len(jobs)), workers=workers, executor=executor)
-    return tree_root(leaves, n)
+    return leaves

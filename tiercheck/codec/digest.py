@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 import xxhash
 
-__all__ = ["DIGEST_CHUNK", "raw_digest", "tree_digest", "tree_root"]
+__all__ = ["DIGEST_CHUNK", "chunk_count", "chunk_digests", "raw_digest", "tree_digest", "tree_root"]
 
 #: Leaf size of the digest tree (part of the blob format: changing it changes every digest).
 DIGEST_CHUNK = 8 << 20
@@ -60,12 +60,27 @@ def _map(fn: Callable[[T], int], items: Sequence[T], executor: Executor | None) 
         return list(pool.map(fn, items))
 
 
+def chunk_count(nbytes: int) -> int:
+    """How many leaves the digest tree of ``nbytes`` bytes has (one per started chunk)."""
+    return (nbytes + DIGEST_CHUNK - 1) // DIGEST_CHUNK
+
+
+def chunk_digests(data: torch.Tensor | Bytes, *, executor: Executor | None = None) -> list[int]:
+    """The leaves of the digest tree of ``data``: xxh3_64 of each 8 MiB chunk, in order.
+
+    ``tree_root(chunk_digests(data), len(data)) == tree_digest(data)``: a caller that keeps the
+    leaves (a full blob stores them, so that a part of it can be checked alone) pays nothing
+    more than the digest costs.
+    """
+    view = _as_memoryview(data)
+    chunks = [view[i : i + DIGEST_CHUNK] for i in range(0, len(view), DIGEST_CHUNK)]
+    return _map(xxhash.xxh3_64_intdigest, chunks, executor)
+
+
 def tree_digest(data: torch.Tensor | Bytes, *, executor: Executor | None = None) -> int:
     """The tree digest of one contiguous buffer (see the module docstring)."""
     view = _as_memoryview(data)
-    total = len(view)
-    chunks = [view[i : i + DIGEST_CHUNK] for i in range(0, total, DIGEST_CHUNK)]
-    return tree_root(_map(xxhash.xxh3_64_intdigest, chunks, executor), total)
+    return tree_root(chunk_digests(view, executor=executor), len(view))
 
 
 def raw_digest(payload: torch.Tensor | memoryview, *, executor: Executor | None = None) -> int:

@@ -387,12 +387,41 @@ def frame_entry_count(width: int, first_mode: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DecodeSettings:
-    """What :func:`decode_frame` needs besides the frame (shared by all frames of a call)."""
+    """What :func:`decode_frame` needs besides the frame (shared by all frames of a call).
+
+    A whole decode writes into ``out`` at the layout's offsets and XORs with ``base_payload``
+    at ``base_offsets``. A partial one (:mod:`.partial`) gives ``targets`` instead: per spec,
+    the array that receives that tensor's bytes, or ``None`` for a tensor not wanted (its
+    pieces are checked with their frame but not written); and, for a delta,
+    ``base_targets``: per spec, the bytes of its base tensor (``None``: stored whole).
+    """
 
     layout: Layout
     out: U8  # the raw payload being rebuilt (host memory)
     base_payload: U8 | None
     base_offsets: tuple[int, ...]
+    targets: Sequence[U8 | None] | None = None
+    base_targets: Sequence[U8 | None] | None = None
+
+    def dest(self, p: Piece) -> U8 | None:
+        """Where the bytes of piece ``p`` go (``None``: nowhere, not wanted)."""
+        if self.targets is None:
+            begin = self.layout.specs[p.spec].offset + p.start
+            return self.out[begin : begin + p.nbytes]
+        target = self.targets[p.spec]
+        return None if target is None else target[p.start : p.start + p.nbytes]
+
+    def base(self, p: Piece) -> U8 | None:
+        """The base bytes piece ``p`` is XORed with (``None``: stored whole)."""
+        if self.base_targets is not None:
+            tensor = self.base_targets[p.spec]
+            return None if tensor is None else tensor[p.start : p.start + p.nbytes]
+        base_offset = self.base_offsets[p.spec]
+        if base_offset < 0:
+            return None
+        assert self.base_payload is not None
+        b = base_offset + p.start
+        return self.base_payload[b : b + p.nbytes]
 
 
 def _plane_bytes(mode: int, stored: memoryview, size: int) -> U8:
@@ -439,21 +468,16 @@ def decode_frame(
     for (mode, size), want in zip(entries, sizes, strict=True):
         planes.append(_plane_bytes(mode, stored[pos : pos + size], want))
         pos += size
-    specs = s.layout.specs
     pieces = frame.pieces
     scratch = pool.acquire()
     try:
         if len(pieces) == 1:
             # Join block by block straight into the payload and XOR each block while it is hot.
             p = pieces[0]
-            begin = specs[p.spec].offset + p.start
-            target = s.out[begin : begin + p.nbytes]
-            base_offset = s.base_offsets[p.spec]
-            base = None
-            if base_offset >= 0:
-                assert s.base_payload is not None
-                b = base_offset + p.start
-                base = s.base_payload[b : b + p.nbytes]
+            target = s.dest(p)
+            if target is None:
+                return
+            base = s.base(p)
             if width == 1:
                 if base is None:
                     np.copyto(target, planes[0])
@@ -476,14 +500,13 @@ def decode_frame(
         gathered = scratch.data[: frame.nbytes]
         join_planes(planes, width, gathered, scratch.split, low=low)
         for p in pieces:
-            begin = specs[p.spec].offset + p.start
-            dst = s.out[begin : begin + p.nbytes]
+            dst = s.dest(p)
+            if dst is None:
+                continue
             src = gathered[p.frame_offset : p.frame_offset + p.nbytes]
-            base_offset = s.base_offsets[p.spec]
-            if base_offset >= 0:
-                assert s.base_payload is not None
-                b = base_offset + p.start
-                np.bitwise_xor(src, s.base_payload[b : b + p.nbytes], out=dst)
+            base = s.base(p)
+            if base is not None:
+                np.bitwise_xor(src, base, out=dst)
             else:
                 np.copyto(dst, src)
     finally:

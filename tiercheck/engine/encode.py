@@ -20,8 +20,8 @@ from tiercheck.codec import (
     encode_full,
     encode_packed,
     finalize_full_blob,
-    raw_digest,
 )
+from tiercheck.codec.digest import chunk_digests, tree_root
 from tiercheck.consistency.manifest import Abort, Begin
 from tiercheck.engine.jobs import HeldBase, Job
 from tiercheck.engine.options import TierEncoding
@@ -86,8 +86,11 @@ class Encoder:
                     job.base_version,
                 )
             )
-            digest = await asyncio.to_thread(raw_digest, job.payload, executor=self.ctx.cpu)
-            raw = RawState(job.version, job.layout, job.payload, digest)
+            # The leaves of the digest are kept: a full blob stores them (format 1.1), so that
+            # a reader of part of it can check what it reads.
+            leaves = await asyncio.to_thread(chunk_digests, job.payload, executor=self.ctx.cpu)
+            digest = tree_root(leaves, job.layout.payload_nbytes)
+            raw = RawState(job.version, job.layout, job.payload, digest, tuple(leaves))
             base: RawState | None = None
             if job.kind == "delta":
                 if self.base is not None and self.base.raw.version == job.base_version:
@@ -101,7 +104,7 @@ class Encoder:
                     job.kind = "base"
                     job.handle.stats.kind = "base"
             if job.reservation is not None:
-                await self._publish_reserved(job, digest)
+                await self._publish_reserved(job, raw)
             encoded: dict[TierEncoding, tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
                 if job.results[name].done():  # published in place, or skipped when staging
@@ -151,7 +154,7 @@ class Encoder:
             job.encoded.set()
             await self.schedule.release(job)
 
-    async def _publish_reserved(self, job: Job, digest: int) -> None:
+    async def _publish_reserved(self, job: Job, raw: RawState) -> None:
         reservation = job.reservation
         assert reservation is not None
         assert job.reserved_in is not None
@@ -161,7 +164,8 @@ class Encoder:
             meta = await asyncio.to_thread(
                 finalize_full_blob,
                 reservation.buffer,
-                raw_digest=digest,
+                raw_digest=raw.raw_digest,
+                chunk_digests=raw.chunk_digests,
                 executor=self.ctx.cpu,
                 known=(job.layout, job.version, self.ctx.rank),
             )

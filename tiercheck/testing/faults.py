@@ -105,7 +105,7 @@ class FaultPlan:
 # How each forwarded operation counts in the plan: a mutation of stored data, a read, or
 # neither (aborting and closing write nothing, and stay possible after death).
 _WRITES: Final = {"put": "put", "putv": "put", "delete": "delete", "commit": "commit"}
-_READS: Final = frozenset({"get", "get_size", "exists", "list", "reserve", "prepare"})
+_READS: Final = frozenset({"get", "get_range", "get_size", "exists", "list", "reserve", "prepare"})
 
 
 class FaultyTier(DelegatingTier):
@@ -113,9 +113,9 @@ class FaultyTier(DelegatingTier):
 
     A :class:`~tiercheck.tiers.DelegatingTier`: it has the optional abilities (``reserve``,
     ``prepare``, ...) of the tier it wraps. ``put``, ``putv``, ``delete`` and a reservation's
-    ``commit`` are the plan's numbered writes; ``get``, ``get_size``, ``exists``, ``list``,
-    ``reserve`` and ``prepare`` fail once the process is dead; ``abort``, ``stop_serving`` and
-    ``aclose`` always go through (they store nothing).
+    ``commit`` are the plan's numbered writes; ``get``, ``get_range``, ``get_size``,
+    ``exists``, ``list``, ``reserve`` and ``prepare`` fail once the process is dead; ``abort``,
+    ``stop_serving`` and ``aclose`` always go through (they store nothing).
     """
 
     def __init__(self, inner: Tier, plan: FaultPlan) -> None:

@@ -55,10 +55,12 @@ __all__ = [
     "FailureScope",
     "Reservation",
     "SupportsPrepare",
+    "SupportsRangedGet",
     "SupportsReserve",
     "SupportsStopServing",
     "Tier",
     "TierSetup",
+    "check_range",
     "validate_key",
 ]
 
@@ -296,3 +298,34 @@ class SupportsStopServing(Protocol):
     """
 
     async def stop_serving(self, timeout: float | None = None) -> bool: ...
+
+
+@runtime_checkable
+class SupportsRangedGet(Protocol):
+    """A tier that can return part of a blob without reading the rest of it.
+
+    ``get_range(key, start, end)`` returns bytes ``[start, end)`` of the blob under ``key``,
+    *clipped to the blob's size* as a Python slice is: a range that runs past the end returns
+    the bytes up to the end, one that starts at or past the end returns ``b""``. So the length
+    of the result tells the caller where the blob ends, and a reader that does not know a
+    blob's size can ask for more than it needs. ``0 <= start <= end`` must hold
+    (:func:`check_range`, else :class:`ValueError` before any I/O). A missing key raises
+    :class:`~tiercheck.errors.BlobNotFound`, like ``get``, even for an empty range. A range
+    read is consistent with one stored blob: a concurrent ``put`` gives the bytes of the old
+    blob or of the new one, never of both in one call (two calls may see different blobs; a
+    reader that checks digests notices).
+
+    The persistent tier reads ranges with fsspec's ``cat_file(path, start, end)`` (an HTTP
+    range request on object stores); the local tier reads the slice of its file.
+    """
+
+    async def get_range(self, key: str, start: int, end: int) -> Buffer: ...
+
+
+def check_range(start: object, end: object) -> tuple[int, int]:
+    """``(start, end)`` if they are ints with ``0 <= start <= end``, else :class:`ValueError`."""
+    if type(start) is not int or type(end) is not int:
+        raise ValueError(f"a byte range needs int bounds, got {start!r} and {end!r}")
+    if not 0 <= start <= end:
+        raise ValueError(f"a byte range needs 0 <= start <= end, got [{start}, {end})")
+    return start, end

@@ -21,7 +21,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck.errors import BlobNotFound, ConfigError, InvalidKey, StorageError, TiercheckError
 from tiercheck.tiers import atomic
-from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
+from tiercheck.tiers.base import (
+    Buffer,
+    FailureScope,
+    Tier,
+    TierSetup,
+    check_range,
+    validate_key,
+)
 
 __all__ = ["DEFAULT_RETRY", "PersistentTier", "RetryPolicy"]
 
@@ -251,6 +258,16 @@ class PersistentTier(Tier):
         self._check_key(key)
         return await self._call("get", key, self._get_sync, key)
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the blob under ``key``, clipped to its size.
+
+        :class:`~tiercheck.tiers.SupportsRangedGet`: one ranged read (``cat_file(path, start,
+        end)``; a range request on object stores), retried like ``get``.
+        """
+        self._check_key(key)
+        check_range(start, end)
+        return await self._call("get_range", key, self._range_sync, key, start, end)
+
     async def get_size(self, key: str) -> int:
         """Size of the blob under ``key``, from the store's metadata (no read)."""
         self._check_key(key)
@@ -324,6 +341,31 @@ class PersistentTier(Tier):
             data = self._fs.cat_file(path)
         except _MISSING:
             raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}") from None
+        return bytes(data)
+
+    def _range_sync(self, key: str, start: int, end: int) -> bytes:
+        if start == end:
+            # Nothing to read, but a missing blob is still missing.
+            if self._size_sync(key) is None:
+                raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}")
+            return b""
+        path = self._path(key)
+        self._fs.invalidate_cache(path)
+        try:
+            data = self._fs.cat_file(path, start=start, end=end)
+        except _MISSING:
+            raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}") from None
+        except Exception:
+            # Object stores refuse a range that starts past the end (S3: InvalidRange) where
+            # files and memory return nothing; the contract is the slice's. The size says which.
+            size = self._size_sync(key)
+            if size is None:
+                raise BlobNotFound(
+                    f"no blob {key!r} in the persistent tier at {self._url}"
+                ) from None
+            if start >= size:
+                return b""
+            raise
         return bytes(data)
 
     def _size_sync(self, key: str) -> int | None:

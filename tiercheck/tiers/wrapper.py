@@ -2,9 +2,10 @@
 
 :class:`DelegatingTier` wraps an *inner* tier and forwards each call to it -- the five abstract
 methods, ``putv``, ``get_size``, ``aclose``, and the optional abilities the inner tier has
-(``reserve``, ``prepare``, ``stop_serving``). A subclass adds behaviour around the calls without
-re-implementing the forwarding: fault injection (:class:`tiercheck.testing.faults.FaultyTier`),
-latency, metrics, logging, access checks. Example::
+(``reserve``, ``prepare``, ``stop_serving``, ``get_range``). A subclass adds behaviour around
+the calls without re-implementing the forwarding: fault injection
+(:class:`tiercheck.testing.faults.FaultyTier`), latency, metrics, logging, access checks.
+Example::
 
     class CountingTier(DelegatingTier):
         def __init__(self, inner: Tier) -> None:
@@ -32,6 +33,7 @@ from tiercheck.tiers.base import (
     FailureScope,
     Reservation,
     SupportsPrepare,
+    SupportsRangedGet,
     SupportsReserve,
     SupportsStopServing,
     Tier,
@@ -48,6 +50,7 @@ OPERATIONS: Final = frozenset(
         "put",
         "putv",
         "get",
+        "get_range",
         "get_size",
         "exists",
         "delete",
@@ -70,8 +73,9 @@ class DelegatingTier(Tier):
     Abilities
         The wrapper has exactly the optional abilities of its inner tier: it implements
         :class:`~tiercheck.tiers.SupportsReserve` (``reserve``) if and only if the inner tier
-        does, and likewise :class:`~tiercheck.tiers.SupportsPrepare` and
-        :class:`~tiercheck.tiers.SupportsStopServing`. (So an instance's class is a subclass,
+        does, and likewise :class:`~tiercheck.tiers.SupportsPrepare`,
+        :class:`~tiercheck.tiers.SupportsStopServing` and
+        :class:`~tiercheck.tiers.SupportsRangedGet`. (So an instance's class is a subclass,
         of the same name, of the class constructed, with the forwarding of those abilities
         added; ``isinstance(w, YourSubclass)`` holds as usual.)
 
@@ -80,9 +84,9 @@ class DelegatingTier(Tier):
         (one of :data:`OPERATIONS`) and its key; raising there fails the operation before the
         inner tier sees it. Reservations are wrapped in :class:`DelegatedReservation`, whose
         ``commit`` and ``abort`` go through :meth:`before` too. Overriding the methods
-        themselves works as well (call ``super()``), except for ``reserve``, ``prepare`` and
-        ``stop_serving``: their forwarding comes first in the class's MRO (an ability follows
-        the inner tier, always), so change them through :meth:`before` and
+        themselves works as well (call ``super()``), except for ``reserve``, ``prepare``,
+        ``stop_serving`` and ``get_range``: their forwarding comes first in the class's MRO (an
+        ability follows the inner tier, always), so change them through :meth:`before` and
         :meth:`wrap_reservation`.
 
     Checks
@@ -246,8 +250,19 @@ class _ForwardsStopServing(DelegatingTier):
         return await inner.stop_serving(timeout)
 
 
+class _ForwardsRangedGet(DelegatingTier):
+    async def get_range(self, key: str, start: int, end: int) -> Buffer:
+        """Forward :meth:`SupportsRangedGet.get_range` (``before`` sees ``"get_range"``)."""
+        self._check_key(key)
+        await self.before("get_range", key)
+        inner = self.inner
+        assert isinstance(inner, SupportsRangedGet)
+        return await inner.get_range(key, start, end)
+
+
 _ABILITIES: Final[tuple[tuple[type, type[DelegatingTier]], ...]] = (
     (SupportsReserve, _ForwardsReserve),
+    (SupportsRangedGet, _ForwardsRangedGet),
     (SupportsPrepare, _ForwardsPrepare),
     (SupportsStopServing, _ForwardsStopServing),
 )

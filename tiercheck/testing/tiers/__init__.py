@@ -3,9 +3,10 @@
 The tests come in groups, one module each: :mod:`~tiercheck.testing.tiers.blobs` (round trips,
 exists, size, delete, listing, keys), :mod:`~tiercheck.testing.tiers.concurrency`,
 :mod:`~tiercheck.testing.tiers.lifecycle` (closing and reopening),
-:mod:`~tiercheck.testing.tiers.backing` (through the back door) and
-:mod:`~tiercheck.testing.tiers.reserve`; :mod:`~tiercheck.testing.tiers.support` holds the
-hooks, the fixture and the test data they share.
+:mod:`~tiercheck.testing.tiers.backing` (through the back door),
+:mod:`~tiercheck.testing.tiers.reserve` and :mod:`~tiercheck.testing.tiers.ranged`;
+:mod:`~tiercheck.testing.tiers.support` holds the hooks, the fixture and the test data they
+share.
 """
 
 from __future__ import annotations
@@ -18,13 +19,21 @@ from tiercheck.testing.tiers.backing import _BackingTests
 from tiercheck.testing.tiers.blobs import _BlobTests
 from tiercheck.testing.tiers.concurrency import _ConcurrencyTests
 from tiercheck.testing.tiers.lifecycle import _LifecycleTests
+from tiercheck.testing.tiers.ranged import _RangedTests
 from tiercheck.testing.tiers.reserve import _ReserveTests
 from tiercheck.testing.tiers.support import INVALID_KEYS, UNUSUAL_KEYS, assert_same_bytes
 
 __all__ = ["INVALID_KEYS", "UNUSUAL_KEYS", "TierTests", "assert_same_bytes"]
 
 
-class TierTests(_BlobTests, _ConcurrencyTests, _LifecycleTests, _BackingTests, _ReserveTests):
+class TierTests(
+    _BlobTests,
+    _ConcurrencyTests,
+    _LifecycleTests,
+    _BackingTests,
+    _ReserveTests,
+    _RangedTests,
+):
     """Conformance tests for a :class:`~tiercheck.tiers.Tier` implementation.
 
     Subclass it in a test module, under a name pytest collects (``Test...``), and say how to
@@ -85,7 +94,8 @@ class TierTests(_BlobTests, _ConcurrencyTests, _LifecycleTests, _BackingTests, _
 
     The tests need ``pytest-asyncio``; they are marked ``asyncio`` so they run in its strict
     mode too. A tier that implements :class:`~tiercheck.tiers.SupportsReserve` also runs the
-    ``test_reserve_*`` tests; the others skip them.
+    ``test_reserve_*`` tests; the others skip them. Likewise a tier that implements
+    :class:`~tiercheck.tiers.SupportsRangedGet` runs the ``test_get_range_*`` tests.
     """
 
     pytestmark: ClassVar = [pytest.mark.asyncio]

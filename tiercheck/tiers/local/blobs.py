@@ -9,7 +9,8 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from tiercheck.errors import BlobNotFound, StorageError
 from tiercheck.tiers import atomic
@@ -21,6 +22,8 @@ from tiercheck.tiers.local.files import (
     walk_keys,
 )
 from tiercheck.tiers.local.space import _Space
+
+_T = TypeVar("_T")
 
 
 class _BlobFiles(_Space):
@@ -62,6 +65,22 @@ class _BlobFiles(_Space):
             raise
 
     def _get_sync(self, key: str) -> memoryview:
+        def whole(fd: int, size: int) -> memoryview:
+            if size >= MAP_READS_FROM:
+                return map_private(fd, size)
+            return read_exactly(fd, size)
+
+        return self._read_locked(key, whole)
+
+    def _get_range_sync(self, key: str, start: int, end: int) -> memoryview:
+        def part(fd: int, size: int) -> memoryview:
+            begin = min(start, size)
+            return read_exactly(fd, min(end, size) - begin, begin)
+
+        return self._read_locked(key, part)
+
+    def _read_locked(self, key: str, read: Callable[[int, int], _T]) -> _T:
+        """``read(fd, size)`` on the blob file of ``key``, under a shared ``flock``."""
         self._ensure_scanned()
         path = self._path(key)
         for _ in range(READ_ATTEMPTS):
@@ -86,9 +105,7 @@ class _BlobFiles(_Space):
                     ) from None
                 if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                     continue
-                if st.st_size >= MAP_READS_FROM:
-                    return map_private(fd, st.st_size)
-                return read_exactly(fd, st.st_size)
+                return read(fd, st.st_size)
             finally:
                 os.close(fd)
         raise StorageError(

@@ -104,8 +104,8 @@ def walk_keys(root: str, start: str) -> Iterator[str]:
                 yield key
 
 
-def read_exactly(fd: int, size: int) -> memoryview:
-    """Read ``size`` bytes from the start of ``fd`` into new private memory (one copy).
+def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
+    """Read ``size`` bytes of ``fd`` from ``offset`` into new private memory (one copy).
 
     Large blobs land in anonymous memory: allocating it is instant and its pages are zeroed by
     the kernel inside the read, with the GIL released. A ``bytearray`` would be zero-filled by
@@ -117,7 +117,7 @@ def read_exactly(fd: int, size: int) -> memoryview:
     view = memoryview(memory)
     done = 0
     while done < size:
-        got = os.preadv(fd, [view[done:]], done)
+        got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
             raise OSError(errno.EIO, f"file ended after {done} of {size} bytes")
         done += got

@@ -21,7 +21,14 @@ from tiercheck.errors import (
     TiercheckError,
 )
 from tiercheck.tiers import atomic
-from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, validate_key
+from tiercheck.tiers.base import (
+    Buffer,
+    FailureScope,
+    Tier,
+    TierSetup,
+    check_range,
+    validate_key,
+)
 from tiercheck.tiers.local.blobs import _BlobFiles
 from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate, typed_os_error
 from tiercheck.tiers.local.reservation import LocalReservation, _Reserving
@@ -55,7 +62,9 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
     Reads
         ``get`` returns a private, writable ``memoryview`` (read once from the file) because
         the file may be replaced or recycled afterwards. A get holds a shared ``flock`` on the
-        file while it reads, which keeps the file from being recycled under it.
+        file while it reads, which keeps the file from being recycled under it. ``get_range``
+        (:class:`~tiercheck.tiers.SupportsRangedGet`) reads only the slice asked for, the same
+        way.
 
     Capacity
         With ``capacity`` (bytes), a put or reserve that would make the stored total (every
@@ -214,6 +223,16 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         """Return a private, writable copy of the blob under ``key``."""
         self._check_key(key)
         return await self._run("get", key, self._get_sync, key)
+
+    async def get_range(self, key: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of the blob under ``key``, clipped to its size, in private memory.
+
+        :class:`~tiercheck.tiers.SupportsRangedGet`: only the slice is read from the file, under
+        the same shared lock as ``get``.
+        """
+        self._check_key(key)
+        check_range(start, end)
+        return await self._run("get_range", key, self._get_range_sync, key, start, end)
 
     async def get_size(self, key: str) -> int:
         """Size of the blob under ``key`` (one ``stat``)."""

@@ -98,12 +98,29 @@ class _Requester(_Link):
         self._wait_all(works, dst)
         self._reply(dst, seq, "done")
 
-    def _get_sync(self, dst: int, key: str) -> memoryview:
-        import torch.distributed as dist
-
-        seq = self._send_request(dst, {"op": "get", "key": key, "chunk": self.chunk_bytes})
+    def _get_sync(
+        self, dst: int, key: str, byte_range: tuple[int, int] | None = None
+    ) -> memoryview:
+        """The blob under ``key`` from ``dst``: all of it, or ``byte_range`` (clipped)."""
+        message: dict[str, Any] = {"op": "get", "key": key, "chunk": self.chunk_bytes}
+        if byte_range is not None:
+            message["range"] = list(byte_range)
+        seq = self._send_request(dst, message)
         reply = self._reply(dst, seq, "ready")
         size = int(reply["size"])
+        if byte_range is not None and not reply.get("ranged", False):
+            # Receive what is coming all the same (an unmatched send would hang the holder),
+            # but never pass a whole blob off as a part of it.
+            self._receive(dst, seq, size)
+            raise StorageError(
+                f"rank {dst} does not serve ranged reads (an older tiercheck?); read all of "
+                f"{key!r} instead"
+            )
+        return self._receive(dst, seq, size)
+
+    def _receive(self, dst: int, seq: int, size: int) -> memoryview:
+        import torch.distributed as dist
+
         out = memoryview(bytearray(size))
         works = [
             dist.irecv(as_tensor(piece), dst, group=self._group, tag=chunk_tag(seq, "get", i))

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from tiercheck.errors import BlobNotFound, ConfigError, TiercheckError, TierFull
+from tiercheck.tiers.base import check_range
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.peer.link import _Link
 from tiercheck.tiers.peer.wire import IDLE_WAIT, as_tensor, chunk_size, chunk_tag, pieces
@@ -206,14 +207,23 @@ class _Holding(_Link):
         import torch.distributed as dist
 
         run = self._server_loop.run_until_complete
+        key = self._held_key(message)
+        byte_range = message.get("range")
         try:
-            data = memoryview(run(self._holder.get(self._held_key(message)))).cast("B")
-        except (TiercheckError, OSError) as exc:
+            if byte_range is None:
+                data = memoryview(run(self._holder.get(key))).cast("B")
+            else:
+                start, end = check_range(*byte_range)
+                data = memoryview(run(self._holder.get_range(key, start, end))).cast("B")
+        except (TiercheckError, OSError, ValueError, TypeError) as exc:
+            # ValueError/TypeError: a malformed range, which a requester checks before asking.
             self._refuse(store, message, "ready", exc)
             return
         if data.readonly:
             data = memoryview(bytearray(data))
-        self._answer(store, message, "ready", size=data.nbytes)
+        # "ranged" tells the requester its range was honoured (a holder from before ranged
+        # reads would send the whole blob instead).
+        self._answer(store, message, "ready", size=data.nbytes, ranged=byte_range is not None)
         src, seq = int(message["src"]), int(message["seq"])
         chunk = chunk_size(data.nbytes, int(message["chunk"]))
         works = [

@@ -18,7 +18,7 @@ from typing import Any
 from tiercheck._threads import DaemonExecutor
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, ConfigError, PeerUnavailable, StorageError
-from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, check_range
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.peer.requester import _Requester
 from tiercheck.tiers.peer.server import _Holding
@@ -168,11 +168,21 @@ class PeerTier(_Requester, _Holding, Tier):
     async def get(self, key: str) -> Buffer:
         """The blob under ``key`` from the first holder that has it."""
         self._check_key(key)
+        return await self._get_from_holders(key, None)
+
+    async def get_range(self, key: str, start: int, end: int) -> Buffer:
+        """Bytes ``[start, end)`` of the blob under ``key``, clipped to its size, from the first
+        holder that has it (:class:`~tiercheck.tiers.SupportsRangedGet`): the holder reads only
+        that slice of its replica, and only the slice crosses the network."""
+        self._check_key(key)
+        return await self._get_from_holders(key, check_range(start, end))
+
+    async def _get_from_holders(self, key: str, byte_range: tuple[int, int] | None) -> Buffer:
         missing: BlobNotFound | None = None
         errors: list[BaseException] = []
         for dst in self.targets:
             try:
-                return await self._run(dst, self._get_sync, dst, key)
+                return await self._run(dst, self._get_sync, dst, key, byte_range)
             except BlobNotFound as exc:
                 missing = exc
             except (PeerUnavailable, StorageError) as exc:
