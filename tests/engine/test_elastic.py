@@ -255,3 +255,56 @@ def test_a_save_before_the_elastic_restore_is_refused(saved_by_4: Path) -> None:
     with pytest.raises(VersionError, match="call restore\\(\\) first"):
         run_ranks(2, one)
     assert stored_files(saved_by_4) == before
+
+
+def test_each_new_rank_reads_only_the_ranges_it_needs(tmp_path: Path) -> None:
+    # 4 old ranks hold 2 MiB each of one big sharded weight; 8 new ranks need half of one each.
+    big = torch.randn(64, 32768, generator=torch.Generator().manual_seed(1))
+    group = LocalGroup(4)
+    rows4 = [slice(r * 16, r * 16 + 16) for r in range(4)]
+
+    def record(part: slice, rank: int, world: int, local: torch.Tensor) -> DTensorShard:
+        return DTensorShard(
+            local=local,
+            shape=tuple(big.shape),
+            stride=tuple(big.stride()),
+            placements=(("shard", 0),),
+            mesh=(world,),
+            names=None,
+            device="cpu",
+            coord=(rank,),
+            offset=(part.start, 0),
+        )
+
+    def save(r: int) -> None:
+        with job(tmp_path, r, 4, group) as ckpt:
+            ckpt.save(0, {"big": record(rows4[r], r, 4, big[rows4[r]].clone()), "step": 0})
+            ckpt.wait()
+
+    run_ranks(4, save)
+    shutil.rmtree(tmp_path / "node")  # from the persistent tier (packed: frames)
+    blobs = [p.stat().st_size for p in (tmp_path / "durable").rglob("v000000000000/r*")]
+    assert len(blobs) == 4
+    group2 = LocalGroup(4)
+
+    def restore(r: int) -> tuple[Any, int]:
+        # 4 -> 4 with elastic=True is an ordinary restore: no other rank's blob is read.
+        with job(tmp_path, r, 4, group2, elastic=True) as ckpt:
+            got = ckpt.restore()
+            return got, ckpt.stats.reshard_bytes_read
+
+    for _, read in run_ranks(4, restore):
+        assert read == 0
+    group3 = LocalGroup(8)
+
+    def restore8(r: int) -> tuple[Any, int]:
+        with job(tmp_path, r, 8, group3, elastic=True) as ckpt:
+            got = ckpt.restore()
+            return got, ckpt.stats.reshard_bytes_read
+
+    for q, (got, read) in enumerate(run_ranks(8, restore8)):
+        assert torch.equal(got.state["big"], big[q * 8 : q * 8 + 8])
+        # The frames of the one old shard it overlaps (whole old tensors are the unit), and
+        # the first 64 KiB of every old blob for its header -- not the four blobs.
+        assert read <= max(blobs) + 4 * (64 << 10), (q, read, blobs)
+        assert read < sum(blobs) / 3, (q, read, blobs)

@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from tiercheck.codec import BlobMeta, RawState, decode, read_meta
+from tiercheck.codec import BlobMeta, RangedBlob, read_meta_ranged, read_tensors
 from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.partial import Fetch
 from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
-from tiercheck.tiers.base import Buffer, Tier
+from tiercheck.tiers.base import Buffer, SupportsRangedGet, Tier
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
@@ -52,6 +54,7 @@ class ElasticReader:
         self.reader = reader
         # Blobs fetched during one read: the header and the tensors come from the same blob.
         self._blobs: dict[tuple[str, str], Buffer] = {}
+        self._lock = threading.Lock()
 
     async def _get(self, tier: Tier, key: str) -> Buffer:
         blob = self._blobs.get((tier.name, key))
@@ -154,30 +157,46 @@ class ElasticReader:
             )
         return {r: k for r, (_, k) in found.items()}
 
+    async def _fetch(self, tier: Tier, key: str) -> Fetch:
+        """A synchronous ``fetch(start, end)`` of ``key``'s bytes, for the codec's worker threads:
+        ranged reads where the tier serves them, else slices of the whole blob (read once)."""
+        loop = asyncio.get_running_loop()
+        stats, lock = self.ctx.stats, self._lock
+        if isinstance(tier, SupportsRangedGet):
+            ranged = tier
+
+            def fetch(start: int, end: int) -> Buffer:
+                got = asyncio.run_coroutine_threadsafe(
+                    ranged.get_range(key, start, end), loop
+                ).result()
+                with lock:  # fetches run on several worker threads
+                    stats.reshard_bytes_read += memoryview(got).nbytes
+                return got
+
+            return fetch
+        whole = memoryview(await self._get(tier, key)).cast("B")
+        stats.reshard_bytes_read += whole.nbytes
+        return lambda start, end: whole[start:end]
+
     async def _meta(self, tier: Tier, key: str, version: int, rank: int) -> BlobMeta:
-        blob = await self._get(tier, key)
+        fetch = await self._fetch(tier, key)
         try:
-            meta = await asyncio.to_thread(read_meta, blob)
+            meta = await asyncio.to_thread(read_meta_ranged, fetch)
             if meta.version != version or meta.rank != rank:
                 raise FormatError(
                     f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
                 )
         except (ChecksumMismatch, FormatError) as exc:
-            await self.reader.quarantine(tier, key, blob, exc)
+            await self._quarantine(tier, key, exc)
             raise
         return meta
 
     async def _tensors(
         self, tier: Tier, key: str, meta: BlobMeta, wanted: Sequence[int]
     ) -> dict[int, torch.Tensor]:
-        """The ``wanted`` tensors of one old rank's blob, verified."""
-        raw = await self._decode(tier, key, meta)
-        tensors = raw.tensors()
-        return {i: tensors[i] for i in wanted}
-
-    async def _decode(self, tier: Tier, key: str, meta: BlobMeta) -> RawState:
-        blob = await self._get(tier, key)
-        base: RawState | None = None
+        """The ``wanted`` tensors of one old rank's blob: only the chunks or frames that hold
+        them, each checked against its digest (a delta's base likewise)."""
+        base: RangedBlob | None = None
         if meta.base is not None:
             base_keys = await self._keys(
                 tier, meta.base.version, self.ctx.claim.world_of(meta.base.version)
@@ -186,11 +205,28 @@ class ElasticReader:
             base_meta = await self._meta(tier, base_key, meta.base.version, meta.rank)
             if base_meta.base is not None:
                 raise FormatError(f"{key}: its base {base_key} is a delta itself")
-            base = await self._decode(tier, base_key, base_meta)
+            base = RangedBlob(base_meta, await self._fetch(tier, base_key))
+        fetch = await self._fetch(tier, key)
         try:
             return await asyncio.to_thread(
-                decode, blob, base=base, executor=self.ctx.cpu, meta=meta
+                read_tensors, meta, fetch, wanted, base=base, executor=self.ctx.cpu
             )
         except (ChecksumMismatch, FormatError) as exc:
-            await self.reader.quarantine(tier, key, blob, exc)
+            await self._quarantine(tier, key, exc)
             raise
+
+    async def _quarantine(self, tier: Tier, key: str, exc: Exception) -> None:
+        """Set a blob that failed verification aside (read whole for that: it is rare)."""
+        try:
+            blob = await self._get(tier, key)
+        except Exception as get_exc:
+            logger.error(
+                "tiercheck: %s in %r failed verification (%s) and could not be read back to be "
+                "set aside (%r); it stays under its own key",
+                key,
+                tier.name,
+                exc,
+                get_exc,
+            )
+            return
+        await self.reader.quarantine(tier, key, blob, exc)

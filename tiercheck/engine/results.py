@@ -62,6 +62,9 @@ class CheckpointerStats:
     stall_s_total: float = 0.0
     manifest_errors: int = 0
     restore_fallbacks: int = 0
+    #: Bytes of other ranks' blobs read by elastic restores (ranged reads where the tier
+    #: serves them, whole blobs where it does not).
+    reshard_bytes_read: int = 0
     #: Versions a tier could not take at all (full, unusable when staging), by tier; they
     #: still went to the other tiers.
     tier_skips: dict[str, int] = field(default_factory=dict)
