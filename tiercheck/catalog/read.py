@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from tiercheck.blobread import read_blob
 from tiercheck.catalog.base import READS, NullProgress, Progress, bounded
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.scan import BlobEntry, Catalog
-from tiercheck.codec import RawState, decode, read_meta
-from tiercheck.errors import BlobNotFound, FormatError, TiercheckError
+from tiercheck.codec import RawState, read_meta
+from tiercheck.errors import BlobNotFound, TiercheckError
 
 __all__ = ["decode_blob", "inspect_blobs"]
 
@@ -46,23 +47,18 @@ async def decode_blob(opened: OpenLocation, catalog: Catalog, blob: BlobEntry) -
     """Read and decode ``blob``, reading and decoding its base first when it is a delta.
 
     Decoding checks every blob's checksum and the payload against the digest recorded at save
-    time, so what comes back is bit for bit what was saved, or an error.
+    time, so what comes back is bit for bit what was saved, or an error (the reading rule of
+    restore: :func:`tiercheck.blobread.read_blob`).
     """
-    data = await opened.get(blob.key)
-    meta = await asyncio.to_thread(read_meta, data)
-    base: RawState | None = None
-    if meta.base is not None:
-        entry = catalog.versions.get(meta.base.version)
-        base_blob = None if entry is None else entry.blobs.get(meta.rank)
+
+    async def find_base(version: int, rank: int) -> str:
+        entry = catalog.versions.get(version)
+        base_blob = None if entry is None else entry.blobs.get(rank)
         if base_blob is None:
             raise BlobNotFound(
-                f"{blob.key} is a delta against version {meta.base.version}, which has no blob "
-                f"of rank {meta.rank} in the {catalog.location.tier_name} tier"
+                f"{blob.key} is a delta against version {version}, which has no blob "
+                f"of rank {rank} in the {catalog.location.tier_name} tier"
             )
-        base_data = await opened.get(base_blob.key)
-        base_meta = await asyncio.to_thread(read_meta, base_data)
-        if base_meta.base is not None:
-            raise FormatError(f"{base_blob.key} is a delta, but a base must be self-contained")
-        base = await asyncio.to_thread(decode, base_data)
-        del base_data
-    return await asyncio.to_thread(decode, data, base=base)
+        return base_blob.key
+
+    return await read_blob(opened.get, blob.key, find_base=find_base)

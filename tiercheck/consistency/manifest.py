@@ -1,4 +1,4 @@
-"""The node's manifest: an append-only log of what happened to every version, in LMDB.
+"""The node's manifest: a log of what happened to every version, and its index, in LMDB.
 
 One LMDB environment per node, shared by every rank (process) of that node. Each write is one
 LMDB transaction that appends records to the ``log`` table *and* applies them to the index
@@ -207,7 +207,8 @@ class _SharedEnv:
 
 
 class Manifest:
-    """The append-only log and its index for one node. See the module docstring.
+    """The log (appended to, compacted now and then) and its index for one node. See the module
+    docstring.
 
     Args:
         path: folder of the LMDB environment (created if missing, mode 0700).

@@ -1,17 +1,18 @@
 """Reading one version back: this rank's blob from one tier, verified, its base with it.
 
-Every blob is checked as it is read (its header, then every checksum while decoding); a blob
+Every blob is checked as it is read (:func:`tiercheck.blobread.read_blob`, the rule the CLI
+reads by too: its header, then every checksum while decoding); a blob
 that fails is set aside under ``quarantine/`` in its tier, where no cleanup deletes it, and the
 next tier is tried (:meth:`Reader.fetch`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from tiercheck.codec import RawState, decode, read_meta
+from tiercheck.blobread import read_blob
+from tiercheck.codec import RawState
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
@@ -20,8 +21,6 @@ from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import (
     BlobNotFound,
-    ChecksumMismatch,
-    FormatError,
     RestoreError,
     UnsupportedFormat,
 )
@@ -64,30 +63,24 @@ class Reader:
             reasons.append("no tier holds this rank's blob of it")
         return None, None, reasons
 
-    async def read(self, tier: Tier, version: int, *, as_base: bool = False) -> RawState:
-        key = await self._own_key(tier, version)
-        blob = await tier.get(key)
-        try:
-            meta = await asyncio.to_thread(read_meta, blob)
-            if meta.version != version or meta.rank != self.ctx.rank:
-                raise FormatError(
-                    f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
-                )
-        except (ChecksumMismatch, FormatError) as exc:
+    async def read(self, tier: Tier, version: int) -> RawState:
+        """This rank's blob of ``version`` in ``tier``, verified (see :mod:`tiercheck.blobread`);
+        a blob that fails verification is quarantined."""
+
+        async def find_base(base: int, rank: int) -> str:
+            return await self._own_key(tier, base)
+
+        async def damaged(key: str, blob: Buffer, exc: Exception) -> None:
             await self.quarantine(tier, key, blob, exc)
-            raise
-        base: RawState | None = None
-        if meta.base is not None:
-            if as_base:
-                raise FormatError(f"{key} is a delta, but deltas are read only against a base")
-            base = await self.read(tier, meta.base.version, as_base=True)
-        try:
-            return await asyncio.to_thread(
-                decode, blob, base=base, executor=self.ctx.cpu, meta=meta
-            )
-        except (ChecksumMismatch, FormatError) as exc:
-            await self.quarantine(tier, key, blob, exc)
-            raise
+
+        return await read_blob(
+            tier.get,
+            await self._own_key(tier, version),
+            find_base=find_base,
+            expect=(version, self.ctx.rank),
+            executor=self.ctx.cpu,
+            on_damaged=damaged,
+        )
 
     async def _own_key(self, tier: Tier, version: int) -> str:
         if writes_commit_records(tier):
@@ -95,7 +88,8 @@ class Reader:
             if record.world_size != self.ctx.topo.world_size:
                 raise RestoreError(
                     f"version {version} was saved by {record.world_size} ranks; this job has "
-                    f"{self.ctx.topo.world_size} (resharding on restore is not supported)"
+                    f"{self.ctx.topo.world_size}, and the job's world-size history says this "
+                    "run's number saved it: the COMMIT record and the job record disagree"
                 )
             entry = record.entry(self.ctx.rank)
             own = self.pipes[tier.name].own

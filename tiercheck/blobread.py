@@ -1,0 +1,102 @@
+"""Reading one rank's blob of one version back, verified, with its base.
+
+The one reading rule that restore (:class:`tiercheck.engine.read.Reader`) and the CLI
+(:func:`tiercheck.catalog.read.decode_blob`) share. The blob's header is read and checked (and,
+when the caller knows them, its version and rank); a delta's base is found by version and rank
+(how is the caller's: a ``COMMIT`` record, a listing, a catalog), read the same way, and must be
+self-contained; decoding then checks every checksum and the payload against the digest taken at
+save time. What comes back is bit for bit what was saved, or an error. A blob found damaged is
+shown to the caller's ``on_damaged`` before the error is raised (restore sets it aside).
+
+Above the codec and the tiers (it reads through any ``get``), below the engine and the catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+
+from tiercheck.buffer import Buffer
+from tiercheck.codec import RawState, decode, read_meta
+from tiercheck.errors import ChecksumMismatch, FormatError
+
+__all__ = ["FindBase", "GetBlob", "OnDamaged", "read_blob"]
+
+#: Reads the blob stored under a key.
+GetBlob = Callable[[str], Awaitable[Buffer]]
+#: The key of the blob of ``(version, rank)``: where a delta's base is; raises if there is none.
+FindBase = Callable[[int, int], Awaitable[str]]
+#: Told of a blob that failed verification: its key, its bytes, the error (raised afterwards).
+OnDamaged = Callable[[str, Buffer, Exception], Awaitable[None]]
+
+
+async def read_blob(
+    get: GetBlob,
+    key: str,
+    *,
+    find_base: FindBase,
+    expect: tuple[int, int] | None = None,
+    executor: Executor | None = None,
+    on_damaged: OnDamaged | None = None,
+) -> RawState:
+    """Read the blob under ``key`` (and its base, for a delta) and decode it, verified.
+
+    Args:
+        get: reads a blob by key.
+        key: the blob's key.
+        find_base: the key of a delta's base, from its version and rank.
+        expect: ``(version, rank)`` the blob must hold (:class:`~tiercheck.errors.FormatError`
+            if it holds another); its base is then checked the same way. ``None``: not checked.
+        executor: threads for decoding (see :func:`tiercheck.codec.decode`).
+        on_damaged: awaited with a blob that fails verification, before the error is raised.
+    """
+    return await _read(
+        get, key, find_base=find_base, expect=expect, executor=executor, on_damaged=on_damaged
+    )
+
+
+async def _read(
+    get: GetBlob,
+    key: str,
+    *,
+    find_base: FindBase,
+    expect: tuple[int, int] | None,
+    executor: Executor | None,
+    on_damaged: OnDamaged | None,
+    as_base: bool = False,
+) -> RawState:
+    blob = await get(key)
+    try:
+        meta = await asyncio.to_thread(read_meta, blob)
+        if expect is not None and (meta.version, meta.rank) != expect:
+            raise FormatError(
+                f"{key} holds version {meta.version} of rank {meta.rank}, not version "
+                f"{expect[0]} of rank {expect[1]}"
+            )
+    except (ChecksumMismatch, FormatError) as exc:
+        if on_damaged is not None:
+            await on_damaged(key, blob, exc)
+        raise
+    base: RawState | None = None
+    if meta.base is not None:
+        if as_base:
+            raise FormatError(f"{key} is a delta, but a base must be self-contained")
+        base_version = meta.base.version
+        base_key = await find_base(base_version, meta.rank)
+        base_expect = None if expect is None else (base_version, meta.rank)
+        base = await _read(
+            get,
+            base_key,
+            find_base=find_base,
+            expect=base_expect,
+            executor=executor,
+            on_damaged=on_damaged,
+            as_base=True,
+        )
+    try:
+        return await asyncio.to_thread(decode, blob, base=base, executor=executor, meta=meta)
+    except (ChecksumMismatch, FormatError) as exc:
+        if on_damaged is not None:
+            await on_damaged(key, blob, exc)
+        raise
