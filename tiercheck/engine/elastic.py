@@ -33,7 +33,7 @@ from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefi
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
-from tiercheck.tiers.base import Buffer, SupportsRangedGet, Tier
+from tiercheck.tiers.base import Buffer, SupportsRangedGet, SupportsReserve, Tier
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
@@ -162,7 +162,9 @@ class ElasticReader:
         ranged reads where the tier serves them, else slices of the whole blob (read once)."""
         loop = asyncio.get_running_loop()
         stats, lock = self.ctx.stats, self._lock
-        if isinstance(tier, SupportsRangedGet):
+        # A tier that maps its blobs into memory (the local tier: SupportsReserve) hands out the
+        # mapping without reading: slicing it beats a ranged read, which copies.
+        if isinstance(tier, SupportsRangedGet) and not isinstance(tier, SupportsReserve):
             ranged = tier
 
             def fetch(start: int, end: int) -> Buffer:
@@ -175,8 +177,14 @@ class ElasticReader:
 
             return fetch
         whole = memoryview(await self._get(tier, key)).cast("B")
-        stats.reshard_bytes_read += whole.nbytes
-        return lambda start, end: whole[start:end]
+
+        def view(start: int, end: int) -> Buffer:
+            part = whole[start:end]
+            with lock:
+                stats.reshard_bytes_read += part.nbytes
+            return part
+
+        return view
 
     async def _meta(self, tier: Tier, key: str, version: int, rank: int) -> BlobMeta:
         fetch = await self._fetch(tier, key)
