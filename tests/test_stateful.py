@@ -145,3 +145,54 @@ def test_shape_mismatch_inside_a_stateful_is_still_a_mismatch(tmp_path: Path) ->
         with pytest.raises(StateMismatch, match=r"float32\(2, 4\)"):
             ckpt.restore({"m": other})
         assert torch.equal(other.weight, before)
+
+
+def test_load_state_dict_failing_on_one_rank_fails_the_restore_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    from tests.test_never_lose import run_ranks
+    from tiercheck.testing import LocalGroup
+
+    def ckpt_of(rank: int, group: LocalGroup) -> SyncCheckpointer:
+        return SyncCheckpointer(
+            "job",
+            rank=rank,
+            world_size=2,
+            ranks_per_node=1,
+            coordinator=group.coordinator(rank),
+            local_root=tmp_path / f"node{rank}",
+            persistent=(tmp_path / "durable").as_uri(),
+            tiers=["local", "persistent"],
+        )
+
+    saving = LocalGroup(2)
+
+    def save(rank: int) -> None:
+        with ckpt_of(rank, saving) as ckpt:
+            ckpt.save(1, {"a": Counter(1.0)})
+            ckpt.wait()
+
+    run_ranks(2, save)
+    restoring = LocalGroup(2)
+    raised: dict[int, str] = {}
+
+    def restore(rank: int) -> None:
+        with ckpt_of(rank, restoring) as ckpt:
+            try:
+                ckpt.restore({"a": Refuses() if rank == 1 else Counter()})
+            except StatefulError as exc:
+                raised[rank] = str(exc)
+
+    run_ranks(2, restore)
+    assert "Refuses.load_state_dict" in raised[1]
+    assert "failed on ranks [1]" in raised[0]
+    # Nothing stored was harmed: both ranks restore with objects that accept the value.
+    again = LocalGroup(2)
+
+    def fine(rank: int) -> float:
+        with ckpt_of(rank, again) as ckpt:
+            obj = Counter()
+            assert ckpt.restore({"a": obj}) is not None
+            return float(obj.weights[0])
+
+    assert run_ranks(2, fine) == [1.0, 1.0]

@@ -59,7 +59,7 @@ from tiercheck.engine.results import (
     SaveStats,
     TierSaveStats,
 )
-from tiercheck.errors import TierClosed
+from tiercheck.errors import StatefulError, TierClosed
 from tiercheck.staging import caller_marks
 
 __all__ = [
@@ -158,7 +158,15 @@ class Checkpointer(CheckpointerCore):
         prepared = None if state is None else stateful.for_restore(state)
         target = None if prepared is None else prepared.target
         restored = await loop.run(engine.restore(target, version, strict))
-        return stateful.finish_restore(state, prepared, restored)
+        try:
+            result = stateful.finish_restore(state, prepared, restored)
+        except StatefulError as exc:
+            # Collective: the other ranks must not go on training either.
+            await loop.run(engine.loaded(str(exc)))
+            raise
+        if restored is not None:
+            await loop.run(engine.loaded(None))
+        return result
 
     async def wait(self) -> dict[str, int | None]:
         """Wait until every save so far is committed or failed in each of its tiers.

@@ -19,7 +19,8 @@ restored, each object's ``load_state_dict`` is called with the filled value, in 
 tensor has storage of its own and every stored DTensor is rebuilt (see
 :func:`~tiercheck.codec.dtensor.materialize`). If it raises,
 :class:`~tiercheck.errors.StatefulError` names the object (the version stays restored: the
-stored data is fine, the object refused it).
+stored data is fine, the object refused it), and every other rank raises one too, naming the
+ranks that failed: a job must not train on from a partial state.
 
 The entry points (:class:`~tiercheck.Checkpointer` and :class:`~tiercheck.SyncCheckpointer`)
 call :func:`for_save` and :func:`for_restore` / :func:`finish_restore`; the containers of the

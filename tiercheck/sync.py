@@ -13,6 +13,7 @@ from tiercheck import stateful
 from tiercheck.engine.core import CheckpointerCore
 from tiercheck.engine.options import CloseMode
 from tiercheck.engine.results import Restored, SaveHandle
+from tiercheck.errors import StatefulError
 from tiercheck.staging import caller_marks
 
 __all__ = ["SyncCheckpointer"]
@@ -58,7 +59,15 @@ class SyncCheckpointer(CheckpointerCore):
         prepared = None if state is None else stateful.for_restore(state)
         target = None if prepared is None else prepared.target
         restored = loop.call(engine.restore(target, version, strict))
-        return stateful.finish_restore(state, prepared, restored)
+        try:
+            result = stateful.finish_restore(state, prepared, restored)
+        except StatefulError as exc:
+            # Collective: the other ranks must not go on training either.
+            loop.call(engine.loaded(str(exc)))
+            raise
+        if restored is not None:
+            loop.call(engine.loaded(None))
+        return result
 
     def wait(self) -> dict[str, int | None]:
         """Block until every save so far is committed or failed in each of its tiers.

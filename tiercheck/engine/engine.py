@@ -32,7 +32,7 @@ from tiercheck.engine.schedule import Schedule
 from tiercheck.engine.shutdown import Shutdown
 from tiercheck.engine.stage import Stager
 from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
-from tiercheck.errors import ConfigError, SaveSkipped, TierClosed
+from tiercheck.errors import ConfigError, SaveSkipped, StatefulError, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
 __all__ = ["Engine"]
@@ -257,6 +257,23 @@ class Engine:
         self._check_open()
         await self.wait()
         return await self.restorer.restore(state, version, strict, started)
+
+    async def loaded(self, error: str | None) -> None:
+        """After a restore, every rank says whether its ``load_state_dict`` calls succeeded.
+
+        A Stateful object that refuses its value on one rank must not leave the other ranks
+        training on: each rank whose own loading went well raises
+        :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
+        failed raises its own error).
+        """
+        said = await self.ctx.exchange("control", {"error": error})
+        failed = [(r, e["error"]) for r, e in enumerate(said) if e["error"] is not None]
+        if failed and error is None:
+            rank, text = failed[0]
+            raise StatefulError(
+                f"the restore failed on ranks {[r for r, _ in failed]} (rank {rank}: {text}); "
+                "this rank restored its part, but the job cannot go on from a partial state"
+            )
 
     async def aclose(self, how: CloseMode) -> None:
         """Close, in one of three ways (see :data:`~tiercheck.engine.options.CloseMode`)."""
