@@ -3,9 +3,10 @@
 A version's world size comes from the job's history (:mod:`tiercheck.consistency.worlds`). When
 it differs from this run's, no rank has "its" blob: new rank ``q`` reads the headers of every
 old rank's blob, plans which old tensors it needs (:func:`~tiercheck.codec.reshard.plan_reshard`),
-reads those -- only their byte ranges where the tier serves ranges
-(:class:`~tiercheck.tiers.base.SupportsRangedGet`), each range verified against its checksum --
-and puts together the state it would have saved itself
+reads those -- only the chunks or frames that hold them, by ranged reads where the tier serves
+them (:class:`~tiercheck.tiers.base.SupportsRangedGet`) or as slices of the mapping where it maps
+its blobs into memory (the local tier), each range verified against its checksum -- and puts
+together the state it would have saved itself
 (:func:`~tiercheck.codec.reshard.assemble`). The result goes through the same check against the
 caller's state and the same copy into it as any restore.
 
