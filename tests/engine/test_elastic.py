@@ -43,33 +43,32 @@ def rows(rank: int, world: int) -> slice:
     return slice(start, min(start + chunk, ROWS))
 
 
-def shard(version: int, rank: int, world: int) -> DTensorShard:
-    part = rows(rank, world)
+def stored(
+    local: torch.Tensor, full: torch.Tensor, start: int, rank: int, world: int
+) -> DTensorShard:
+    """What FSDP2 stores for rank ``rank`` of ``world``: rows from ``start`` of ``full`` (placed
+    ``Shard(0)``), or all of it (``Replicate()``) when ``local`` is as large as ``full``."""
+    whole = local.shape == full.shape
     return DTensorShard(
-        local=global_weight(version)[part].clone(),
-        shape=(ROWS, COLS),
-        stride=(COLS, 1),
-        placements=(("shard", 0),),
+        local=local.clone(),
+        shape=tuple(full.shape),
+        stride=tuple(full.stride()),
+        placements=(("replicate",),) if whole else (("shard", 0),),
         mesh=(world,),
         names=None,
         device="cpu",
         coord=(rank,),
-        offset=(part.start, 0),
+        offset=(start,) + (0,) * (full.dim() - 1),
     )
+
+
+def shard(version: int, rank: int, world: int) -> DTensorShard:
+    part, full = rows(rank, world), global_weight(version)
+    return stored(full[part], full, part.start, rank, world)
 
 
 def replicated(version: int, rank: int, world: int) -> DTensorShard:
-    return DTensorShard(
-        local=global_bias(version).clone(),
-        shape=(5,),
-        stride=(1,),
-        placements=(("replicate",),),
-        mesh=(world,),
-        names=None,
-        device="cpu",
-        coord=(rank,),
-        offset=(0,),
-    )
+    return stored(global_bias(version), global_bias(version), 0, rank, world)
 
 
 def state_of(version: int, rank: int, world: int, *, own: bool = False) -> dict[str, Any]:
@@ -261,24 +260,10 @@ def test_each_new_rank_reads_only_the_ranges_it_needs(tmp_path: Path) -> None:
     # 4 old ranks hold 2 MiB each of one big sharded weight; 8 new ranks need half of one each.
     big = torch.randn(64, 32768, generator=torch.Generator().manual_seed(1))
     group = LocalGroup(4)
-    rows4 = [slice(r * 16, r * 16 + 16) for r in range(4)]
-
-    def record(part: slice, rank: int, world: int, local: torch.Tensor) -> DTensorShard:
-        return DTensorShard(
-            local=local,
-            shape=tuple(big.shape),
-            stride=tuple(big.stride()),
-            placements=(("shard", 0),),
-            mesh=(world,),
-            names=None,
-            device="cpu",
-            coord=(rank,),
-            offset=(part.start, 0),
-        )
 
     def save(r: int) -> None:
         with job(tmp_path, r, 4, group) as ckpt:
-            ckpt.save(0, {"big": record(rows4[r], r, 4, big[rows4[r]].clone()), "step": 0})
+            ckpt.save(0, {"big": stored(big[r * 16 : r * 16 + 16], big, r * 16, r, 4), "step": 0})
             ckpt.wait()
 
     run_ranks(4, save)
