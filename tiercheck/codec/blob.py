@@ -331,7 +331,7 @@ def _header_region(header: bytes) -> bytes:
 
 
 def _full_header(layout: Layout, version: int, rank: int) -> bytes:
-    stage = FlattenStage.for_layout(layout.has_dtensors)
+    stage = FlattenStage.for_layout(layout.has_dtensors, layout.has_refs)
     return _pack_header(
         {
             "version": version,
@@ -483,7 +483,7 @@ def encode_packed(
     layout = state.layout
     _layout_bytes(layout)  # refuses a non-canonical layout before any work
     device = state.payload.device
-    stages: list[Stage] = [FlattenStage.for_layout(layout.has_dtensors)]
+    stages: list[Stage] = [FlattenStage.for_layout(layout.has_dtensors, layout.has_refs)]
     matches: list[int] | None = None
     base_offsets = (-1,) * len(layout.specs)
     if base is not None:
@@ -600,7 +600,7 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
             and raw == body_digest
             and body_nbytes == known_layout.payload_nbytes
         ):
-            stage = FlattenStage.for_layout(known_layout.has_dtensors)
+            stage = FlattenStage.for_layout(known_layout.has_dtensors, known_layout.has_refs)
             return BlobMeta(
                 kind="full",
                 version=known_version,

@@ -3,6 +3,11 @@
 Every blob is checked as it is read (its header, then every checksum while decoding); a blob
 that fails is set aside under ``quarantine/`` in its tier, where no cleanup deletes it, and the
 next tier is tried (:meth:`Reader.fetch`).
+
+A blob that holds references to replicated state its node's first rank stored
+(:class:`~tiercheck.codec.flatten.ReplicaRef`) is completed from that rank's blob of the same
+version in the same tier, verified the same way (:func:`~tiercheck.codec.replica.resolve`); when
+that blob is missing or damaged there, the tier fails for this rank and the next is tried.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from tiercheck.codec import RawState, decode, read_meta
+from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
@@ -45,12 +52,12 @@ class Reader:
 
     async def fetch(
         self, version: int, mine: Inventory
-    ) -> tuple[RawState | None, str | None, list[str]]:
+    ) -> tuple[RawState | Resharded | None, str | None, list[str]]:
         """Read ``version`` from the fastest tier that serves it; else why each tier could not."""
         reasons: list[str] = []
         for name in mine.sources(version):
             try:
-                return await self.read(self.pipes[name].tier, version), name, reasons
+                return await self.read_whole(self.pipes[name].tier, version), name, reasons
             except Exception as exc:
                 self.ctx.stats.restore_fallbacks += 1
                 reasons.append(f"{name}: {type(exc).__name__}: {exc}")
@@ -64,12 +71,34 @@ class Reader:
             reasons.append("no tier holds this rank's blob of it")
         return None, None, reasons
 
-    async def read(self, tier: Tier, version: int, *, as_base: bool = False) -> RawState:
-        key = await self._own_key(tier, version)
-        blob = await tier.get(key)
+    async def read_whole(self, tier: Tier, version: int) -> RawState | Resharded:
+        """This rank's blob of ``version`` from ``tier``, its references (if any) resolved
+        against the blobs of the ranks that store the replicated state."""
+        raw = await self.read(tier, version)
+        stores = referenced(raw.layout)
+        if not stores:
+            return raw
+        others = {r: await self.read(tier, version, rank=r) for r in sorted(stores)}
+        resolved = await asyncio.to_thread(
+            resolve, raw.layout, self.ctx.rank, {r: o.layout for r, o in others.items()}
+        )
+        tensors = {r: o.tensors() for r, o in others.items()}
+        tensors[self.ctx.rank] = raw.tensors()
+        return Resharded(
+            version, resolved.layout, tuple(take(resolved, tensors)), self.ctx.topo.world_size
+        )
+
+    async def read(
+        self, tier: Tier, version: int, *, as_base: bool = False, rank: int | None = None
+    ) -> RawState:
+        """Rank ``rank``'s blob (this rank's by default) of ``version`` from ``tier``, decoded
+        and verified, with its base."""
+        rank = self.ctx.rank if rank is None else rank
+        key = await self._own_key(tier, version, rank)
+        blob = await self._get(tier, key, rank)
         try:
             meta = await asyncio.to_thread(read_meta, blob)
-            if meta.version != version or meta.rank != self.ctx.rank:
+            if meta.version != version or meta.rank != rank:
                 raise FormatError(
                     f"{key} in {tier.name!r} holds version {meta.version} of rank {meta.rank}"
                 )
@@ -80,7 +109,7 @@ class Reader:
         if meta.base is not None:
             if as_base:
                 raise FormatError(f"{key} is a delta, but deltas are read only against a base")
-            base = await self.read(tier, meta.base.version, as_base=True)
+            base = await self.read(tier, meta.base.version, as_base=True, rank=rank)
         try:
             return await asyncio.to_thread(
                 decode, blob, base=base, executor=self.ctx.cpu, meta=meta
@@ -89,7 +118,17 @@ class Reader:
             await self.quarantine(tier, key, blob, exc)
             raise
 
-    async def _own_key(self, tier: Tier, version: int) -> str:
+    async def _get(self, tier: Tier, key: str, rank: int) -> Buffer:
+        if rank == self.ctx.rank:
+            return await tier.get(key)
+        # Another rank's blob: the peer tier keeps each rank's replicas apart.
+        get_for = getattr(tier, "get_for", None)
+        if callable(get_for):
+            blob: Buffer = await get_for(rank, key)
+            return blob
+        return await tier.get(key)
+
+    async def _own_key(self, tier: Tier, version: int, rank: int) -> str:
         if writes_commit_records(tier):
             record = CommitRecord.from_bytes(bytes(await tier.get(commit_key(version))))
             if record.world_size != self.ctx.topo.world_size:
@@ -97,21 +136,23 @@ class Reader:
                     f"version {version} was saved by {record.world_size} ranks; this job has "
                     f"{self.ctx.topo.world_size} (resharding on restore is not supported)"
                 )
-            entry = record.entry(self.ctx.rank)
+            entry = record.entry(rank)
             own = self.pipes[tier.name].own
-            if version in own:  # the record knows the base: no need to guess
+            if rank == self.ctx.rank and version in own:  # the record knows the base
                 own[version] = OwnBlob(entry.key, entry.base)
             return entry.key
-        keys = [k async for k in tier.list(version_prefix(version))]
+        list_for = getattr(tier, "list_for", None)
+        listing = (
+            list_for(rank, version_prefix(version))
+            if rank != self.ctx.rank and callable(list_for)
+            else tier.list(version_prefix(version))
+        )
+        keys = [k async for k in listing]
         mine = sorted(
-            (p.kind, k)
-            for k in keys
-            if (p := parse_blob_key(k)) is not None and p.rank == self.ctx.rank
+            (p.kind, k) for k in keys if (p := parse_blob_key(k)) is not None and p.rank == rank
         )
         if not mine:
-            raise BlobNotFound(
-                f"rank {self.ctx.rank} has no blob of version {version} in {tier.name!r}"
-            )
+            raise BlobNotFound(f"rank {rank} has no blob of version {version} in {tier.name!r}")
         return mine[0][1]  # "full" sorts before "packed": the cheaper read
 
     async def quarantine(self, tier: Tier, key: str, blob: Buffer, exc: Exception) -> None:

@@ -98,10 +98,13 @@ class _Requester(_Link):
         self._wait_all(works, dst)
         self._reply(dst, seq, "done")
 
-    def _get_sync(self, dst: int, key: str) -> memoryview:
+    def _get_sync(self, dst: int, key: str, owner: int | None = None) -> memoryview:
         import torch.distributed as dist
 
-        seq = self._send_request(dst, {"op": "get", "key": key, "chunk": self.chunk_bytes})
+        message: dict[str, Any] = {"op": "get", "key": key, "chunk": self.chunk_bytes}
+        if owner is not None:
+            message["owner"] = owner
+        seq = self._send_request(dst, message)
         reply = self._reply(dst, seq, "ready")
         size = int(reply["size"])
         out = memoryview(bytearray(size))
