@@ -632,6 +632,10 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
     if type(version) is not int or type(rank) is not int:
         raise FormatError("blob header lacks version or rank")
     layout = _layout_from_obj(header.get("layout"))
+    if stages and isinstance(stages[0], FlattenStage):
+        # Only blobs naming flatten/3 hold replica references (the writer names /3 exactly
+        # then): known without scanning the skeleton, which a restore would do once per blob.
+        layout.__dict__["has_refs"] = stages[0].major == 3
     kinds = [type(s) for s in stages]
     base: BaseRef | None = None
     packed: _PackedInfo | None = None
