@@ -85,7 +85,9 @@ class Replicated:
     **The promise is the caller's:** every rank must hold the same value there at each save
     (DDP keeps parameters and optimizer state identical across ranks). tiercheck does not
     compare the ranks' copies; a rank whose value differed gets the first rank's on restore.
-    Per-rank state (RNG states, a data-loader position) must stay outside. DTensors placed
+    Per-rank state (RNG states, a data-loader position) must stay outside. On the other ranks
+    a ``Stateful`` value's ``state_dict()`` is not called at save (nothing of it is stored
+    there), so it must not be a collective. DTensors placed
     ``Replicate()`` on a mesh of all ranks are stored once per node without this wrapper.
     """
 
