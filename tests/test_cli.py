@@ -1367,3 +1367,33 @@ def test_ls_and_verify_on_s3(s3_server: S3Server, run: Any, tmp_path: Path) -> N
     assert bad.code == EXIT_PROBLEMS
     keys = [f["key"] for f in bad.json()["reports"][0]["findings"]]
     assert keys == [key]
+
+
+def test_export_and_inspect_of_a_rank_that_stored_references(tmp_path: Path, run: Any) -> None:
+    from tests.engine.test_replicated import WORLD, model_of, own_of, save
+
+    save(tmp_path, range(2))  # rank 0 stores the replicated model, ranks 1-3 references
+    durable = tmp_path / "durable" / "job"
+    ran = run("inspect", durable, "--version", 1, "--json")
+    assert ran.code == EXIT_OK, ran.err
+    blobs = {b["rank"]: b for b in ran.json()["versions"][0]["blobs"]}
+    assert blobs[0]["replicas_from"] == []
+    assert blobs[0]["tensor_count"] == len(model_of(1)) + 1
+    for rank in range(1, WORLD):
+        # Honest about what the blob holds: its own tensor only, and where the rest is.
+        assert (blobs[rank]["tensor_count"], blobs[rank]["replicas_from"]) == (1, [0])
+        assert blobs[rank]["stages"][0] == "tiercheck.flatten/3"
+    for where in (durable, tmp_path / "node0"):
+        out = tmp_path / f"r2-{where.name}"
+        ran = run("export", where, out, "--rank", 2, "--format", "pt", "--json")
+        assert ran.code == EXIT_OK, ran.err
+        state = torch.load(out.with_name(out.name + ".pt"), weights_only=True)
+        assert set(state) == {"model", "own"}
+        for key, expected in model_of(1).items():
+            assert torch.equal(state["model"][key], expected)
+        assert torch.equal(state["own"], own_of(1, 2))
+    ran = run("export", durable, tmp_path / "full", "--full", "--format", "pt", "--json")
+    assert ran.code == EXIT_OK, ran.err
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    for key, expected in model_of(1).items():
+        assert torch.equal(state["model"][key], expected)

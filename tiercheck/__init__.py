@@ -51,6 +51,7 @@ from tiercheck.errors import (
     WorldSizeMismatch,
 )
 from tiercheck.staging import fence_before_forward, fence_before_step
+from tiercheck.stateful import Replicated
 from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers import LocalTier, PersistentTier
 from tiercheck.tiers.base import FailureScope, Tier
@@ -75,6 +76,7 @@ __all__ = [
     "PeerUnavailable",
     "PersistentTier",
     "PluginImportError",
+    "Replicated",
     "ReshardError",
     "RestoreError",
     "Restored",

@@ -123,7 +123,7 @@ class Checkpointer(CheckpointerCore):
         shard and layout."""
         marks = caller_marks()
         loop, engine = await self._ensure_open()
-        state = stateful.for_save(state)  # Stateful objects -> their state_dict()
+        state = stateful.for_save(state, engine.replica)  # Stateful objects -> state_dict()
         return await loop.run(engine.save(version, state, marks))
 
     async def restore(

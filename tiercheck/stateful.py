@@ -22,6 +22,11 @@ tensor has storage of its own and every stored DTensor is rebuilt (see
 stored data is fine, the object refused it), and every other rank raises one too, naming the
 ranks that failed: a job must not train on from a partial state.
 
+:class:`Replicated` marks a part of the state that every rank holds alike (a DDP model and its
+optimizer): saving treats ``Replicated(x)`` as ``x``, except that only the first rank of each
+node stores it (the others store a reference to that rank's copy); restoring into a state that
+holds ``Replicated(x)`` restores into ``x``.
+
 The entry points (:class:`~tiercheck.Checkpointer` and :class:`~tiercheck.SyncCheckpointer`)
 call :func:`for_save` and :func:`for_restore` / :func:`finish_restore`; the containers of the
 caller's state are never modified on save, and only where a restore writes values back into
@@ -38,19 +43,62 @@ import numpy as np
 import torch
 
 from tiercheck.codec.dtensor import materialize
+from tiercheck.codec.flatten import ReplicaRef
 from tiercheck.errors import StatefulError
 from tiercheck.statetree import Lenient
 
 if TYPE_CHECKING:
     from tiercheck.checkpointer import Restored
 
-__all__ = ["Prepared", "finish_restore", "for_restore", "for_save", "is_stateful"]
+__all__ = [
+    "Prepared",
+    "Replicated",
+    "finish_restore",
+    "for_restore",
+    "for_save",
+    "is_stateful",
+]
 
 _CONTAINERS = (dict, collections.OrderedDict, list, tuple)
 # Values that are never Stateful, tested first (most of a state's values are tensors).
 _PLAIN = frozenset(
     {torch.Tensor, torch.nn.Parameter, int, float, str, bytes, bool, type(None), np.ndarray}
 )
+
+
+class Replicated:
+    """Marks ``value`` as state that every rank holds alike, so it is stored once per node.
+
+    Wrap the replicated part of the state handed to ``save`` and ``restore`` -- for a DDP job::
+
+        state = {"model": tiercheck.Replicated(ModelAndOptimizer(model, opt)), "rng": RNGState()}
+
+    ``value`` is anything a state may hold (a ``Stateful`` object such as a module, an
+    optimizer or :class:`~tiercheck.adapters.ModelAndOptimizer`, a ``state_dict``, a tensor).
+    Saving treats ``Replicated(x)`` as ``x`` on the first rank of each node (global rank
+    ``node_index * ranks_per_node``), which stores it as usual; every other rank stores a small
+    reference to that rank's copy in its place, so the node's shared memory -- and each tier --
+    holds one copy per node instead of one per rank. Restoring into a state that holds
+    ``Replicated(x)`` restores into ``x`` on every rank: a rank whose blob holds the reference
+    reads the value from the first rank's blob of the same version in the same tier (and falls
+    back to the next tier, as for any damaged blob, when that one is missing or corrupt).
+
+    **The promise is the caller's:** every rank must hold the same value there at each save
+    (DDP keeps parameters and optimizer state identical across ranks). tiercheck does not
+    compare the ranks' copies; a rank whose value differed gets the first rank's on restore.
+    Per-rank state (RNG states, a data-loader position) must stay outside. On the other ranks
+    a ``Stateful`` value's ``state_dict()`` is not called at save (nothing of it is stored
+    there), so it must not be a collective. DTensors placed
+    ``Replicate()`` on a mesh of all ranks are stored once per node without this wrapper.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Replicated({self.value!r})"
 
 
 def is_stateful(obj: object) -> bool:
@@ -107,9 +155,14 @@ def _rebuild(obj: Any, convert: Any) -> Any:
     return obj
 
 
-def for_save(state: Any) -> Any:
+def for_save(state: Any, replica: ReplicaRef | None = None) -> Any:
     """``state`` with each Stateful object replaced by its ``state_dict()``; ``state`` itself
-    (the same object) when it holds none."""
+    (the same object) when it holds none.
+
+    Each :class:`Replicated` value is replaced by ``replica`` where given (on a rank that is
+    not its node's first: the reference to that rank's copy), else by its value (converted
+    likewise).
+    """
 
     def convert(obj: Any) -> Any:
         t = type(obj)
@@ -117,6 +170,8 @@ def for_save(state: Any) -> Any:
             return obj
         if t in _CONTAINERS:
             return _rebuild(obj, convert)
+        if t is Replicated:
+            return convert(obj.value) if replica is None else replica
         if is_stateful(obj):
             return obj.state_dict()
         return obj
@@ -151,6 +206,8 @@ def for_restore(state: Any) -> Prepared:
             if new is not obj:
                 copies[id(obj)] = new
             return new
+        if t is Replicated:
+            return convert(obj.value)
         if is_stateful(obj):
             target = getattr(obj, "tiercheck_restore_target", None)
             lenient = Lenient(obj, target() if callable(target) else obj.state_dict())
@@ -165,6 +222,9 @@ def _write_back(orig: Any, filled: Any, prepared: Prepared) -> Any:
     """Carry what the restore put into the copies back into the caller's containers; returns
     the object that stands for ``orig`` in the result."""
     if is_stateful(orig):
+        return orig
+    if type(orig) is Replicated:
+        orig.value = _write_back(orig.value, filled, prepared)
         return orig
     if prepared.copies.get(id(orig)) is None:
         return filled  # not a copy: restored in place (or replaced) as any target

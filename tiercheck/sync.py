@@ -48,7 +48,7 @@ class SyncCheckpointer(CheckpointerCore):
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
         marks = caller_marks()
         loop, engine = self.open()._start()
-        state = stateful.for_save(state)  # Stateful objects -> their state_dict()
+        state = stateful.for_save(state, engine.replica)  # Stateful objects -> state_dict()
         return loop.call(engine.save(version, state, marks))
 
     def restore(

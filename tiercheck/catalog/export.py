@@ -16,10 +16,11 @@ import torch
 
 from tiercheck.catalog.base import Location, NullProgress, Progress
 from tiercheck.catalog.locate import OpenLocation
-from tiercheck.catalog.read import decode_blob
+from tiercheck.catalog.read import decode_blob, decode_resolved
 from tiercheck.catalog.scan import Catalog
 from tiercheck.codec import DTensorShard, RawState, unflatten
 from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.replica import resolve_all
 from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.errors import BlobNotFound, ReshardError
 from tiercheck.statetree import own_copy
@@ -229,10 +230,20 @@ async def _assembled(
             f"{catalog.location.tier_name} tier; the whole state needs every rank from 0"
         )
     raws = [await decode_blob(opened, catalog, entry.blobs[r]) for r in ranks]
-    layouts = [raw.layout for raw in raws]
+    # Replicated state a rank stored as a reference is taken from the rank that stored it.
+    resolved = resolve_all([raw.layout for raw in raws])
+    layouts = [r.layout for r in resolved]
+    tensors = {s: raw.tensors() for s, raw in enumerate(raws)}
+
+    def olds(wanted: Mapping[int, Sequence[int]]) -> dict[int, dict[int, torch.Tensor]]:
+        return {
+            s: {i: tensors[resolved[s].sources[i][0]][resolved[s].sources[i][1]] for i in idx}
+            for s, idx in wanted.items()
+        }
+
     try:
         plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="refuse")
-        parts = assemble(plan, {s: dict(enumerate(raws[s].tensors())) for s in plan.wanted})
+        parts = assemble(plan, olds(plan.wanted))
     except ReshardError as exc:
         if "per_rank='wrap'" not in str(exc):
             raise
@@ -241,7 +252,7 @@ async def _assembled(
             + str(exc).splitlines()[1].strip()
         )
         plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="wrap")
-        parts = assemble(plan, {s: dict(enumerate(raws[s].tensors())) for s in plan.wanted})
+        parts = assemble(plan, olds(plan.wanted))
     return Resharded(version, plan.layout, tuple(parts), len(ranks))
 
 
@@ -279,7 +290,7 @@ async def export(
         if rank is None:
             raw = await _assembled(opened, catalog, version, warnings)
         else:
-            raw = await decode_blob(opened, catalog, entry.blobs[rank])
+            raw = await decode_resolved(opened, catalog, entry.blobs[rank])
         count = len(raw.layout.specs)
         state = own_copy(unflatten(raw.layout, raw.tensors(), allow_pickle=allow_pickle))
         has_dtensors = raw.layout.has_dtensors

@@ -1,4 +1,6 @@
-"""Reading a catalog's blobs: headers (:func:`inspect_blobs`), or whole (:func:`decode_blob`)."""
+"""Reading a catalog's blobs: headers (:func:`inspect_blobs`), or whole (:func:`decode_blob`,
+and :func:`decode_resolved`, which completes a blob's references to replicated state from the
+blobs of the ranks that stored it)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from tiercheck.catalog.base import READS, NullProgress, Progress, bounded
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.scan import BlobEntry, Catalog
 from tiercheck.codec import RawState, read_meta
+from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.errors import BlobNotFound, TiercheckError
 
-__all__ = ["decode_blob", "inspect_blobs"]
+__all__ = ["decode_blob", "decode_resolved", "inspect_blobs"]
 
 
 async def inspect_blobs(
@@ -62,3 +66,30 @@ async def decode_blob(opened: OpenLocation, catalog: Catalog, blob: BlobEntry) -
         return base_blob.key
 
     return await read_blob(opened.get, blob.key, find_base=find_base)
+
+
+async def decode_resolved(
+    opened: OpenLocation, catalog: Catalog, blob: BlobEntry
+) -> RawState | Resharded:
+    """:func:`decode_blob`, with the blob's references to replicated state (see
+    :class:`tiercheck.Replicated`) replaced by the values the blobs of the storing ranks (of
+    the same version, in the same location) hold: the state the rank would have saved whole."""
+    raw = await decode_blob(opened, catalog, blob)
+    stores = referenced(raw.layout)
+    if not stores:
+        return raw
+    entry = catalog.versions[raw.version]
+    others: dict[int, RawState] = {}
+    for r in sorted(stores):
+        other = entry.blobs.get(r)
+        if other is None:
+            raise BlobNotFound(
+                f"{blob.key} refers to rank {r}'s blob of version {raw.version} for replicated "
+                f"state; the {catalog.location.tier_name} tier holds none"
+            )
+        others[r] = await decode_blob(opened, catalog, other)
+    rank = next(r for r, b in entry.blobs.items() if b is blob)
+    resolved = resolve(raw.layout, rank, {r: o.layout for r, o in others.items()})
+    tensors = {r: o.tensors() for r, o in others.items()}
+    tensors[rank] = raw.tensors()
+    return Resharded(raw.version, resolved.layout, tuple(take(resolved, tensors)), len(entry.blobs))

@@ -22,6 +22,7 @@ from tiercheck.cli.base import (
     table,
     yes_no,
 )
+from tiercheck.codec.replica import referenced
 
 __all__ = ["configure_inspect", "configure_ls", "run_inspect", "run_ls"]
 
@@ -99,6 +100,9 @@ def _blob_json(blob: BlobEntry, tensors: bool) -> dict[str, Any]:
             raw_size=raw,
             ratio=None if not meta.nbytes else raw / meta.nbytes,
             tensor_count=len(meta.layout.specs),
+            # Ranks whose blob of the version holds the replicated state this one refers to
+            # (its tensors are not in this blob, nor in its tensor count).
+            replicas_from=sorted(referenced(meta.layout)),
         )
         if tensors:
             out["tensors"] = [

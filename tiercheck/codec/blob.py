@@ -355,7 +355,7 @@ def _full_header(layout: Layout, version: int, rank: int, chunks: bytes | None) 
 
     ``chunks`` comes last, so its bytes are the header's last ``len(chunks)`` bytes.
     """
-    stage = FlattenStage.for_layout(layout.has_dtensors)
+    stage = FlattenStage.for_layout(layout.has_dtensors, layout.has_refs)
     fields: dict[str, Any] = {
         "version": version,
         "rank": rank,
@@ -560,7 +560,7 @@ def encode_packed(
     layout = state.layout
     _layout_bytes(layout)  # refuses a non-canonical layout before any work
     device = state.payload.device
-    stages: list[Stage] = [FlattenStage.for_layout(layout.has_dtensors)]
+    stages: list[Stage] = [FlattenStage.for_layout(layout.has_dtensors, layout.has_refs)]
     matches: list[int] | None = None
     base_offsets = (-1,) * len(layout.specs)
     if base is not None:
@@ -683,7 +683,7 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
             and body_nbytes == known_layout.payload_nbytes
             and tree_root(leaves, body_nbytes) == body_digest
         ):
-            stage = FlattenStage.for_layout(known_layout.has_dtensors)
+            stage = FlattenStage.for_layout(known_layout.has_dtensors, known_layout.has_refs)
             return BlobMeta(
                 kind="full",
                 version=known_version,
@@ -716,6 +716,10 @@ def _parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None =
     if type(version) is not int or type(rank) is not int:
         raise FormatError("blob header lacks version or rank")
     layout = _layout_from_obj(header.get("layout"))
+    if stages and isinstance(stages[0], FlattenStage):
+        # Only blobs naming flatten/3 hold replica references (the writer names /3 exactly
+        # then): known without scanning the skeleton, which a restore would do once per blob.
+        layout.__dict__["has_refs"] = stages[0].major == 3
     kinds = [type(s) for s in stages]
     base: BaseRef | None = None
     packed: _PackedInfo | None = None

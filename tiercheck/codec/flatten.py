@@ -66,6 +66,7 @@ __all__ = [
     "ALIGNMENT",
     "DTensorShard",
     "Layout",
+    "ReplicaRef",
     "TensorSpec",
     "align",
     "flatten",
@@ -91,6 +92,9 @@ _EXT_BYTEARRAY = 10
 _EXT_PICKLE = 11
 # Added with ``tiercheck.flatten/2`` (a blob whose skeleton holds one names that stage).
 _EXT_DTENSOR = 12
+# Added with ``tiercheck.flatten/3``: replicated state another rank of the same save stores
+# (see :class:`ReplicaRef`).
+_EXT_REPLICA = 13
 
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
@@ -119,6 +123,43 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 def align(n: int) -> int:
     """``n`` rounded up to the next multiple of :data:`ALIGNMENT`."""
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRef:
+    """A reference in a skeleton: "rank ``rank`` of this same save stores the value here".
+
+    What a rank that is not its node's first stores in place of replicated state (see
+    :class:`tiercheck.Replicated`), so its blob carries none of those bytes; the value is read
+    from rank ``rank``'s blob of the same version at the same path
+    (:func:`~tiercheck.codec.replica.resolve`). ``record`` is set when the value is a DTensor
+    placed ``Replicate()`` everywhere: this rank's own layout record of it (its mesh
+    coordinate differs from the storing rank's), the local tensor coming from rank ``rank``.
+    Stored as the skeleton extension 13; a blob holding one names ``tiercheck.flatten/3``.
+    """
+
+    rank: int
+    record: dict[str, Any] | None = None
+
+    def __hash__(self) -> int:
+        return hash(self.rank)
+
+
+def replicated_record(record: dict[str, Any], world_size: int) -> bool:
+    """Whether a DTensor of layout ``record`` holds the same value on every rank of a world
+    of ``world_size``: every placement ``Replicate()`` on a mesh that spans all ranks.
+
+    A DTensor replicated over a smaller mesh (tensor parallelism inside a data-parallel
+    group, a pipeline stage) may differ between meshes: it is stored by every rank as usual.
+    """
+    try:
+        placements = record["placements"]
+        size = 1
+        for d in record["mesh"]:
+            size *= int(d)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return size == world_size and all(list(p) == ["replicate"] for p in placements)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +292,28 @@ class Layout:
         )
 
     @cached_property
+    def has_refs(self) -> bool:
+        """Whether the skeleton holds a :class:`ReplicaRef` (such blobs name
+        ``tiercheck.flatten/3``); known without a scan for layouts :func:`flatten` made."""
+        return _EXT_REPLICA in self._ext_codes
+
+    @cached_property
+    def _ext_codes(self) -> frozenset[int]:
+        """The extension codes of the skeleton, containers opened (empty when malformed)."""
+        found: set[int] = set()
+
+        def hook(code: int, data: bytes) -> None:
+            found.add(code)
+            if code in (_EXT_TUPLE, _EXT_ODICT):
+                msgpack.unpackb(data, ext_hook=hook, strict_map_key=False, raw=True)
+
+        try:
+            msgpack.unpackb(self.skeleton, ext_hook=hook, strict_map_key=False, raw=True)
+        except (msgpack.UnpackException, ValueError, TypeError):
+            return frozenset()
+        return frozenset(found)
+
+    @cached_property
     def has_dtensors(self) -> bool:
         """Whether the skeleton holds a DTensor record (such blobs name ``tiercheck.flatten/2``).
 
@@ -258,20 +321,7 @@ class Layout:
         found by walking the skeleton once (a malformed one counts as ``False``: decoding it
         reports the problem).
         """
-        found = False
-
-        def hook(code: int, data: bytes) -> None:
-            nonlocal found
-            if code == _EXT_DTENSOR:
-                found = True
-            elif code in (_EXT_TUPLE, _EXT_ODICT):
-                msgpack.unpackb(data, ext_hook=hook, strict_map_key=False, raw=True)
-
-        try:
-            msgpack.unpackb(self.skeleton, ext_hook=hook, strict_map_key=False, raw=True)
-        except (msgpack.UnpackException, ValueError, TypeError):
-            return False
-        return found
+        return _EXT_DTENSOR in self._ext_codes
 
     def with_skeleton(self, skeleton: bytes) -> Layout:
         """The same tensors at the same offsets under another skeleton.
@@ -317,8 +367,15 @@ def _pack(obj: Any) -> bytes:
 class _Flattener:
     """One walk over a state; collects tensors and builds the skeleton."""
 
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(
+        self, allow_pickle: bool, replica: ReplicaRef | None = None, world: int = 1
+    ) -> None:
         self.allow_pickle = allow_pickle
+        # Set on a rank that is not its node's first: a DTensor replicated over the whole
+        # world becomes a reference to that rank's copy.
+        self.replica = replica
+        self.world = world
+        self.refs = 0
         self.tensors: list[torch.Tensor] = []
         self.entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self.seen_paths: set[str] = set()
@@ -401,6 +458,9 @@ class _Flattener:
             return msgpack.ExtType(_EXT_BYTEARRAY, bytes(obj))
         if t is DTensorShard:
             return self.shard(obj.local, obj.record(), path)
+        if t is ReplicaRef:
+            self.refs += 1
+            return msgpack.ExtType(_EXT_REPLICA, _pack([obj.rank, obj.record]))
         return self.refuse(obj, path)
 
     def container(self, obj: Any, path: str) -> Any:
@@ -442,6 +502,9 @@ class _Flattener:
             return self.refuse(local, path, f"tensor layout {local.layout} on {local.device}")
         if not is_supported_dtype(local.dtype):
             return self.refuse(local, path, f"tensor dtype {local.dtype}")
+        if self.replica is not None and replicated_record(record, self.world):
+            self.refs += 1
+            return msgpack.ExtType(_EXT_REPLICA, _pack([self.replica.rank, record]))
         self.dtensors += 1
         return msgpack.ExtType(_EXT_DTENSOR, _pack([self.add_tensor(local, path), record]))
 
@@ -477,7 +540,13 @@ def ndarray_parts(obj: Any) -> tuple[torch.Tensor, str | None, list[int], bool] 
     return torch.from_numpy(raw.reshape(-1).view(np.uint8)), dt.str, list(arr.shape), scalar
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Layout, list[torch.Tensor]]:
+def flatten(
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    replica: ReplicaRef | None = None,
+    world_size: int = 1,
+) -> tuple[Layout, list[torch.Tensor]]:
     """Split ``state`` into a :class:`Layout` and its tensors (the caller's own, in spec order).
 
     Nothing is copied: the returned tensors are the objects found in the state (numpy arrays
@@ -485,12 +554,18 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Layout, list[tor
     naming the object's path (``state['optim']['param_groups'][0]['foo']``), for anything the
     skeleton cannot represent; with ``allow_pickle=True`` such objects are pickled into the
     skeleton instead.
+
+    With ``replica`` (a reference to the rank that stores this node's replicated state), each
+    DTensor placed ``Replicate()`` on a mesh of all ``world_size`` ranks is stored as that
+    reference instead of its bytes (see :class:`ReplicaRef`); :class:`ReplicaRef` objects in
+    the state are stored as they are.
     """
-    walker = _Flattener(allow_pickle)
+    walker = _Flattener(allow_pickle, replica, world_size)
     with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
         skeleton = _pack(walker.walk(state, ""))
     layout = Layout.build(skeleton, walker.entries)
     layout.__dict__["has_dtensors"] = walker.dtensors > 0  # known: spare the skeleton scan
+    layout.__dict__["has_refs"] = walker.refs > 0
     return layout, walker.tensors
 
 

@@ -49,14 +49,17 @@ from tiercheck.codec.flatten import (
     _EXT_DTENSOR,
     _EXT_NDARRAY,
     _EXT_ODICT,
+    _EXT_REPLICA,
     _EXT_TENSOR,
     _EXT_TUPLE,
     _TENSOR_TYPES,
     Layout,
+    ReplicaRef,
     _Flattener,
     _pack,
     flatten,
     ndarray_parts,
+    replicated_record,
     write_payload,
 )
 
@@ -70,7 +73,19 @@ _NONE = _pack(None)
 
 # Non-tensor values a plan holds as they are (what the skeleton stores in place).
 _IMMUTABLE_LEAVES = frozenset(
-    {type(None), bool, int, float, str, bytes, complex, torch.dtype, torch.device, torch.Size}
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        str,
+        bytes,
+        complex,
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        ReplicaRef,
+    }
 )
 _LEAF_TYPES = _IMMUTABLE_LEAVES | {bytearray}
 # Two values of one of these exact types that compare equal have the same encoding (not so for
@@ -86,6 +101,7 @@ _LEAF = 1
 _NODE = 2
 _ARRAY = 3
 _DTENSOR = 4
+_REF = 5  # a replicated DTensor another rank stores: checked, nothing travels
 
 # Only scalars go through it, which never touches its per-walk state: safe to share.
 _LEAF_WALKER = _Flattener(allow_pickle=False)
@@ -200,6 +216,16 @@ class _DSlot:
         return value.to_local()  # type: ignore[no-any-return]  # under no_grad: the local
 
 
+class _RefSlot(_DSlot):
+    """A DTensor replicated over the whole world, stored by another rank: it must keep its
+    type and layout record (else the structure changed), and contributes no tensor."""
+
+    __slots__ = ()
+
+    def check(self, value: Any) -> None:
+        self.tensor(value)
+
+
 class _Node:
     """A container of the state: its slots, and its encoding kept up to date."""
 
@@ -234,6 +260,8 @@ class _Node:
                 if slot.visit(value, out):
                     encs[i] = slot.enc
                     dirty = True
+            elif kind == _REF:
+                slot.check(value)
             else:  # an array or a DTensor
                 out.append(slot.tensor(value))
             i += stride
@@ -347,9 +375,11 @@ class _Map(_Node):
 class _Compiler:
     """Builds the node tree of a state (the walk of :class:`~.flatten._Flattener`, mirrored)."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: ReplicaRef | None = None, world: int = 1) -> None:
         self.tensors: list[torch.Tensor] = []
         self.active: set[int] = set()
+        self.replica = replica
+        self.world = world
 
     def slot(self, obj: Any, path: str) -> tuple[int, Any, bytes]:
         t = type(obj)
@@ -413,6 +443,9 @@ class _Compiler:
             or not is_supported_dtype(local.dtype)
         ):
             raise _Uncacheable
+        if self.replica is not None and replicated_record(record, self.world):
+            enc = _ext(_EXT_REPLICA, _pack([self.replica.rank, record]))
+            return _REF, _RefSlot(type(obj), record), enc
         index = len(self.tensors)
         self.tensors.append(local)
         return _DTENSOR, _DSlot(type(obj), record), _ext(_EXT_DTENSOR, _pack([index, record]))
@@ -435,14 +468,20 @@ class StatePlan:
 
     @classmethod
     def compile(
-        cls, state: Any, layout: Layout, tensors: Sequence[torch.Tensor]
+        cls,
+        state: Any,
+        layout: Layout,
+        tensors: Sequence[torch.Tensor],
+        replica: ReplicaRef | None = None,
+        world_size: int = 1,
     ) -> StatePlan | None:
         """The plan of ``state``, which :func:`~.flatten.flatten` turned into ``layout`` and
-        ``tensors``; ``None`` where a plan cannot model it (it is then flattened every time)."""
+        ``tensors`` (with the same ``replica`` and ``world_size``); ``None`` where a plan cannot
+        model it (it is then flattened every time)."""
         t = type(state)
         if not (t is dict or t is collections.OrderedDict or t is list or t is tuple):
             return None
-        compiler = _Compiler()
+        compiler = _Compiler(replica, world_size)
         try:
             with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
                 kind, root, enc = compiler.slot(state, "")
@@ -482,8 +521,10 @@ class StatePlan:
             return None
         if dirty:
             has_dtensors = self.layout.has_dtensors
+            has_refs = self.layout.has_refs
             self.layout = self.layout.with_skeleton(self.root.enc)
             self.layout.__dict__["has_dtensors"] = has_dtensors  # same structure
+            self.layout.__dict__["has_refs"] = has_refs
         return self.layout, out
 
 
@@ -515,8 +556,18 @@ class Planner:
     Not thread-safe: one caller at a time (the checkpointer's save path is serialized).
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        replica: ReplicaRef | None = None,
+        world_size: int = 1,
+    ) -> None:
         self.allow_pickle = allow_pickle
+        #: Set on a rank that is not its node's first: whole-world replicated DTensors are
+        #: stored as this reference (see :func:`~.flatten.flatten`).
+        self.replica = replica
+        self.world_size = world_size
         self.plan: StatePlan | None = None
         self.program: CopyProgram | None = None
         #: Saves that reused the plan, and saves that flattened in full.
@@ -538,8 +589,13 @@ class Planner:
                 return Flat(layout, tensors, self._program(layout, plan), True, plan.on_host)
             self.plan = None
         self.misses += 1
-        layout, tensors = flatten(state, allow_pickle=self.allow_pickle)
-        self.plan = plan = StatePlan.compile(state, layout, tensors)
+        layout, tensors = flatten(
+            state,
+            allow_pickle=self.allow_pickle,
+            replica=self.replica,
+            world_size=self.world_size,
+        )
+        self.plan = plan = StatePlan.compile(state, layout, tensors, self.replica, self.world_size)
         if plan is not None:
             return Flat(layout, tensors, self._program(layout, plan), False, plan.on_host)
         on_host = all(t.device.type == "cpu" for t in tensors)

@@ -2,9 +2,11 @@
 
 :func:`unflatten` reads the msgpack skeleton :func:`~tiercheck.codec.flatten.flatten` wrote,
 turning each extension record (tensor index, tuple, ``OrderedDict``, ``torch.Size``, big int,
-numpy array, complex, dtype, device, bytearray, DTensor shard, and -- only when allowed --
-pickle) back into its object around the tensors given (typically views into a payload). The
-format, extension codes included, is defined in :mod:`~tiercheck.codec.flatten`.
+numpy array, complex, dtype, device, bytearray, DTensor shard, replica reference -- a
+:class:`~tiercheck.codec.flatten.ReplicaRef`, left for :func:`~tiercheck.codec.replica.resolve`
+-- and, only when allowed, pickle) back into its object around the tensors given (typically
+views into a payload). The format, extension codes included, is defined in
+:mod:`~tiercheck.codec.flatten`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from tiercheck.codec.flatten import (
     _EXT_NDARRAY,
     _EXT_ODICT,
     _EXT_PICKLE,
+    _EXT_REPLICA,
     _EXT_SIZE,
     _EXT_TENSOR,
     _EXT_TUPLE,
     Layout,
+    ReplicaRef,
 )
 from tiercheck.errors import FormatError, UnsupportedObject
 
@@ -102,6 +106,11 @@ class _Unflattener:
             if type(record) is not dict:
                 raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
             return DTensorShard.from_record(self.tensor(index), record)
+        if code == _EXT_REPLICA:
+            rank, record = self.unpack(data)
+            if type(rank) is not int or not (record is None or type(record) is dict):
+                raise FormatError(f"skeleton holds a malformed replica reference {data!r}")
+            return ReplicaRef(rank, record)
         if code == _EXT_PICKLE:
             if not self.allow_pickle:
                 raise UnsupportedObject(

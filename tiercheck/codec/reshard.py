@@ -40,6 +40,13 @@ The rules:
     from old rank ``q mod N`` (with ``M > N`` several new ranks start from the same one; with
     ``M < N`` the state of old ranks ``M..N-1`` is not used).
 
+Replicated state that an old rank stored as a reference to its node's first rank
+(:class:`~tiercheck.codec.flatten.ReplicaRef`) is the storing rank's value: callers resolve such
+layouts first (:func:`~tiercheck.codec.replica.resolve_all`), so the plan compares and reads
+the values the references stand for, and the tensors come from the storing rank's blob. Given an
+unresolved layout, the plan sees the reference as a value of its own that differs from the
+storing rank's, and refuses (``per_rank="refuse"``).
+
 Every dtype the codec stores, 0-dim tensors and zero-size dimensions are handled (bytes are
 copied and compared as bytes, never as values: NaNs and ``-0.0`` travel exactly). ``N == M``
 gives back every rank's own layout and tensors unchanged.

@@ -64,19 +64,21 @@ class FlattenStage(_Parameterless):
     ``tiercheck.flatten/2`` is the same format with one more skeleton extension, the DTensor
     record (:mod:`.dtensor`): blobs whose state holds a DTensor name it, so that a reader that
     predates DTensors refuses them as a newer format rather than calling them malformed. Every
-    other blob still names ``/1``, byte for byte as before. This build reads both.
+    other blob still names ``/1``, byte for byte as before. ``tiercheck.flatten/3`` adds the
+    replica reference (:class:`~.flatten.ReplicaRef`: replicated state another rank of the same
+    save stores); only blobs holding one name it. This build reads all three.
     """
 
     major: int = 1
 
     BASE: ClassVar[str] = "tiercheck.flatten"
-    MAJOR: ClassVar[int] = 2
-    MAJORS: ClassVar[tuple[int, ...]] = (1, 2)
+    MAJOR: ClassVar[int] = 3
+    MAJORS: ClassVar[tuple[int, ...]] = (1, 2, 3)
 
     @classmethod
-    def for_layout(cls, has_dtensors: bool) -> FlattenStage:
-        """The stage that a blob of a layout (with or without DTensors) names."""
-        return cls(2 if has_dtensors else 1)
+    def for_layout(cls, has_dtensors: bool, has_refs: bool = False) -> FlattenStage:
+        """The stage that a blob of a layout (with or without DTensors, references) names."""
+        return cls(3 if has_refs else 2 if has_dtensors else 1)
 
     @property
     def name(self) -> str:
@@ -179,8 +181,9 @@ def parse_stage(name: object, params: object) -> Stage:
     if cls is FlattenStage:
         if int(major_text) not in FlattenStage.MAJORS:
             raise UnsupportedFormat(
-                f"blob needs codec stage {name!r}; this build reads {base}/1 and {base}/2 "
-                "only. Use the tiercheck version that wrote it (or a newer one)."
+                f"blob needs codec stage {name!r}; this build reads {base}/1 to "
+                f"{base}/{FlattenStage.MAJOR} only. Use the tiercheck version that wrote it "
+                "(or a newer one)."
             )
         return FlattenStage.from_params(params, int(major_text))
     if int(major_text) != cls.MAJOR:

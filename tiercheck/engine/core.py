@@ -150,7 +150,10 @@ class CheckpointerCore:
 
         Memory: staging costs one copy of the state (in the local tier's memory when it is used),
         a second copy is held as the delta base when a packed tier receives deltas, and each
-        tier's queue holds at most ``tier_queue`` encoded versions.
+        tier's queue holds at most ``tier_queue`` encoded versions. Replicated state
+        (:class:`~tiercheck.Replicated`, DTensors placed ``Replicate()`` over all ranks) counts
+        once per node: only the node's first rank stores it, so a node's shared memory holds
+        the ranks' own state plus one copy of it per version.
         """
         self._config = resolve_options(
             job_id,

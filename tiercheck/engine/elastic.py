@@ -13,6 +13,11 @@ caller's state and the same copy into it as any restore.
 A tier can serve such a version when it holds every old rank's blob of it: the persistent tier
 when the ``COMMIT`` record is there, a memory tier when its listing shows a blob of every old
 rank (a one-node job: the node's shared memory holds all of them).
+
+Replicated state that an old rank stored as a reference to its node's first rank
+(:class:`~tiercheck.codec.flatten.ReplicaRef`) is resolved before planning
+(:func:`~tiercheck.codec.replica.resolve`): the plan sees the layout that rank would have saved
+whole, and the tensors there are read from the rank that stored them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from tiercheck.codec import BlobMeta, RangedBlob, read_meta_ranged, read_tensors
 from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.partial import Fetch
+from tiercheck.codec.replica import resolve_all
 from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
@@ -121,15 +127,28 @@ class ElasticReader:
         metas = await asyncio.gather(
             *(self._meta(tier, keys[s], version, s) for s in range(old_world))
         )
+        # An old rank that stored references to its node's first rank (replicated state) is
+        # planned with the layout it would have saved whole; its tensors there come from the
+        # rank that stored them.
+        resolved = await asyncio.to_thread(resolve_all, [m.layout for m in metas])
         plan = plan_reshard(
-            [m.layout for m in metas],
+            [r.layout for r in resolved],
             new_rank=self.ctx.rank,
             new_world=self.ctx.topo.world_size,
             per_rank=self.ctx.options.job.per_rank,
         )
-        old: dict[int, Mapping[int, torch.Tensor]] = {}
-        for s, wanted in sorted(plan.wanted.items()):
-            old[s] = await self._tensors(tier, keys[s], metas[s], wanted)
+        needed: dict[int, set[int]] = {}
+        for s, wanted in plan.wanted.items():
+            for i in wanted:
+                r, j = resolved[s].sources[i]
+                needed.setdefault(r, set()).add(j)
+        real: dict[int, Mapping[int, torch.Tensor]] = {}
+        for r, indices in sorted(needed.items()):
+            real[r] = await self._tensors(tier, keys[r], metas[r], sorted(indices))
+        old: dict[int, Mapping[int, torch.Tensor]] = {
+            s: {i: real[resolved[s].sources[i][0]][resolved[s].sources[i][1]] for i in wanted}
+            for s, wanted in plan.wanted.items()
+        }
         parts = await asyncio.to_thread(assemble, plan, old)
         return Resharded(version, plan.layout, tuple(parts), old_world)
 

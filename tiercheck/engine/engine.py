@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from tiercheck._threads import DaemonExecutor
+from tiercheck.codec.flatten import ReplicaRef
 from tiercheck.codec.plan import Planner
 from tiercheck.consistency.manifest import Abort
 from tiercheck.defaults import NodeRoot, persistent_job_url
@@ -49,7 +50,16 @@ class Engine:
         #: Each tier's pipeline, by name, fastest first (once open).
         self.pipes: dict[str, TierPipeline] = {}
         # The previous save's structure: a repeating state is not walked and encoded anew.
-        self.planner = Planner(allow_pickle=config.encode.allow_pickle)
+        topo = self.ctx.topo
+        leader = topo.node_index * topo.ranks_per_node
+        #: On a rank that is not its node's first, the reference it stores in place of
+        #: replicated state (that rank stores it); ``None`` on the first.
+        self.replica = None if topo.rank == leader else ReplicaRef(leader)
+        self.planner = Planner(
+            allow_pickle=config.encode.allow_pickle,
+            replica=self.replica,
+            world_size=topo.world_size,
+        )
         self.schedule = Schedule(self.ctx, self.pipes)
         self.stager = Stager(self.ctx, self.pipes)
         self.encoder = Encoder(self.ctx, self.pipes, self.schedule)

@@ -4,15 +4,23 @@ Every blob is checked as it is read (:func:`tiercheck.blobread.read_blob`, the r
 reads by too: its header, then every checksum while decoding); a blob
 that fails is set aside under ``quarantine/`` in its tier, where no cleanup deletes it, and the
 next tier is tried (:meth:`Reader.fetch`).
+
+A blob that holds references to replicated state its node's first rank stored
+(:class:`~tiercheck.codec.flatten.ReplicaRef`) is completed from that rank's blob of the same
+version in the same tier, verified the same way (:func:`~tiercheck.codec.replica.resolve`); when
+that blob is missing or damaged there, the tier fails for this rank and the next is tried.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from tiercheck.blobread import read_blob
 from tiercheck.codec import RawState
+from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
@@ -44,12 +52,12 @@ class Reader:
 
     async def fetch(
         self, version: int, mine: Inventory
-    ) -> tuple[RawState | None, str | None, list[str]]:
+    ) -> tuple[RawState | Resharded | None, str | None, list[str]]:
         """Read ``version`` from the fastest tier that serves it; else why each tier could not."""
         reasons: list[str] = []
         for name in mine.sources(version):
             try:
-                return await self.read(self.pipes[name].tier, version), name, reasons
+                return await self.read_whole(self.pipes[name].tier, version), name, reasons
             except Exception as exc:
                 self.ctx.stats.restore_fallbacks += 1
                 reasons.append(f"{name}: {type(exc).__name__}: {exc}")
@@ -63,26 +71,57 @@ class Reader:
             reasons.append("no tier holds this rank's blob of it")
         return None, None, reasons
 
-    async def read(self, tier: Tier, version: int) -> RawState:
-        """This rank's blob of ``version`` in ``tier``, verified (see :mod:`tiercheck.blobread`);
-        a blob that fails verification is quarantined."""
+    async def read_whole(self, tier: Tier, version: int) -> RawState | Resharded:
+        """This rank's blob of ``version`` from ``tier``, its references (if any) resolved
+        against the blobs of the ranks that store the replicated state."""
+        raw = await self.read(tier, version)
+        stores = referenced(raw.layout)
+        if not stores:
+            return raw
+        others = {r: await self.read(tier, version, rank=r) for r in sorted(stores)}
+        resolved = await asyncio.to_thread(
+            resolve, raw.layout, self.ctx.rank, {r: o.layout for r, o in others.items()}
+        )
+        tensors = {r: o.tensors() for r, o in others.items()}
+        tensors[self.ctx.rank] = raw.tensors()
+        return Resharded(
+            version, resolved.layout, tuple(take(resolved, tensors)), self.ctx.topo.world_size
+        )
 
-        async def find_base(base: int, rank: int) -> str:
-            return await self._own_key(tier, base)
+    async def read(self, tier: Tier, version: int, *, rank: int | None = None) -> RawState:
+        """Rank ``rank``'s blob (this rank's by default) of ``version`` in ``tier``, verified
+        with its base (see :mod:`tiercheck.blobread`); a blob that fails is quarantined."""
+        owner = self.ctx.rank if rank is None else rank
+
+        async def get(key: str) -> Buffer:
+            return await self._get(tier, key, owner)
+
+        async def find_base(base: int, _rank: int) -> str:
+            return await self._own_key(tier, base, owner)
 
         async def damaged(key: str, blob: Buffer, exc: Exception) -> None:
             await self.quarantine(tier, key, blob, exc)
 
         return await read_blob(
-            tier.get,
-            await self._own_key(tier, version),
+            get,
+            await self._own_key(tier, version, owner),
             find_base=find_base,
-            expect=(version, self.ctx.rank),
+            expect=(version, owner),
             executor=self.ctx.cpu,
             on_damaged=damaged,
         )
 
-    async def _own_key(self, tier: Tier, version: int) -> str:
+    async def _get(self, tier: Tier, key: str, rank: int) -> Buffer:
+        if rank == self.ctx.rank:
+            return await tier.get(key)
+        # Another rank's blob: the peer tier keeps each rank's replicas apart.
+        get_for = getattr(tier, "get_for", None)
+        if callable(get_for):
+            blob: Buffer = await get_for(rank, key)
+            return blob
+        return await tier.get(key)
+
+    async def _own_key(self, tier: Tier, version: int, rank: int) -> str:
         if writes_commit_records(tier):
             record = CommitRecord.from_bytes(bytes(await tier.get(commit_key(version))))
             if record.world_size != self.ctx.topo.world_size:
@@ -91,21 +130,23 @@ class Reader:
                     f"{self.ctx.topo.world_size}, and the job's world-size history says this "
                     "run's number saved it: the COMMIT record and the job record disagree"
                 )
-            entry = record.entry(self.ctx.rank)
+            entry = record.entry(rank)
             own = self.pipes[tier.name].own
-            if version in own:  # the record knows the base: no need to guess
+            if rank == self.ctx.rank and version in own:  # the record knows the base
                 own[version] = OwnBlob(entry.key, entry.base)
             return entry.key
-        keys = [k async for k in tier.list(version_prefix(version))]
+        list_for = getattr(tier, "list_for", None)
+        listing = (
+            list_for(rank, version_prefix(version))
+            if rank != self.ctx.rank and callable(list_for)
+            else tier.list(version_prefix(version))
+        )
+        keys = [k async for k in listing]
         mine = sorted(
-            (p.kind, k)
-            for k in keys
-            if (p := parse_blob_key(k)) is not None and p.rank == self.ctx.rank
+            (p.kind, k) for k in keys if (p := parse_blob_key(k)) is not None and p.rank == rank
         )
         if not mine:
-            raise BlobNotFound(
-                f"rank {self.ctx.rank} has no blob of version {version} in {tier.name!r}"
-            )
+            raise BlobNotFound(f"rank {rank} has no blob of version {version} in {tier.name!r}")
         return mine[0][1]  # "full" sorts before "packed": the cheaper read
 
     async def quarantine(self, tier: Tier, key: str, blob: Buffer, exc: Exception) -> None:

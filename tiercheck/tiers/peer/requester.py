@@ -99,12 +99,19 @@ class _Requester(_Link):
         self._reply(dst, seq, "done")
 
     def _get_sync(
-        self, dst: int, key: str, byte_range: tuple[int, int] | None = None
+        self,
+        dst: int,
+        key: str,
+        byte_range: tuple[int, int] | None = None,
+        owner: int | None = None,
     ) -> memoryview:
-        """The blob under ``key`` from ``dst``: all of it, or ``byte_range`` (clipped)."""
+        """The blob under ``key`` from ``dst``: all of it, or ``byte_range`` (clipped); from
+        rank ``owner``'s replicas where given (else the requesting rank's own)."""
         message: dict[str, Any] = {"op": "get", "key": key, "chunk": self.chunk_bytes}
         if byte_range is not None:
             message["range"] = list(byte_range)
+        if owner is not None:
+            message["owner"] = owner
         seq = self._send_request(dst, message)
         reply = self._reply(dst, seq, "ready")
         size = int(reply["size"])

@@ -120,8 +120,15 @@ class _Holding(_Link):
         store.set(key, msgpack.packb(body, use_bin_type=True))
 
     def _held_prefix(self, message: dict[str, Any]) -> str:
-        """Where the holder keeps what ``message``'s sender stores (namespace, then rank)."""
-        return f"{message['ns']}/r{int(message['src']):05d}/"
+        """Where the holder keeps what ``message``'s sender stores (namespace, then rank).
+
+        A read (``get``, ``list``) may name another ``owner``: a rank of the sender's node whose
+        blob holds replicated state the sender's refers to, kept in the same node memory when
+        this holder's node holds that rank's replicas too. Writes always go to the sender's own.
+        """
+        owner = message.get("owner") if message["op"] in ("get", "list") else None
+        rank = int(message["src"] if owner is None else owner)
+        return f"{message['ns']}/r{rank:05d}/"
 
     def _held_key(self, message: dict[str, Any]) -> str:
         return self._held_prefix(message) + str(message["key"])

@@ -191,6 +191,46 @@ class PeerTier(_Requester, _Holding, Tier):
             raise BlobNotFound(f"no holder of rank {self.topology.rank} has {key!r}") from missing
         raise errors[0]
 
+    async def get_for(self, owner: int, key: str) -> Buffer:
+        """The blob rank ``owner`` stored under ``key``, from a holder of this rank's replicas
+        (found where that holder's node keeps ``owner``'s replicas too, as ring placement does
+        for the ranks of one node); :class:`~tiercheck.errors.BlobNotFound` otherwise."""
+        self._check_key(key)
+        missing: BlobNotFound | None = None
+        errors: list[BaseException] = []
+        for dst in self.targets:
+            try:
+                return await self._run(dst, self._get_sync, dst, key, None, owner)
+            except BlobNotFound as exc:
+                missing = exc
+            except (PeerUnavailable, StorageError) as exc:
+                errors.append(exc)
+        if missing is not None or not errors:
+            raise BlobNotFound(
+                f"no holder of rank {self.topology.rank} has rank {owner}'s {key!r}"
+            ) from missing
+        raise errors[0]
+
+    async def list_for(self, owner: int, prefix: str = "") -> AsyncIterator[str]:
+        """Keys rank ``owner`` stored, by prefix, as the holders of this rank's replicas see
+        them (see :meth:`get_for`)."""
+        self._check_open()
+        seen: set[str] = set()
+        errors: list[PeerUnavailable] = []
+        for dst in self.targets:
+            message = {"op": "list", "key": prefix, "owner": owner}
+            try:
+                reply = await self._run(dst, self._call, dst, message)
+            except PeerUnavailable as exc:
+                errors.append(exc)
+                continue
+            for key in reply["keys"]:
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+        if len(errors) == len(self.targets):
+            raise errors[0]
+
     async def delete(self, key: str) -> None:
         """Delete ``key`` on every holder (idempotent)."""
         self._check_key(key)
