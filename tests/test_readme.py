@@ -158,6 +158,10 @@ def test_the_fsdp2_example_resumes_every_shard_under_torchrun(tmp_path: Path) ->
     try:
         for run in range(2):
             outputs.append(_run([*TORCHRUN, str(script)], tmp_path, RUN=str(run)))
+        # Once more on one rank: the example opens with elastic=True, so the 2-rank version
+        # comes back resharded onto it.
+        one_rank = [*TORCHRUN[:-1], "--nproc-per-node=1"]
+        outputs.append(_run([*one_rank, str(script)], tmp_path, RUN="2"))
     finally:
         shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
     # Searched, not split into lines: two ranks' prints may interleave in the shared pipe.
@@ -165,6 +169,7 @@ def test_the_fsdp2_example_resumes_every_shard_under_torchrun(tmp_path: Path) ->
     assert starts[0] == [("0", "0"), ("1", "0")]
     # The second run found the first one's newest version on both ranks: nothing left to train.
     assert starts[1] == [("0", "20"), ("1", "20")]
+    assert starts[2] == [("0", "20")]
     for rank in (0, 1):
         saved = torch.load(tmp_path / f"rank{rank}-run0.pt", weights_only=True)
         restored = torch.load(tmp_path / f"rank{rank}-run1.pt", weights_only=True)
@@ -178,6 +183,16 @@ def test_the_fsdp2_example_resumes_every_shard_under_torchrun(tmp_path: Path) ->
             assert sorted(restored["optim"][index]) == ["exp_avg", "exp_avg_sq", "step"]
             for key, value in entry.items():
                 assert torch.equal(restored["optim"][index][key], value), (rank, index, key)
+    # The one rank holds both ranks' shards put together, optimizer state included.
+    shards = [torch.load(tmp_path / f"rank{r}-run0.pt", weights_only=True) for r in (0, 1)]
+    whole = torch.load(tmp_path / "rank0-run2.pt", weights_only=True)
+    for key in shards[0]["model"]:
+        joined = torch.cat([shards[0]["model"][key], shards[1]["model"][key]])
+        assert torch.equal(whole["model"][key], joined), key
+    for index, entry in shards[0]["optim"].items():
+        for key, value in entry.items():
+            joined = value if key == "step" else torch.cat([value, shards[1]["optim"][index][key]])
+            assert torch.equal(whole["optim"][index][key], joined), (index, key)
 
 
 @pytest.mark.multiprocess
