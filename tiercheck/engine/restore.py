@@ -199,7 +199,7 @@ class Restorer:
             # From the next version on, this world saves: recorded in the job record and the
             # nodes' identities, so the next opening reads each version the way it was saved.
             await self.ctx.claim.record_world(chosen + 1)
-            logger.warning(
+            logger.info(
                 "tiercheck: restored version %s of job %r saved by %s ranks onto %s ranks",
                 chosen,
                 self.ctx.job_id,
