@@ -21,7 +21,7 @@ from tests.test_never_lose import run_ranks, stored_files
 from tiercheck import ReshardError, SyncCheckpointer, VersionError, WorldSizeMismatch
 from tiercheck.codec import read_meta
 from tiercheck.codec.dtensor import DTensorShard
-from tiercheck.consistency.identity import JOB_KEY, JobRecord
+from tiercheck.consistency.identity import IDENTITY_FILE, JOB_KEY, JobRecord, NodeIdentity
 from tiercheck.testing import LocalGroup
 
 ROWS, COLS = 11, 6  # 11 rows over 4 ranks: 3, 3, 3, 2; over 3: 4, 4, 3
@@ -293,3 +293,27 @@ def test_each_new_rank_reads_only_the_ranges_it_needs(tmp_path: Path) -> None:
         # the first 64 KiB of every old blob for its header -- not the four blobs.
         assert read <= max(blobs) + 4 * (64 << 10), (q, read, blobs)
         assert read < sum(blobs) / 3, (q, read, blobs)
+
+
+def test_a_job_record_that_cannot_be_updated_fails_the_restore_on_every_rank(
+    saved_by_4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiercheck.engine.claim import Claim
+    from tiercheck.errors import StorageError
+
+    before = stored_files(saved_by_4)
+
+    async def refuse(self: Claim) -> None:
+        raise StorageError("the durable location refused the write (test)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Claim, "write_job_record", refuse)
+        with pytest.raises(StorageError, match="must not save until it is"):
+            restore_all(saved_by_4, 2, elastic=True)
+    assert stored_files(saved_by_4) == before
+    record = JobRecord.from_bytes((saved_by_4 / "durable" / "job" / JOB_KEY).read_bytes())
+    assert (record.world_size, record.worlds) == (4, ())
+    identity = NodeIdentity.from_bytes((saved_by_4 / "node" / IDENTITY_FILE).read_bytes())
+    assert (identity.world_size, identity.worlds) == (4, ())
+    for q, restored in enumerate(restore_all(saved_by_4, 2, elastic=True)):
+        check_resharded(restored, 3, q, 2)

@@ -84,11 +84,28 @@ class Claim:
         identity, so the next opening knows which versions which world saved. Every rank
         updates what it knows the same way.
         """
+        before = (self.worlds, self.stored_world)
         new = self.ctx.topo.world_size
         self.worlds = span_after(self.worlds, self.stored_world, first_version, new)
         self.stored_world = new
+        error = None
         if self.ctx.rank == 0 and self.durable and not self.superseded:
-            await self.write_job_record()
+            try:
+                await self.write_job_record()
+            except (TiercheckError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        # Collective: saves filed under the old history would be invisible to the next opening,
+        # so no rank goes on when the record could not be written.
+        said = await self.ctx.exchange("control", {"error": error})
+        failed = [e["error"] for e in said if e["error"] is not None]
+        if failed:
+            self.worlds, self.stored_world = before
+            raise StorageError(
+                f"version {first_version - 1} of job {self.ctx.job_id!r} was restored onto "
+                f"{new} ranks, but the job record could not be updated for that number "
+                f"({failed[0]}); this run must not save until it is. Nothing was deleted; "
+                "check the durable location and restore again."
+            )
         if self.ctx.topo.local_rank == 0:
             await self._write_identity()
 
