@@ -106,6 +106,10 @@ def train(make_model: Any, strategy: Any, full: Any) -> None:
     weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
     save_file(weights, str(args.out / f"final-r{events.rank}.safetensors"))
     events("done")
+    # Leave no process group to the interpreter's exit: torch's C++ threads torn down there can
+    # abort the process ("terminate called without an active exception") after all went well.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
