@@ -242,3 +242,17 @@ def test_fsdp_is_refused_on_cpus_too(tmp_path: Path) -> None:
     assert trainer.args.fsdp_plugin_args is not None  # what would reach accelerate
     with pytest.raises(ConfigError, match=r"cover FSDP .*it covers one process, and DDP"):
         TiercheckTrainerMixin._check_covered(trainer)  # type: ignore[arg-type]
+
+
+def test_processes_that_would_each_train_alone_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under torchrun on CPUs without use_cpu=True, transformers runs every process NOT_PARALLEL
+    # (world size 1): each would train and save alone. Seen with the README's example.
+    trainer = _covered("NO", "not_parallel")
+    trainer.args = _args(tmp_path)
+    assert trainer.args.world_size == 1
+    TiercheckTrainerMixin._check_covered(trainer)  # type: ignore[arg-type]  # one process: fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"started 2 processes.*use_cpu=True"):
+        TiercheckTrainerMixin._check_covered(trainer)  # type: ignore[arg-type]

@@ -101,6 +101,14 @@ _COVERED_BACKENDS = frozenset({"NO", "MULTI_CPU", "MULTI_GPU"})
 _COVERED_MODES = frozenset({"not_parallel", "not_distributed", "distributed"})
 
 
+def _launched_world() -> int:
+    """The number of processes the launcher started (torchrun's ``WORLD_SIZE``; 1 without)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 class TiercheckTrainerMixin:
     """Routes a ``transformers.Trainer``'s checkpoints through tiercheck.
 
@@ -166,6 +174,16 @@ class TiercheckTrainerMixin:
             "load_best_model_at_end": args.load_best_model_at_end,
             "save_only_model": args.save_only_model,
         }
+        launched = _launched_world()
+        if launched > 1 and int(getattr(args, "world_size", 1)) == 1:
+            # Under torchrun on CPUs without use_cpu=True the Trainer runs each process alone
+            # (NOT_PARALLEL): every process would train and save as if it were the only one.
+            raise ConfigError(
+                f"the launcher started {launched} processes (WORLD_SIZE), but the Trainer runs "
+                "each one alone (TrainingArguments.parallel_mode is "
+                f"{mode!r}), so they would not train together; on CPUs pass "
+                "TrainingArguments(use_cpu=True) for DDP over the processes"
+            )
         bad = [name for name, on in refused.items() if on]
         if bad:
             raise ConfigError(
