@@ -25,7 +25,7 @@ import torch
 
 from tiercheck.codec.flatten import _EXT_NDARRAY, _EXT_REPLICA, _EXT_TENSOR, Layout
 from tiercheck.codec.plan import paused_gc
-from tiercheck.codec.reshard import _DTensor, _ODict, _pack, _Tuple, _unpack
+from tiercheck.codec.reshard import _DTensor, _leaves, _ODict, _pack, _Tuple, _unpack
 from tiercheck.errors import FormatError
 
 __all__ = ["Resolved", "referenced", "resolve", "resolve_all", "take"]
@@ -47,27 +47,11 @@ def referenced(layout: Layout) -> set[int]:
     """The ranks whose blobs ``layout``'s references point to (empty: it holds none)."""
     if not layout.has_refs:
         return set()
-    out: set[int] = set()
-
-    def walk(obj: Any) -> None:
-        t = type(obj)
-        if t is msgpack.ExtType and obj.code == _EXT_REPLICA:
-            out.add(_ref(obj)[0])
-        elif t is dict:
-            for v in obj.values():
-                walk(v)
-        elif t is list:
-            for v in obj:
-                walk(v)
-        elif t is _Tuple:
-            for v in obj.items:
-                walk(v)
-        elif t is _ODict:
-            walk(obj.mapping)
-            walk(obj.meta)
-
-    walk(_tree(layout, "the blob"))
-    return out
+    refs = _leaves(
+        _tree(layout, "the blob"),
+        lambda obj: type(obj) is msgpack.ExtType and obj.code == _EXT_REPLICA,
+    )
+    return {_ref(obj)[0] for obj in refs}
 
 
 def _tree(layout: Layout, whose: str) -> Any:

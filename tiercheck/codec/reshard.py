@@ -162,13 +162,13 @@ def _pack(obj: Any, dtensor: Callable[[_DTensor], Any]) -> bytes:
     return data
 
 
-def _dtensors(tree: Any) -> list[_DTensor]:
-    """Every DTensor record in the tree, in skeleton order."""
-    out: list[_DTensor] = []
+def _leaves(tree: Any, keep: Callable[[Any], bool]) -> list[Any]:
+    """The leaves of an unpacked skeleton ``keep`` accepts, in skeleton order (keys too)."""
+    out: list[Any] = []
 
     def walk(obj: Any) -> None:
         t = type(obj)
-        if t is _DTensor:
+        if keep(obj):
             out.append(obj)
         elif t is dict:
             for k, v in obj.items():
@@ -186,6 +186,11 @@ def _dtensors(tree: Any) -> list[_DTensor]:
 
     walk(tree)
     return out
+
+
+def _dtensors(tree: Any) -> list[_DTensor]:
+    """Every DTensor record in the tree, in skeleton order."""
+    return _leaves(tree, lambda obj: type(obj) is _DTensor)
 
 
 def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
