@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tiercheck.buffer import Buffer
 from tiercheck.errors import ConfigError, InvalidKey, TierClosed
+from tiercheck.tiers.atomic import split_prefix
 
 if TYPE_CHECKING:
     from tiercheck.topology import Topology
@@ -224,6 +225,17 @@ class Tier(ABC):
         """The checks every keyed operation starts with: the tier is open, the key is valid."""
         self._check_open()
         return validate_key(key)
+
+    def _check_prefix(self, prefix: str) -> str:
+        """The checks a listing starts with: the tier is open, ``prefix`` is a str whose complete
+        segments (before its last ``/``) form a valid key. Returns those segments."""
+        self._check_open()
+        if not isinstance(prefix, str):
+            raise InvalidKey(f"a prefix must be a str, got {type(prefix).__name__}")
+        head, _partial = split_prefix(prefix)
+        if head:
+            validate_key(head)
+        return head
 
     async def __aenter__(self) -> Tier:
         self._check_open()

@@ -288,12 +288,7 @@ class PersistentTier(Tier):
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:
         """Yield every stored key that starts with ``prefix`` (recursive listing)."""
-        self._check_open()
-        if not isinstance(prefix, str):
-            raise InvalidKey(f"a prefix must be a str, got {type(prefix).__name__}")
-        head, _partial = atomic.split_prefix(prefix)
-        if head:
-            validate_key(head)
+        head = self._check_prefix(prefix)
         keys = await self._call("list", prefix, self._list_sync, head, prefix)
         for key in keys:
             yield key

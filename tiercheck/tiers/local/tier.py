@@ -17,7 +17,6 @@ from typing import TypeVar
 from tiercheck.defaults import NodeRoot, default_root
 from tiercheck.errors import (
     ConfigError,
-    InvalidKey,
     TiercheckError,
 )
 from tiercheck.tiers import atomic
@@ -27,7 +26,6 @@ from tiercheck.tiers.base import (
     Tier,
     TierSetup,
     check_range,
-    validate_key,
 )
 from tiercheck.tiers.local.blobs import _BlobFiles
 from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate, typed_os_error
@@ -255,12 +253,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         ``prefix`` is a plain string prefix; its complete segments (before the last ``/``) must
         form a valid key, otherwise :class:`~tiercheck.errors.InvalidKey` is raised.
         """
-        self._check_open()
-        if not isinstance(prefix, str):
-            raise InvalidKey(f"a prefix must be a str, got {type(prefix).__name__}")
-        head, _partial = atomic.split_prefix(prefix)
-        if head:
-            validate_key(head)
+        head = self._check_prefix(prefix)
         keys = await self._run("list", prefix, self._list_sync, head, prefix)
         for key in keys:
             yield key
