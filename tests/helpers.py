@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 
 
 class TinyTrainer:
@@ -82,3 +88,21 @@ def assert_state_equal(a: Any, b: Any, path: str = "state") -> None:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A real gloo process group of one rank on loopback, for the span of the block (a test
+    module that already has one skips)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

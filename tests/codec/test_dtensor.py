@@ -7,8 +7,6 @@ tests/distributed/test_fsdp2.py.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +14,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from tests.helpers import one_rank_group
 from tiercheck import DTensorShard, StateMismatch, SyncCheckpointer
 from tiercheck.codec import (
     CodecOptions,
@@ -46,18 +44,8 @@ REBUILDS = not torch.cuda.is_available()
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _state(mesh: DeviceMesh, seed: int = 0) -> dict[str, Any]:

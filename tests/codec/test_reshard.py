@@ -9,8 +9,6 @@ the same global tensor for M ranks.
 from __future__ import annotations
 
 import collections
-import os
-import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,7 +16,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
@@ -26,6 +23,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Shard as ShardPlacement
 
 import tiercheck
+from tests.helpers import one_rank_group
 from tiercheck.codec import RawState, decode, encode_full, raw_digest, read_meta, snapshot
 from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.codec.dtypes import supported_dtypes
@@ -536,18 +534,8 @@ def test_malformed_dtensor_record_is_a_format_error() -> None:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_real_dtensors_record_reshards_as_torch_lays_it_out(group: None) -> None:

@@ -3,8 +3,6 @@ own mesh, and only when they fit its layout (one process, a gloo group of one)."
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -12,28 +10,18 @@ import torch
 
 pytest.importorskip("lightning", reason="the Lightning integration needs the 'lightning' extra")
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tests.helpers import one_rank_group
 from tiercheck.errors import StateMismatch
 from tiercheck.integrations._lightning_strategies import _placed
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with one_rank_group():
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_fitting_shard_goes_onto_the_parameters_mesh(mesh: DeviceMesh) -> None:
