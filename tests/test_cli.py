@@ -1369,10 +1369,13 @@ def test_ls_and_verify_on_s3(s3_server: S3Server, run: Any, tmp_path: Path) -> N
     assert keys == [key]
 
 
-def test_export_and_inspect_of_a_rank_that_stored_references(tmp_path: Path, run: Any) -> None:
+@pytest.mark.parametrize("per_node", [4, 2])  # 2: rank 2's durable blob refers on to rank 0
+def test_export_and_inspect_of_a_rank_that_stored_references(
+    tmp_path: Path, run: Any, per_node: int
+) -> None:
     from tests.engine.test_replicated import WORLD, model_of, own_of, save
 
-    save(tmp_path, range(2))  # rank 0 stores the replicated model, ranks 1-3 references
+    save(tmp_path, range(2), per_node=per_node)  # each node's first rank stores the model
     durable = tmp_path / "durable" / "job"
     ran = run("inspect", durable, "--version", 1, "--json")
     assert ran.code == EXIT_OK, ran.err
@@ -1380,18 +1383,21 @@ def test_export_and_inspect_of_a_rank_that_stored_references(tmp_path: Path, run
     assert blobs[0]["replicas_from"] == []
     assert blobs[0]["tensor_count"] == len(model_of(1)) + 1
     for rank in range(1, WORLD):
-        # Honest about what the blob holds: its own tensor only, and where the rest is.
-        assert (blobs[rank]["tensor_count"], blobs[rank]["replicas_from"]) == (1, [0])
+        # Honest about what the blob holds: its own tensor only, and where the rest is (in
+        # the durable tier a node's first rank refers to rank 0, the others to their first).
+        leader = rank // per_node * per_node
+        refers_to = 0 if rank == leader else leader
+        assert (blobs[rank]["tensor_count"], blobs[rank]["replicas_from"]) == (1, [refers_to])
         assert blobs[rank]["stages"][0] == "tiercheck.flatten/3"
-    for where in (durable, tmp_path / "node0"):
-        out = tmp_path / f"r2-{where.name}"
-        ran = run("export", where, out, "--rank", 2, "--format", "pt", "--json")
+    for where in (durable, tmp_path / f"node{WORLD // per_node - 1}"):
+        out = tmp_path / f"r3-{where.name}"
+        ran = run("export", where, out, "--rank", 3, "--format", "pt", "--json")
         assert ran.code == EXIT_OK, ran.err
         state = torch.load(out.with_name(out.name + ".pt"), weights_only=True)
         assert set(state) == {"model", "own"}
         for key, expected in model_of(1).items():
             assert torch.equal(state["model"][key], expected)
-        assert torch.equal(state["own"], own_of(1, 2))
+        assert torch.equal(state["own"], own_of(1, 3))
     ran = run("export", durable, tmp_path / "full", "--full", "--format", "pt", "--json")
     assert ran.code == EXIT_OK, ran.err
     state = torch.load(tmp_path / "full.pt", weights_only=True)

@@ -7,6 +7,7 @@ when the caller knows them, its version and rank); a delta's base is found by ve
 self-contained; decoding then checks every checksum and the payload against the digest taken at
 save time. What comes back is bit for bit what was saved, or an error. A blob found damaged is
 shown to the caller's ``on_damaged`` before the error is raised (restore sets it aside).
+:func:`complete` then puts back the replicated state a blob refers to other ranks' blobs for.
 
 Above the codec and the tiers (it reads through any ``get``), below the engine and the catalog.
 """
@@ -19,9 +20,11 @@ from concurrent.futures import Executor
 
 from tiercheck.buffer import Buffer
 from tiercheck.codec import RawState, decode, read_meta
+from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.errors import ChecksumMismatch, FormatError
 
-__all__ = ["FindBase", "GetBlob", "OnDamaged", "read_blob"]
+__all__ = ["FindBase", "GetBlob", "OnDamaged", "ReadRank", "complete", "read_blob"]
 
 #: Reads the blob stored under a key.
 GetBlob = Callable[[str], Awaitable[Buffer]]
@@ -29,6 +32,8 @@ GetBlob = Callable[[str], Awaitable[Buffer]]
 FindBase = Callable[[int, int], Awaitable[str]]
 #: Told of a blob that failed verification: its key, its bytes, the error (raised afterwards).
 OnDamaged = Callable[[str, Buffer, Exception], Awaitable[None]]
+#: Rank ``rank``'s blob of the same version, read and verified (:func:`complete` reads by it).
+ReadRank = Callable[[int], Awaitable[RawState]]
 
 
 async def read_blob(
@@ -100,3 +105,27 @@ async def _read(
         if on_damaged is not None:
             await on_damaged(key, blob, exc)
         raise
+
+
+async def complete(raw: RawState, rank: int, world: int, read: ReadRank) -> RawState | Resharded:
+    """``raw`` (rank ``rank``'s blob of a save by ``world`` ranks) with each reference to
+    replicated state replaced by the value it leads to; ``raw`` itself when it holds none.
+
+    The blobs the references name are read with ``read``, and those their own references name
+    in turn (a node's first rank refers on to rank 0 in durable tiers), each once; see
+    :func:`tiercheck.codec.replica.resolve`.
+    """
+    if not raw.layout.has_refs:
+        return raw
+    others: dict[int, RawState] = {}
+    wanted = referenced(raw.layout) - {rank}
+    while wanted:
+        other = min(wanted)
+        others[other] = got = await read(other)
+        wanted = (wanted | referenced(got.layout)) - others.keys() - {rank}
+    resolved = await asyncio.to_thread(
+        resolve, raw.layout, rank, {r: o.layout for r, o in others.items()}
+    )
+    tensors = {r: o.tensors() for r, o in others.items()}
+    tensors[rank] = raw.tensors()
+    return Resharded(raw.version, resolved.layout, tuple(take(resolved, tensors)), world)

@@ -123,8 +123,9 @@ class Checkpointer(CheckpointerCore):
         shard and layout."""
         marks = caller_marks()
         loop, engine = await self._ensure_open()
-        state = stateful.for_save(state, engine.replica)  # Stateful objects -> state_dict()
-        return await loop.run(engine.save(version, state, marks))
+        held: list[tuple[Any, ...]] | None = [] if engine.leans else None
+        state = stateful.for_save(state, engine.replica, held)  # Stateful -> state_dict()
+        return await loop.run(engine.save(version, state, marks, held))
 
     async def restore(
         self, state: Any = None, *, version: int | None = None, strict: bool = True

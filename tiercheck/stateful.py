@@ -67,7 +67,8 @@ _PLAIN = frozenset(
 
 
 class Replicated:
-    """Marks ``value`` as state that every rank holds alike, so it is stored once per node.
+    """Marks ``value`` as state that every rank holds alike, so it is stored once per node
+    (in memory) and once in all (in durable tiers).
 
     Wrap the replicated part of the state handed to ``save`` and ``restore`` -- for a DDP job::
 
@@ -77,11 +78,13 @@ class Replicated:
     optimizer or :class:`~tiercheck.adapters.ModelAndOptimizer`, a ``state_dict``, a tensor).
     Saving treats ``Replicated(x)`` as ``x`` on the first rank of each node (global rank
     ``node_index * ranks_per_node``), which stores it as usual; every other rank stores a small
-    reference to that rank's copy in its place, so the node's shared memory -- and each tier --
-    holds one copy per node instead of one per rank. Restoring into a state that holds
-    ``Replicated(x)`` restores into ``x`` on every rank: a rank whose blob holds the reference
-    reads the value from the first rank's blob of the same version in the same tier (and falls
-    back to the next tier, as for any damaged blob, when that one is missing or corrupt).
+    reference to that rank's copy in its place, so the node's shared memory (and the peer
+    tier) holds one copy per node instead of one per rank. In the tiers that outlive the
+    cluster the first rank of each node but node 0 refers to rank 0's blob in turn: one copy
+    in all. Restoring into a state that holds ``Replicated(x)`` restores into ``x`` on every
+    rank: a rank whose blob holds a reference reads the value from the blob it leads to, of
+    the same version in the same tier (and falls back to the next tier, as for any damaged
+    blob, when that one is missing or corrupt).
 
     **The promise is the caller's:** every rank must hold the same value there at each save
     (DDP keeps parameters and optimizer state identical across ranks). tiercheck does not
@@ -89,7 +92,7 @@ class Replicated:
     Per-rank state (RNG states, a data-loader position) must stay outside. On the other ranks
     a ``Stateful`` value's ``state_dict()`` is not called at save (nothing of it is stored
     there), so it must not be a collective. DTensors placed
-    ``Replicate()`` on a mesh of all ranks are stored once per node without this wrapper.
+    ``Replicate()`` on a mesh of all ranks are stored the same way without this wrapper.
     """
 
     __slots__ = ("value",)
@@ -129,7 +132,7 @@ def _rebuild(obj: Any, convert: Any) -> Any:
         for key, value in obj.items():
             if type(value) in plain:
                 continue
-            new = convert(value)
+            new = convert(value, key)
             if new is not value:
                 changed[key] = new
         if not changed:
@@ -144,7 +147,7 @@ def _rebuild(obj: Any, convert: Any) -> Any:
         for i, value in enumerate(obj):
             if type(value) in plain:
                 continue
-            new = convert(value)
+            new = convert(value, i)
             if new is not value:
                 if items is None:
                     items = list(obj)
@@ -155,26 +158,49 @@ def _rebuild(obj: Any, convert: Any) -> Any:
     return obj
 
 
-def for_save(state: Any, replica: ReplicaRef | None = None) -> Any:
+def for_save(
+    state: Any, replica: ReplicaRef | None = None, held: list[tuple[Any, ...]] | None = None
+) -> Any:
     """``state`` with each Stateful object replaced by its ``state_dict()``; ``state`` itself
     (the same object) when it holds none.
 
     Each :class:`Replicated` value is replaced by ``replica`` where given (on a rank that is
     not its node's first: the reference to that rank's copy), else by its value (converted
-    likewise).
+    likewise); then, with ``held`` given, the path of keys and indices from the root to each
+    such value is appended to it (what a node's first rank leaves out of its blob in durable
+    tiers, see :func:`tiercheck.codec.replica.lean`).
     """
+    steps: list[Any] = []
+    inside = False  # within a Replicated value (a Replicated in it is part of it)
 
-    def convert(obj: Any) -> Any:
+    def convert(obj: Any, _key: Any = None) -> Any:
+        nonlocal inside
         t = type(obj)
         if t in _PLAIN:
             return obj
         if t in _CONTAINERS:
-            return _rebuild(obj, convert)
+            return _rebuild(obj, convert if held is None else stepping)
         if t is Replicated:
-            return convert(obj.value) if replica is None else replica
+            if replica is not None:
+                return replica
+            if held is None or inside:
+                return convert(obj.value)
+            held.append(tuple(steps))
+            inside = True
+            try:
+                return convert(obj.value)
+            finally:
+                inside = False
         if is_stateful(obj):
             return obj.state_dict()
         return obj
+
+    def stepping(obj: Any, key: Any) -> Any:
+        steps.append(key)
+        try:
+            return convert(obj)
+        finally:
+            steps.pop()
 
     return convert(state)
 
@@ -197,7 +223,7 @@ def for_restore(state: Any) -> Prepared:
     lenients: list[Lenient] = []
     copies: dict[int, Any] = {}
 
-    def convert(obj: Any) -> Any:
+    def convert(obj: Any, _key: Any = None) -> Any:
         t = type(obj)
         if t in _PLAIN:
             return obj

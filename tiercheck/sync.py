@@ -48,8 +48,9 @@ class SyncCheckpointer(CheckpointerCore):
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
         marks = caller_marks()
         loop, engine = self.open()._start()
-        state = stateful.for_save(state, engine.replica)  # Stateful objects -> state_dict()
-        return loop.call(engine.save(version, state, marks))
+        held: list[tuple[Any, ...]] | None = [] if engine.leans else None
+        state = stateful.for_save(state, engine.replica, held)  # Stateful -> state_dict()
+        return loop.call(engine.save(version, state, marks, held))
 
     def restore(
         self, state: Any = None, *, version: int | None = None, strict: bool = True

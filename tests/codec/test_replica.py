@@ -20,7 +20,7 @@ from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.codec.flatten import _EXT_REPLICA, Layout, ReplicaRef, replicated_record
 from tiercheck.codec.plan import Planner
 from tiercheck.codec.rebuild import unflatten
-from tiercheck.codec.replica import referenced, resolve, resolve_all, take
+from tiercheck.codec.replica import lean, referenced, resolve, resolve_all, skeleton_steps, take
 from tiercheck.errors import FormatError
 
 
@@ -172,9 +172,101 @@ def test_references_that_do_not_fit_are_format_errors() -> None:
     plain["b"] = torch.arange(5, dtype=torch.float64)
     with pytest.raises(FormatError, match="holds something else"):
         resolve(layout1, 1, {0: flatten(plain)[0]})
-    # A storing blob that holds a reference itself.
-    with pytest.raises(FormatError, match="holds a reference itself"):
+    # A storing blob that refers to itself, or references that go round in a circle.
+    with pytest.raises(FormatError, match="rank 0's blob refers to itself"):
         resolve(layout1, 1, {0: flat(2)[0]})
+    leans = {r: _lean_of(r, store=1) for r in (0, 2)}  # rank 0 and 2 refer to 1
+    with pytest.raises(FormatError, match=r"ranks \[1, 0\] .* go round in a circle"):
+        resolve(layout1, 1, {0: leans[0]})
     bad = msgpack.packb({"x": msgpack.ExtType(_EXT_REPLICA, b"\xc1")})
     with pytest.raises(FormatError, match="malformed replica reference"):
         resolve(Layout.build(bad, []), 1, {0: layout0})
+
+
+# --- storing once in all: a node's first rank refers on to rank 0 in durable tiers --------
+
+
+def _lean_of(rank: int, *, store: int = 0) -> Layout:
+    """Rank ``rank``'s whole layout made lean: its model and replicated DTensor refer to
+    ``store``."""
+    made = lean(flatten(whole(rank))[0], [skeleton_steps(["model"])], store, 4)
+    assert made is not None
+    return made.layout
+
+
+def test_a_lean_layout_is_what_a_referring_rank_flattens() -> None:
+    full, _ = flatten(whole(2), world_size=4)
+    made = lean(full, [skeleton_steps(["model"])], 0, 4)
+    assert made is not None
+    # Exactly what rank 2 would flatten had it referred to rank 0 itself.
+    expected, expected_tensors = flatten(stored(2), replica=ReplicaRef(0), world_size=4)
+    assert made.layout.skeleton == expected.skeleton
+    assert made.layout.specs == expected.specs
+    assert made.layout.has_refs
+    assert [full.specs[j].path for j in made.keep] == ["['own']"]
+    # The lean payload holds the kept tensors' bytes, padding zero.
+    payload = snapshot(whole(2), version=0).payload
+    lean_payload = made.payload(full, payload)
+    assert lean_payload.numel() == made.layout.payload_nbytes
+    views = made.layout.views(lean_payload)
+    for a, b in zip(views, expected_tensors, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(
+        lean_payload,
+        snapshot(stored(2) | {"b": ReplicaRef(0, bias(2, 4).record())}, version=0).payload,
+    )
+    # Nothing replicated: nothing to make lean.
+    assert lean(flatten({"own": torch.ones(2)})[0], [], 0, 4) is None
+    # A DTensor replicated over all ranks is replaced without being named.
+    only_dtensor = lean(full, [], 0, 4)
+    assert only_dtensor is not None
+    assert [full.specs[j].path for j in only_dtensor.keep] == [
+        s.path for s in full.specs if s.path != "['b']"
+    ]
+
+
+def test_steps_the_skeleton_does_not_hold_make_nothing_lean() -> None:
+    full, _ = flatten(whole(2), world_size=4)
+    with pytest.raises(ValueError, match=r"no value at \[\"state\['nope'\]\"\]"):
+        lean(full, [skeleton_steps(["nope"])], 0, 4)
+    # Deeper steps, tuples, an ordered dict's keys and big integers are found as flattened.
+    state = {
+        (1, "a"): {"x": [torch.ones(1), torch.zeros(2)]},
+        1 << 70: torch.ones(3),
+        "od": model(),
+    }
+    full, _ = flatten(state)
+    steps = [skeleton_steps(k) for k in ([(1, "a"), "x", 1], [1 << 70], ["od", "w"])]
+    made = lean(full, steps, 0, 1)
+    assert made is not None
+    kept = [full.specs[j].path for j in made.keep]
+    assert kept == ["[(1, 'a')]['x'][0]", "['od']['steps'][0]", "['od']['steps'][1]"]
+    assert skeleton_steps([object()]) is None
+
+
+def test_references_are_followed_through_a_node_first_ranks_lean_blob() -> None:
+    """4 ranks on 2 nodes of 2: rank 3 refers to rank 2 (its node's first), whose durable
+    blob refers to rank 0: rank 3 resolves to exactly what it would have flattened whole."""
+    layout0, tensors0 = flat(0)
+    full2, _ = flatten(whole(2), world_size=4)
+    made = lean(full2, [skeleton_steps(["model"])], 0, 4)
+    assert made is not None
+    lean_tensors = made.layout.views(made.payload(full2, snapshot(whole(2), version=0).payload))
+    stored3 = whole(3) | {"model": ReplicaRef(2)}
+    layout3, tensors3 = flatten(stored3, replica=ReplicaRef(2), world_size=4)
+    resolved = resolve(layout3, 3, {2: made.layout, 0: layout0})
+    expected, expected_tensors = flatten(whole(3))
+    assert resolved.layout.skeleton == expected.skeleton
+    assert resolved.layout.specs == expected.specs
+    assert {r for r, _ in resolved.sources} == {0, 3}  # nothing comes from rank 2's blob
+    got = take(resolved, {0: tensors0, 2: lean_tensors, 3: tensors3})
+    for a, b in zip(got, expected_tensors, strict=True):
+        assert torch.equal(a, b)
+    assert unflatten(resolved.layout, got)["b"].coord == (3,)
+    # Rank 2 itself resolves against rank 0; resolve_all does every rank at once.
+    layouts = [layout0, flat(1)[0], made.layout, layout3]
+    for r, done in enumerate(resolve_all(layouts)):
+        assert done.layout.skeleton == flatten(whole(r))[0].skeleton
+    # Without rank 0's layout the chain cannot end.
+    with pytest.raises(FormatError, match="rank 0's blob of the same version, which was not"):
+        resolve(layout3, 3, {2: made.layout})

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from tiercheck.blobread import read_blob
+from tiercheck.blobread import complete, read_blob
 from tiercheck.catalog.base import READS, NullProgress, Progress, bounded
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.scan import BlobEntry, Catalog
 from tiercheck.codec import RawState, read_meta
 from tiercheck.codec.assembled import Resharded
-from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.errors import BlobNotFound, TiercheckError
 
 __all__ = ["decode_blob", "decode_resolved", "inspect_blobs"]
@@ -75,21 +74,17 @@ async def decode_resolved(
     :class:`tiercheck.Replicated`) replaced by the values the blobs of the storing ranks (of
     the same version, in the same location) hold: the state the rank would have saved whole."""
     raw = await decode_blob(opened, catalog, blob)
-    stores = referenced(raw.layout)
-    if not stores:
-        return raw
     entry = catalog.versions[raw.version]
-    others: dict[int, RawState] = {}
-    for r in sorted(stores):
-        other = entry.blobs.get(r)
+
+    async def read(rank: int) -> RawState:
+        other = entry.blobs.get(rank)
         if other is None:
             raise BlobNotFound(
-                f"{blob.key} refers to rank {r}'s blob of version {raw.version} for replicated "
-                f"state; the {catalog.location.tier_name} tier holds none"
+                f"{blob.key} refers (perhaps through another rank's blob) to rank {rank}'s blob "
+                f"of version {raw.version} for replicated state; the "
+                f"{catalog.location.tier_name} tier holds none"
             )
-        others[r] = await decode_blob(opened, catalog, other)
+        return await decode_blob(opened, catalog, other)
+
     rank = next(r for r, b in entry.blobs.items() if b is blob)
-    resolved = resolve(raw.layout, rank, {r: o.layout for r, o in others.items()})
-    tensors = {r: o.tensors() for r, o in others.items()}
-    tensors[rank] = raw.tensors()
-    return Resharded(raw.version, resolved.layout, tuple(take(resolved, tensors)), len(entry.blobs))
+    return await complete(raw, rank, len(entry.blobs), read)

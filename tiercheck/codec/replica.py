@@ -1,34 +1,57 @@
-"""Replicated state stored once per node: a blob's references resolved against the storing blob.
+"""Replicated state stored once: references between the blobs of one save, made and resolved.
 
 A rank that is not its node's first stores, in place of replicated state, a
 :class:`~tiercheck.codec.flatten.ReplicaRef` -- "rank ``L`` of this same save stores the value
-here" (see :class:`tiercheck.Replicated`). :func:`resolve` takes the layout of such a blob and
-the layouts of the blobs it refers to (headers only, no tensor bytes) and gives the layout the
-rank would have saved had it stored everything itself, with, for each of its tensors, the blob
-and tensor index it comes from. The engine then reads those tensors (its own blob's and the
-storing rank's), and everything downstream -- the check against the caller's state, the copy
-into it, resharding onto another world, export -- sees an ordinary layout and its tensors.
+here" (see :class:`tiercheck.Replicated`). In the tiers that outlive the cluster a node's first
+rank ``L > 0`` stores a reference to rank 0 in turn (:func:`lean`), so those tiers hold the
+value once in all: a reference may lead to a blob that refers on, and is followed to the blob
+that holds the value.
 
-Pure: no I/O. A reference to a rank whose layout is not given, or a storing blob that lacks the
-referenced path (or holds another kind of value there), is a
-:class:`~tiercheck.errors.FormatError`: the blobs do not belong together.
+:func:`resolve` takes the layout of a blob and the layouts of the blobs its references lead to
+(headers only, no tensor bytes) and gives the layout the rank would have saved had it stored
+everything itself, with, for each of its tensors, the blob and tensor index it comes from. The
+engine then reads those tensors, and everything downstream -- the check against the caller's
+state, the copy into it, resharding onto another world, export -- sees an ordinary layout and
+its tensors.
+
+Pure: no I/O. A reference to a rank whose layout is not given, a storing blob that lacks the
+referenced path (or holds another kind of value there), or references that go round in a
+circle, are a :class:`~tiercheck.errors.FormatError`: the blobs do not belong together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import msgpack
 import torch
 
-from tiercheck.codec.flatten import _EXT_NDARRAY, _EXT_REPLICA, _EXT_TENSOR, Layout
+from tiercheck.codec.flatten import (
+    _EXT_BIGINT,
+    _EXT_NDARRAY,
+    _EXT_REPLICA,
+    _EXT_TENSOR,
+    _INT_MAX,
+    _INT_MIN,
+    Layout,
+    replicated_record,
+)
 from tiercheck.codec.plan import paused_gc
 from tiercheck.codec.reshard import _DTensor, _leaves, _ODict, _pack, _Tuple, _unpack
 from tiercheck.errors import FormatError
 
-__all__ = ["Resolved", "referenced", "resolve", "resolve_all", "take"]
+__all__ = [
+    "Lean",
+    "Resolved",
+    "lean",
+    "referenced",
+    "resolve",
+    "resolve_all",
+    "skeleton_steps",
+    "take",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +103,8 @@ class _Resolver:
         self.trees: dict[int, Any] = {}
         self.entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self.sources: list[tuple[int, int]] = []
+        # The ranks whose references are being followed, outermost first.
+        self.chain: list[int] = []
 
     def tree(self, rank: int) -> Any:
         if rank not in self.trees:
@@ -137,42 +162,71 @@ class _Resolver:
                 fields[0] = self.tensor(rank, fields[0])
                 return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb(fields, use_bin_type=True))
             if obj.code == _EXT_REPLICA:
-                if rank != self.rank:
-                    raise FormatError(
-                        f"rank {rank}'s blob, referred to for replicated state, holds a "
-                        "reference itself"
-                    )
-                return self.replica(obj, steps)
+                return self.replica(obj, rank, steps)
         return obj
 
-    def replica(self, ext: msgpack.ExtType, steps: list[Any]) -> Any:
+    def replica(self, ext: msgpack.ExtType, holder: int, steps: list[Any]) -> Any:
+        """The value the reference ``ext`` (in rank ``holder``'s tree at ``steps``) leads to,
+        following the storing rank's own reference where it holds one."""
         store, record = _ref(ext)
-        if store == self.rank:
+        if store == holder:
             raise FormatError(f"rank {store}'s blob refers to itself")
-        node = self.tree(store)
-        for step in steps:
-            node = _step(node, step)
-            if node is _MISSING:
+        if store in self.chain:
+            raise FormatError(
+                f"the references of ranks {[*self.chain, holder]} to one another for the value "
+                f"at {_where(steps)} go round in a circle"
+            )
+        self.chain.append(holder)
+        try:
+            node = self.tree(store)
+            for step in steps:
+                if _is_ref(node):
+                    break  # the storing rank refers on, for a value holding this one
+                node = _step(node, step)
+                if node is _MISSING:
+                    raise FormatError(
+                        f"rank {holder}'s blob refers to rank {store}'s for the value at "
+                        f"{_where(steps)}, which rank {store}'s blob does not hold"
+                    )
+            if _is_ref(node):
+                value = self.replica(node, store, steps)
+                if record is None:
+                    return value
+                if type(value) is not _DTensor:
+                    raise FormatError(
+                        f"rank {holder}'s blob refers to rank {store}'s for a DTensor at "
+                        f"{_where(steps)}; the value that leads to is something else"
+                    )
+                self.check_shape(value.index, record, holder, steps)
+                return _DTensor(value.index, record)
+            if record is None:
+                return self.walk(node, store, steps)
+            if type(node) is not _DTensor:
                 raise FormatError(
-                    f"rank {self.rank}'s blob refers to rank {store}'s for the value at "
-                    f"{_where(steps)}, which rank {store}'s blob does not hold"
+                    f"rank {holder}'s blob refers to rank {store}'s for a DTensor at "
+                    f"{_where(steps)}; rank {store}'s holds something else there"
                 )
-        if record is None:
-            return self.walk(node, store, steps)
-        if type(node) is not _DTensor:
+            index = self.tensor(store, node.index)
+            self.check_shape(index, record, holder, steps)
+            # The bytes are the storing rank's; the layout record stays the referring rank's.
+            return _DTensor(index, record)
+        finally:
+            self.chain.pop()
+
+    def check_shape(
+        self, index: int, record: dict[str, Any], holder: int, steps: list[Any]
+    ) -> None:
+        """Tensor ``index`` (of the resolved layout) has the global shape ``record`` says."""
+        rank, _ = self.sources[index]
+        if list(self.entries[index][2]) != list(record.get("shape", ())):
             raise FormatError(
-                f"rank {self.rank}'s blob refers to rank {store}'s for a DTensor at "
-                f"{_where(steps)}; rank {store}'s holds something else there"
+                f"rank {rank}'s replicated DTensor at {_where(steps)} does not have the global "
+                f"shape rank {holder} recorded ({record.get('shape')})"
             )
-        specs = self.layouts[store].specs
-        spec = specs[node.index] if 0 <= node.index < len(specs) else None
-        if spec is None or list(spec.shape) != list(record.get("shape", ())):
-            raise FormatError(
-                f"rank {store}'s replicated DTensor at {_where(steps)} does not have the global "
-                f"shape rank {self.rank} recorded ({record.get('shape')})"
-            )
-        # The bytes are the storing rank's; the layout record stays this rank's own.
-        return _DTensor(self.tensor(store, node.index), record)
+
+
+def _is_ref(node: Any) -> bool:
+    return type(node) is msgpack.ExtType and node.code == _EXT_REPLICA
 
 
 _META = object()  # the step into an OrderedDict's ``_metadata``
@@ -232,8 +286,128 @@ def take(resolved: Resolved, tensors: Mapping[int, Sequence[torch.Tensor]]) -> l
 def resolve_all(layouts: Sequence[Layout]) -> list[Resolved]:
     """Every rank's layout of one save (``layouts[s]``: rank ``s``'s) resolved against the
     others'."""
-    n = len(layouts)
+    # Every other layout is offered: a reference may lead on from the blob it names.
     return [
-        resolve(layout, s, {r: layouts[r] for r in referenced(layout) if 0 <= r < n})
+        resolve(layout, s, {r: other for r, other in enumerate(layouts) if r != s})
         for s, layout in enumerate(layouts)
     ]
+
+
+# --- storing replicated state once: the lean layout of a node's first rank -------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Lean:
+    """A layout with its replicated state replaced by references to the rank that stores it.
+
+    What a node's first rank ``L > 0`` stores in the tiers that outlive the cluster (see
+    :func:`lean`): ``keep[i]`` is the index, in the full layout, of tensor ``i`` of
+    :attr:`layout`.
+    """
+
+    layout: Layout
+    keep: tuple[int, ...]
+
+    def payload(self, full: Layout, payload: torch.Tensor) -> torch.Tensor:
+        """The lean payload: the kept tensors' bytes, copied out of ``payload`` (``full``'s)."""
+        out = torch.zeros(self.layout.payload_nbytes, dtype=torch.uint8, device=payload.device)
+        for spec, j in zip(self.layout.specs, self.keep, strict=True):
+            src = full.specs[j]
+            out[spec.offset : spec.offset + spec.nbytes] = payload[
+                src.offset : src.offset + src.nbytes
+            ]
+        return out
+
+
+class _Leaner(_Resolver):
+    """Walks a full layout, replacing replicated values with references to ``store``."""
+
+    def __init__(
+        self, full: Layout, store: int, at: frozenset[tuple[Any, ...]], world: int
+    ) -> None:
+        super().__init__(full, _FULL, {})
+        self.store = store
+        self.at = at
+        self.world = world
+        self.hit: set[tuple[Any, ...]] = set()
+        self.replaced = 0
+
+    def walk(self, obj: Any, rank: int, steps: list[Any]) -> Any:
+        if self.at:
+            where = tuple(steps)
+            if where in self.at:
+                self.hit.add(where)
+                self.replaced += 1
+                return msgpack.ExtType(
+                    _EXT_REPLICA, msgpack.packb([self.store, None], use_bin_type=True)
+                )
+        if type(obj) is _DTensor and replicated_record(obj.record, self.world):
+            self.replaced += 1
+            record = msgpack.packb(
+                [self.store, obj.record], use_bin_type=True, unicode_errors="surrogatepass"
+            )
+            return msgpack.ExtType(_EXT_REPLICA, record)
+        if _is_ref(obj):
+            raise FormatError("a layout to make lean holds references already")
+        return super().walk(obj, rank, steps)
+
+
+_FULL = -1  # the rank the leaner knows the full layout as
+
+
+def lean(
+    layout: Layout, at: Collection[tuple[Any, ...]], store: int, world_size: int
+) -> Lean | None:
+    """``layout`` with its replicated state replaced by references to rank ``store``.
+
+    Replicated are: the values at the skeleton steps ``at`` (each a path of keys and indices
+    from the root, as :func:`skeleton_steps` gives them), and every DTensor placed
+    ``Replicate()`` on a mesh of all ``world_size`` ranks. ``None`` when there is neither.
+    A step the skeleton does not hold raises :class:`ValueError` (nothing is made lean).
+    """
+    wanted = frozenset(at)
+    if not wanted and not layout.has_dtensors:
+        return None
+    with paused_gc():
+        leaner = _Leaner(layout, store, wanted, world_size)
+        tree = leaner.walk(_tree(layout, "the blob"), _FULL, [])
+        missed = wanted - leaner.hit
+        if missed:
+            raise ValueError(
+                f"the state skeleton holds no value at {sorted(_where(m) for m in missed)}"
+            )
+        if not leaner.replaced:
+            return None
+        skeleton = _pack(tree, lambda d: d)
+        built = Layout.build(skeleton, leaner.entries)
+    built.__dict__["has_refs"] = True
+    return Lean(built, tuple(index for _, index in leaner.sources))
+
+
+def skeleton_steps(steps: Sequence[object]) -> tuple[Any, ...] | None:
+    """A path of the caller's keys and indices as the skeleton holds them (an integer beyond
+    64 bits as its extension, a tuple key as a tuple); ``None`` for a key no skeleton holds."""
+    try:
+        return tuple(_skeleton_key(step) for step in steps)
+    except _NotAKey:
+        return None
+
+
+class _NotAKey(Exception):
+    pass
+
+
+def _skeleton_key(key: object) -> Any:
+    t = type(key)
+    if key is None or t is str or t is bool or t is float or t is bytes:
+        return key
+    if t is int:
+        value: int = key  # type: ignore[assignment]
+        if _INT_MIN <= value <= _INT_MAX:
+            return value
+        return msgpack.ExtType(
+            _EXT_BIGINT, value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        )
+    if t is tuple:
+        return _Tuple(tuple(_skeleton_key(k) for k in key))  # type: ignore[attr-defined]
+    raise _NotAKey

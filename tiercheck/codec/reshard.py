@@ -40,7 +40,7 @@ The rules:
     from old rank ``q mod N`` (with ``M > N`` several new ranks start from the same one; with
     ``M < N`` the state of old ranks ``M..N-1`` is not used).
 
-Replicated state that an old rank stored as a reference to its node's first rank
+Replicated state an old rank stored as a reference to another rank (its node's first, or rank 0)
 (:class:`~tiercheck.codec.flatten.ReplicaRef`) is the storing rank's value: callers resolve such
 layouts first (:func:`~tiercheck.codec.replica.resolve_all`), so the plan compares and reads
 the values the references stand for, and the tensors come from the storing rank's blob. Given an

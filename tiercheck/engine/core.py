@@ -153,7 +153,9 @@ class CheckpointerCore:
         tier's queue holds at most ``tier_queue`` encoded versions. Replicated state
         (:class:`~tiercheck.Replicated`, DTensors placed ``Replicate()`` over all ranks) counts
         once per node: only the node's first rank stores it, so a node's shared memory holds
-        the ranks' own state plus one copy of it per version.
+        the ranks' own state plus one copy of it per version (and durable tiers one copy in
+        all). A node's first rank other than rank 0 holds, while it encodes for a durable
+        tier, a copy of its own (unreplicated) state, and keeps one with the delta base.
         """
         self._config = resolve_options(
             job_id,

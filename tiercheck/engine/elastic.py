@@ -14,7 +14,7 @@ A tier can serve such a version when it holds every old rank's blob of it: the p
 when the ``COMMIT`` record is there, a memory tier when its listing shows a blob of every old
 rank (a one-node job: the node's shared memory holds all of them).
 
-Replicated state that an old rank stored as a reference to its node's first rank
+Replicated state an old rank stored as a reference to another rank (its node's first, or rank 0)
 (:class:`~tiercheck.codec.flatten.ReplicaRef`) is resolved before planning
 (:func:`~tiercheck.codec.replica.resolve`): the plan sees the layout that rank would have saved
 whole, and the tensors there are read from the rank that stored them.

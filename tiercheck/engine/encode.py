@@ -5,6 +5,12 @@ the raw payload is hashed; a snapshot staged in a tier's own memory is published
 state is encoded once per encoding its tiers use (``"full"``: the payload as is; ``"packed"``:
 a delta against the base held in memory, byte planes, zstd) and offered to each tier's lane.
 A base stays held (:attr:`Encoder.base`) until the next base replaces it.
+
+On a node's first rank other than rank 0 the tiers that outlive the cluster get the lean state
+instead (:func:`tiercheck.codec.replica.lean`): its replicated values are references to rank
+0's blob, so those tiers hold them once in all; the memory tiers, which a node restores from
+alone, keep them whole. A lean delta is encoded against the base's lean state, which is what
+those tiers hold of it.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiercheck.codec import (
     BlobMeta,
@@ -22,9 +28,11 @@ from tiercheck.codec import (
     finalize_full_blob,
 )
 from tiercheck.codec.digest import chunk_digests, tree_root
+from tiercheck.codec.replica import Lean, lean, skeleton_steps
 from tiercheck.consistency.manifest import Abort, Begin
 from tiercheck.engine.jobs import HeldBase, Job
 from tiercheck.engine.options import TierEncoding
+from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import StateChanged, TierWriteFailed
 from tiercheck.tiers.base import Buffer
 
@@ -49,6 +57,8 @@ class Encoder:
         self.base: HeldBase | None = None
         #: Encoding tasks not done yet.
         self.tasks: set[asyncio.Task[None]] = set()
+        # The last lean layout made, by the skeleton and paths it was made from.
+        self._lean: tuple[bytes, tuple[tuple[Any, ...], ...], Lean | None] | None = None
 
     def start(self, job: Job) -> None:
         """Encode ``job`` in the background, after the job before it."""
@@ -105,19 +115,29 @@ class Encoder:
                     job.handle.stats.kind = "base"
             if job.reservation is not None:
                 await self._publish_reserved(job, raw)
-            encoded: dict[TierEncoding, tuple[list[Buffer], BlobMeta]] = {}
+            # What the durable tiers store: the lean state, on a node's first rank but rank 0.
+            lean_raw = await self._lean_state(job, raw) if job.held is not None else None
+            held = self.base if base is not None else None
+            encoded: dict[tuple[TierEncoding, bool], tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
                 if job.results[name].done():  # published in place, or skipped when staging
                     continue
-                if encoding not in encoded:
-                    encoded[encoding] = await self._encode(raw, encoding, base)
-                parts, meta = encoded[encoding]
-                if self.pipes[name].lane.offer(job, parts, meta) and encoding == "full":
+                durable = job.held is not None and writes_commit_records(self.pipes[name].tier)
+                source = lean_raw if durable and lean_raw is not None else raw
+                if (encoding, durable) not in encoded:
+                    against = None if held is None else held.for_tier(durable)
+                    encoded[encoding, durable] = await self._encode(source, encoding, against)
+                parts, meta = encoded[encoding, durable]
+                if (
+                    self.pipes[name].lane.offer(job, parts, meta)
+                    and encoding == "full"
+                    and source is raw
+                ):
                     job.holder.acquire()  # the parts reference the staged payload
             if job.kind == "base":
                 self.schedule.planned_base = job.version
                 job.holder.acquire()
-                old, self.base = self.base, HeldBase(raw, job.holder)
+                old, self.base = self.base, HeldBase(raw, job.holder, lean_raw)
                 if old is not None:
                     old.holder.drop()
         except Exception as exc:
@@ -187,6 +207,48 @@ class Encoder:
             return
         durable = pipe.record_durable(job, reservation.key, meta)
         job.lane_done(pipe.name, durable)
+
+    async def _lean_state(self, job: Job, raw: RawState) -> RawState | None:
+        """``raw`` with its replicated state left to rank 0 (see
+        :func:`~tiercheck.codec.replica.lean`); ``None`` when it holds none."""
+        assert job.held is not None
+        # Needed by a durable tier this version goes to, or, for a base, by the deltas after it.
+        wanted = job.targets if job.kind == "delta" else self.pipes
+        if not any(writes_commit_records(self.pipes[name].tier) for name in wanted):
+            return None
+        layout = raw.layout
+        cached = self._lean
+        if cached is not None and cached[0] == layout.skeleton and cached[1] == job.held:
+            made = cached[2]
+        else:
+            made = None
+            steps = [skeleton_steps(h) for h in job.held]
+            try:
+                if any(step is None for step in steps):
+                    raise ValueError("a Replicated value sits under a key no skeleton holds")
+                made = await asyncio.to_thread(
+                    lean, layout, [s for s in steps if s is not None], 0, self.ctx.topo.world_size
+                )
+            except ValueError as exc:
+                # Safe, only larger: the durable tiers get this rank's replicated state too.
+                logger.warning(
+                    "tiercheck: rank %s stores its replicated state whole in durable tiers "
+                    "(it could not be told apart: %s)",
+                    self.ctx.rank,
+                    exc,
+                )
+            self._lean = (layout.skeleton, job.held, made)
+        if made is None:
+            return None
+        payload = await asyncio.to_thread(made.payload, layout, raw.payload)
+        leaves = await asyncio.to_thread(chunk_digests, payload, executor=self.ctx.cpu)
+        return RawState(
+            raw.version,
+            made.layout,
+            payload,
+            tree_root(leaves, made.layout.payload_nbytes),
+            tuple(leaves),
+        )
 
     async def _encode(
         self, raw: RawState, encoding: TierEncoding, base: RawState | None

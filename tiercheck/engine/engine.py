@@ -55,6 +55,9 @@ class Engine:
         #: On a rank that is not its node's first, the reference it stores in place of
         #: replicated state (that rank stores it); ``None`` on the first.
         self.replica = None if topo.rank == leader else ReplicaRef(leader)
+        #: Whether this rank is a node's first other than rank 0: in durable tiers it leaves
+        #: replicated state to rank 0 (see :func:`tiercheck.codec.replica.lean`).
+        self.leans = topo.rank == leader and leader != 0
         self.planner = Planner(
             allow_pickle=config.encode.allow_pickle,
             replica=self.replica,
@@ -149,19 +152,30 @@ class Engine:
             raise TierClosed("this checkpointer is closed")
 
     async def save(
-        self, version: int, state: Any, marks: dict[int, Any] | None = None
+        self,
+        version: int,
+        state: Any,
+        marks: dict[int, Any] | None = None,
+        held: list[tuple[Any, ...]] | None = None,
     ) -> SaveHandle:
-        """Snapshot ``state`` as ``version``; see :meth:`tiercheck.Checkpointer.save`."""
+        """Snapshot ``state`` as ``version``; see :meth:`tiercheck.Checkpointer.save`.
+
+        ``held``: where :attr:`leans`, the paths of the state's ``Replicated`` values (from
+        :func:`tiercheck.stateful.for_save`)."""
         # One save at a time: the schedule (version, base or delta) is decided in call order.
         async with self.save_lock:
-            return await self._save(version, state, marks)
+            return await self._save(version, state, marks, held)
 
     def fence(self, timeout: float | None) -> None:
         """Block (any thread) until every overlapped snapshot started so far is staged."""
         self.stager.fence(timeout)
 
     async def _save(
-        self, version: int, state: Any, marks: dict[int, Any] | None = None
+        self,
+        version: int,
+        state: Any,
+        marks: dict[int, Any] | None = None,
+        held: list[tuple[Any, ...]] | None = None,
     ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
@@ -190,6 +204,7 @@ class Engine:
             handle=handle,
             started=started,
             layout=layout,
+            held=tuple(held or ()) if self.leans else None,
         )
         await self.stager.stage(job, flat, marks)  # a failure here leaves the version unused
         schedule.consume(version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -58,6 +58,9 @@ class Job:
     handle: SaveHandle
     started: float
     layout: Layout | None = None
+    #: On a node's first rank other than rank 0: the paths of the ``Replicated`` values (see
+    #: :func:`tiercheck.stateful.for_save`), left out of its blobs in durable tiers.
+    held: tuple[tuple[Any, ...], ...] | None = None
     payload: torch.Tensor | None = None
     # The snapshot copy still running after save returned (overlapped saves only).
     copy: SnapshotCopy | None = None
@@ -104,3 +107,9 @@ class HeldBase:
 
     raw: RawState
     holder: Holder
+    #: What durable tiers hold of it, where that is not ``raw`` (see :meth:`for_tier`).
+    lean: RawState | None = None
+
+    def for_tier(self, durable: bool) -> RawState:
+        """The base a tier's deltas are encoded against: the one that tier stores."""
+        return self.lean if durable and self.lean is not None else self.raw

@@ -7,20 +7,19 @@ next tier is tried (:meth:`Reader.fetch`).
 
 A blob that holds references to replicated state its node's first rank stored
 (:class:`~tiercheck.codec.flatten.ReplicaRef`) is completed from that rank's blob of the same
-version in the same tier, verified the same way (:func:`~tiercheck.codec.replica.resolve`); when
-that blob is missing or damaged there, the tier fails for this rank and the next is tried.
+version in the same tier -- and, in a durable tier, from rank 0's, which that rank's refers to --
+verified the same way (:func:`tiercheck.blobread.complete`); when such a blob is missing or
+damaged there, the tier fails for this rank and the next is tried.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from tiercheck.blobread import read_blob
+from tiercheck.blobread import complete, read_blob
 from tiercheck.codec import RawState
 from tiercheck.codec.assembled import Resharded
-from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
@@ -75,18 +74,11 @@ class Reader:
         """This rank's blob of ``version`` from ``tier``, its references (if any) resolved
         against the blobs of the ranks that store the replicated state."""
         raw = await self.read(tier, version)
-        stores = referenced(raw.layout)
-        if not stores:
-            return raw
-        others = {r: await self.read(tier, version, rank=r) for r in sorted(stores)}
-        resolved = await asyncio.to_thread(
-            resolve, raw.layout, self.ctx.rank, {r: o.layout for r, o in others.items()}
-        )
-        tensors = {r: o.tensors() for r, o in others.items()}
-        tensors[self.ctx.rank] = raw.tensors()
-        return Resharded(
-            version, resolved.layout, tuple(take(resolved, tensors)), self.ctx.topo.world_size
-        )
+
+        async def read(rank: int) -> RawState:
+            return await self.read(tier, version, rank=rank)
+
+        return await complete(raw, self.ctx.rank, self.ctx.topo.world_size, read)
 
     async def read(self, tier: Tier, version: int, *, rank: int | None = None) -> RawState:
         """Rank ``rank``'s blob (this rank's by default) of ``version`` in ``tier``, verified
