@@ -68,10 +68,25 @@ def expected(raw: RawState, indices: list[int]) -> dict[int, torch.Tensor]:
     return {i: views[i] for i in indices}
 
 
-def assert_tensors(got: dict[int, torch.Tensor], want: dict[int, torch.Tensor]) -> None:
+def assert_tensors(
+    got: dict[int, torch.Tensor],
+    want: dict[int, torch.Tensor],
+    spans: dict[int, tuple[int, int]] | None = None,
+) -> None:
+    """``got`` holds ``want``'s tensors (with ``spans``: those bytes of them, C order)."""
     assert sorted(got) == sorted(want)
     for i, tensor in got.items():
-        assert_same(tensor, want[i], f"tensor {i}")
+        if spans and i in spans:
+            lo, hi = spans[i]
+            assert tensor.dtype == want[i].dtype
+            assert tensor.shape == want[i].shape
+            assert as_bytes(tensor)[lo:hi] == as_bytes(want[i])[lo:hi], i
+        else:
+            assert_same(tensor, want[i], f"tensor {i}")
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).unsqueeze(-1).view(torch.uint8).numpy().tobytes()
 
 
 # --- Hypothesis: every kind of blob, any subset ----------------------------------------------
@@ -122,9 +137,14 @@ RAW_FRAMES = CodecOptions(level=None, frame_bytes=4096, threads=1)
     kind=st.sampled_from(KINDS),
     picks=st.lists(st.booleans(), min_size=6, max_size=6),
     which=st.lists(st.booleans(), min_size=6, max_size=6),
+    cuts=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)) | st.none(), min_size=6, max_size=6),
 )
 def test_any_subset_of_any_blob_reads_as_decode_does(
-    state: dict[str, torch.Tensor], kind: str, picks: list[bool], which: list[bool]
+    state: dict[str, torch.Tensor],
+    kind: str,
+    picks: list[bool],
+    which: list[bool],
+    cuts: list[tuple[float, float] | None],
 ) -> None:
     base_raw = snapshot(state, version=1)
     base: RangedBlob | RawState | None = None
@@ -150,6 +170,15 @@ def test_any_subset_of_any_blob_reads_as_decode_does(
     assert meta.chunk_digests == read_meta(blob).chunk_digests
     got = read_tensors(meta, source, wanted, base=base)
     assert_tensors(got, expected(raw, wanted))
+    # Part of some tensors: at least those bytes come back right.
+    spans = {}
+    for i in wanted:
+        cut, n = cuts[i], raw.layout.specs[i].nbytes
+        if cut is not None:
+            lo, hi = sorted(round(c * n) for c in cut)
+            spans[i] = (lo, hi)
+    partly = read_tensors(meta, Source(blob), wanted, base=base, spans=spans)
+    assert_tensors(partly, expected(raw, wanted), spans)
     # The tensors are the caller's own: changing the source afterwards changes none of them.
     assert isinstance(source.blob, bytearray)
     source.blob[:] = bytes(len(source.blob))
@@ -230,6 +259,44 @@ def test_one_of_eight_tensors_costs_its_chunks_only(eight: RawState) -> None:
     pmeta, psource = ranged(packed)
     assert_tensors(pmeta.read([2], threads=2), expected(eight, [2]))
     assert psource.fetched < len(packed) // 4
+
+
+def test_part_of_a_tensor_costs_the_chunks_or_frames_of_that_part(eight: RawState) -> None:
+    """Tensor 5 spans two 8 MiB chunks (four 4 MiB frames): its first quarter costs one chunk
+    (one frame), its middle two chunks (two frames); a delta's base is read likewise."""
+    spec = eight.layout.specs[5]
+    quarter = {5: (0, spec.nbytes // 4)}
+    middle = {5: (spec.nbytes // 2 - 8, spec.nbytes // 2 + 8)}
+    blob = full_blob(eight)
+    for spans, chunks in ((quarter, 1), (middle, 2)):
+        meta, source = ranged(blob)
+        before = source.fetched  # the header
+        assert_tensors(meta.read([5], spans=spans), expected(eight, [5]), spans)
+        assert source.fetched - before == chunks * DIGEST_CHUNK
+    options = CodecOptions(level=1, threads=1)
+    packed = join(encode_packed(eight, rank=0, options=options)[0])
+    frame = options.frame_bytes
+    for spans, frames in ((quarter, 1), (middle, 2)):
+        meta, source = ranged(packed)
+        before = source.fetched
+        assert_tensors(meta.read([5], spans=spans), expected(eight, [5]), spans)
+        # Compressed frames of random ints are at most about their raw size.
+        assert frames * frame // 2 < source.fetched - before <= frames * (frame + 4096)
+    changed_ = {f"t{i}": t.clone() for i, t in enumerate(eight.tensors())}
+    changed_["t5"][:16] ^= 1
+    later = snapshot(changed_, version=4)
+    delta = join(encode_packed(later, rank=0, base=eight, options=options)[0])
+    base_meta, base_source = ranged(packed)
+    meta, source = ranged(delta)
+    whole_base = RangedBlob(base_meta.meta, base_source)
+    before = base_source.fetched
+    got = read_tensors(meta.meta, source, [5], base=whole_base, spans=quarter)
+    assert_tensors(got, expected(later, [5]), quarter)
+    assert frame // 2 < base_source.fetched - before <= frame + 4096
+    with pytest.raises(ValueError, match="not within"):
+        read_tensors(meta.meta, source, [5], base=whole_base, spans={5: (0, spec.nbytes + 1)})
+    with pytest.raises(ValueError, match="not wanted"):
+        read_tensors(meta.meta, source, [5], base=whole_base, spans={4: (0, 8)})
 
 
 def test_a_flipped_bit_in_a_wanted_chunk_is_caught_and_one_outside_is_not_read(

@@ -96,14 +96,30 @@ def restore(
     new_world: int,
     per_rank: Any = "refuse",
 ) -> tuple[ReshardPlan, Any]:
-    """Plan and assemble, handing ``assemble`` only the tensors the plan wants."""
+    """Plan and assemble, handing ``assemble`` only the tensors the plan wants, each with
+    every byte outside its span (:attr:`ReshardPlan.spans`) scrambled: they must not be used."""
     plan = plan_reshard(layouts, new_rank=new_rank, new_world=new_world, per_rank=per_rank)
-    given_ = {s: {i: tensors[s][i] for i in idx} for s, idx in plan.wanted.items()}
+    assert set(plan.spans) == set(plan.sources)
+    given_ = {
+        s: {i: outside_scrambled(tensors[s][i], plan.spans[s, i]) for i in idx}
+        for s, idx in plan.wanted.items()
+    }
     out = assemble(plan, given_)
     assert [tuple(t.shape) for t in out] == [s.shape for s in plan.layout.specs]
     assert [t.dtype for t in out] == [s.dtype for s in plan.layout.specs]
     assert all(t.is_contiguous() for t in out)
     return plan, unflatten(plan.layout, out)
+
+
+def outside_scrambled(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """A copy of ``t`` whose bytes (C order) outside ``span`` are 0xA5."""
+    lo, hi = span
+    assert 0 <= lo <= hi <= t.numel() * t.element_size()
+    out = copy_tensor(t)
+    flat = out.reshape(-1).unsqueeze(-1).view(torch.uint8).reshape(-1)
+    flat[:lo] = 0xA5
+    flat[hi:] = 0xA5
+    return out
 
 
 def refusal(
@@ -191,6 +207,12 @@ def test_every_new_rank_gets_torchs_shard(
                 overlaps = length > 0 and size > 0 and start < lo + size and lo < start + length
                 w_index = layouts[s].index["['w']"]
                 assert (w_index in plan.wanted.get(s, ())) == overlaps, (s, q)
+                if overlaps and d == 0:
+                    # Of an old shard, exactly the rows the new one overlaps are read.
+                    row = full[0].numel() * full.element_size()
+                    first, last = max(lo, start), min(lo + size, start + length)
+                    span = ((first - start) * row, (last - start) * row)
+                    assert plan.spans[s, w_index] == span, (s, q)
     if placement[0] == "shard":
         # Put together as bytes: torch.cat allocates, which warns for complex32.
         whole = torch.cat([as_bytes(p) for p in pieces], dim=placement[1])

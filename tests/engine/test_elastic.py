@@ -19,7 +19,7 @@ import torch
 
 from tests.test_never_lose import run_ranks, stored_files
 from tiercheck import ReshardError, SyncCheckpointer, VersionError, WorldSizeMismatch
-from tiercheck.codec import read_meta
+from tiercheck.codec import CodecOptions, read_meta
 from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.consistency.identity import IDENTITY_FILE, JOB_KEY, JobRecord, NodeIdentity
 from tiercheck.testing import LocalGroup
@@ -260,9 +260,10 @@ def test_each_new_rank_reads_only_the_ranges_it_needs(tmp_path: Path) -> None:
     # 4 old ranks hold 2 MiB each of one big sharded weight; 8 new ranks need half of one each.
     big = torch.randn(64, 32768, generator=torch.Generator().manual_seed(1))
     group = LocalGroup(4)
+    frame = 256 << 10  # 8 frames per old shard
 
     def save(r: int) -> None:
-        with job(tmp_path, r, 4, group) as ckpt:
+        with job(tmp_path, r, 4, group, codec=CodecOptions(frame_bytes=frame)) as ckpt:
             ckpt.save(0, {"big": stored(big[r * 16 : r * 16 + 16], big, r * 16, r, 4), "step": 0})
             ckpt.wait()
 
@@ -289,10 +290,10 @@ def test_each_new_rank_reads_only_the_ranges_it_needs(tmp_path: Path) -> None:
 
     for q, (got, read) in enumerate(run_ranks(8, restore8)):
         assert torch.equal(got.state["big"], big[q * 8 : q * 8 + 8])
-        # The frames of the one old shard it overlaps (whole old tensors are the unit), and
-        # the first 64 KiB of every old blob for its header -- not the four blobs.
-        assert read <= max(blobs) + 4 * (64 << 10), (q, read, blobs)
-        assert read < sum(blobs) / 3, (q, read, blobs)
+        # The frames of the half of the one old shard it overlaps, and the first 64 KiB of
+        # every old blob for its header -- not the four blobs, nor the whole old shard.
+        assert read <= max(blobs) / 2 + frame + 4 * (64 << 10), (q, read, blobs)
+        assert read < sum(blobs) / 6, (q, read, blobs)
 
 
 def test_a_job_record_that_cannot_be_updated_fails_the_restore_on_every_rank(

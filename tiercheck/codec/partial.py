@@ -25,6 +25,10 @@ Unlike :func:`~.blob.decode`, a partial read cannot check the raw digest of the 
 (it does not rebuild the whole payload): the chunk and frame digests, and the base's identity
 (version and raw digest) for a delta, are what vouch for the bytes.
 
+A caller that needs only part of a tensor (a new shard overlapping part of an old one) gives
+its byte span: only the chunks or frames overlapping the span are then read, and the tensor's
+bytes outside the span are left unset.
+
 The tensors returned are the caller's own: fresh memory per tensor, never a view of a buffer
 that is reused, nor of the fetched bytes.
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -54,6 +58,7 @@ from tiercheck.codec.blob import (
 from tiercheck.codec.digest import DIGEST_CHUNK, tree_root
 from tiercheck.codec.flatten import align
 from tiercheck.codec.frames import Buffer, DecodeSettings, decode_frame
+from tiercheck.codec.frames import Piece as FramePiece
 from tiercheck.codec.resources import U8, ScratchPool, run_bounded
 from tiercheck.errors import BaseMismatch, ChecksumMismatch, FormatError
 
@@ -62,12 +67,15 @@ __all__ = [
     "DEFAULT_MAX_READ",
     "Fetch",
     "RangedBlob",
+    "Spans",
     "read_meta_ranged",
     "read_tensors",
 ]
 
 #: ``fetch(start, end)``: bytes ``[start, end)`` of one blob, clipped to its size.
 Fetch = Callable[[int, int], Buffer]
+#: Per tensor index, the bytes ``[start, end)`` of the tensor that are wanted (others: all).
+Spans = Mapping[int, tuple[int, int]]
 
 #: The first read of :func:`read_meta_ranged`: the preamble and, usually, the whole header.
 DEFAULT_FIRST_READ = 64 << 10
@@ -91,6 +99,7 @@ class RangedBlob:
         self,
         wanted: Sequence[int],
         *,
+        spans: Spans | None = None,
         max_read: int = DEFAULT_MAX_READ,
         threads: int = 1,
         executor: Executor | None = None,
@@ -101,6 +110,7 @@ class RangedBlob:
             self.fetch,
             wanted,
             base=self.base,
+            spans=spans,
             max_read=max_read,
             threads=threads,
             executor=executor,
@@ -161,6 +171,24 @@ def _check_wanted(meta: BlobMeta, wanted: Iterable[int]) -> list[int]:
     return sorted(indices)
 
 
+def _spans(
+    meta: BlobMeta, indices: Sequence[int], spans: Spans | None
+) -> dict[int, tuple[int, int]]:
+    """Each wanted tensor's span, checked (a tensor without one: all its bytes)."""
+    specs = meta.layout.specs
+    out = {i: (0, specs[i].nbytes) for i in indices}
+    for i, span in (spans or {}).items():
+        if i not in out:
+            raise ValueError(f"a span is given for tensor {i!r}, which is not wanted")
+        lo, hi = span
+        if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi <= specs[i].nbytes:
+            raise ValueError(
+                f"span {span!r} of tensor {i} is not within its {specs[i].nbytes} bytes"
+            )
+        out[i] = (lo, hi)
+    return out
+
+
 def _runs(
     items: Sequence[int], extent: Callable[[int], tuple[int, int]], cap: int
 ) -> list[list[int]]:
@@ -197,12 +225,12 @@ def _outputs(meta: BlobMeta, indices: Sequence[int]) -> dict[int, U8]:
 
 
 def _read_full(
-    meta: BlobMeta, fetch: Fetch, indices: Sequence[int], max_read: int
+    meta: BlobMeta, fetch: Fetch, spans: Mapping[int, tuple[int, int]], max_read: int
 ) -> dict[int, U8]:
     specs = meta.layout.specs
     n = meta.layout.payload_nbytes
-    outs = _outputs(meta, indices)
-    wanted = [i for i in indices if specs[i].nbytes]
+    outs = _outputs(meta, list(spans))
+    wanted = [i for i, (lo, hi) in spans.items() if hi > lo]
     leaves = meta.chunk_digests
     if leaves is None:
         _read_full_unchunked(meta, fetch, outs, max_read)
@@ -212,8 +240,8 @@ def _read_full(
             c
             for i in wanted
             for c in range(
-                specs[i].offset // DIGEST_CHUNK,
-                (specs[i].offset + specs[i].nbytes - 1) // DIGEST_CHUNK + 1,
+                (specs[i].offset + spans[i][0]) // DIGEST_CHUNK,
+                (specs[i].offset + spans[i][1] - 1) // DIGEST_CHUNK + 1,
             )
         }
     )
@@ -264,7 +292,7 @@ def _read_full_unchunked(meta: BlobMeta, fetch: Fetch, outs: dict[int, U8], max_
 
 def _base_bytes(
     meta: BlobMeta,
-    indices: Sequence[int],
+    spans: Mapping[int, tuple[int, int]],
     base: RangedBlob | RawState | None,
     *,
     max_read: int,
@@ -294,7 +322,7 @@ def _base_bytes(
     base_specs = base_layout.specs
     specs = meta.layout.specs
     matches: dict[int, int] = {}
-    for i in indices:
+    for i in spans:
         j = info.delta[i]
         if j < 0 or not specs[i].nbytes:
             continue
@@ -306,10 +334,16 @@ def _base_bytes(
         matches[i] = j
     got: dict[int, U8]
     if isinstance(base, RangedBlob):
+        # The same bytes of each base tensor (same dtype and shape) as of the tensor XORed on it.
+        base_spans: dict[int, tuple[int, int]] = {}
+        for i, j in matches.items():
+            lo, hi = spans[i]
+            had = base_spans.get(j)
+            base_spans[j] = (lo, hi) if had is None else (min(had[0], lo), max(had[1], hi))
         got = _read_bytes(
             base.meta,
             base.fetch,
-            sorted(set(matches.values())),
+            dict(sorted(base_spans.items())),
             base.base,
             max_read=max_read,
             threads=threads,
@@ -332,7 +366,7 @@ def _base_bytes(
 def _read_packed(
     meta: BlobMeta,
     fetch: Fetch,
-    indices: Sequence[int],
+    spans: Mapping[int, tuple[int, int]],
     base: RangedBlob | RawState | None,
     *,
     max_read: int,
@@ -342,16 +376,20 @@ def _read_packed(
     info = meta._packed
     assert info is not None
     base_targets = _base_bytes(
-        meta, indices, base, max_read=max_read, threads=threads, executor=executor
+        meta, spans, base, max_read=max_read, threads=threads, executor=executor
     )
-    outs = _outputs(meta, indices)
+    outs = _outputs(meta, list(spans))
     specs = meta.layout.specs
     targets: list[U8 | None] = [None] * len(specs)
-    for i in indices:
+    for i in spans:
         targets[i] = outs[i]
     extents = frame_extents(meta, info)
-    wanted = set(indices)
-    frames = [k for k, e in enumerate(extents) if any(p.spec in wanted for p in e.frame.pieces)]
+
+    def used(piece: FramePiece) -> bool:
+        span = spans.get(piece.spec)
+        return span is not None and piece.start < span[1] and span[0] < piece.start + piece.nbytes
+
+    frames = [k for k, e in enumerate(extents) if any(used(p) for p in e.frame.pieces)]
     settings = DecodeSettings(
         meta.layout,
         np.empty(0, dtype=np.uint8),
@@ -390,18 +428,19 @@ def _read_packed(
 def _read_bytes(
     meta: BlobMeta,
     fetch: Fetch,
-    indices: Sequence[int],
+    spans: Mapping[int, tuple[int, int]],
     base: RangedBlob | RawState | None,
     *,
     max_read: int,
     threads: int,
     executor: Executor | None,
 ) -> dict[int, U8]:
-    """Per wanted tensor, its bytes in fresh memory (checked; see the module docstring)."""
+    """Per wanted tensor (the keys of ``spans``, ascending), its bytes in fresh memory, those
+    in its span read and checked (see the module docstring)."""
     if meta.kind == "full":
-        return _read_full(meta, fetch, indices, max_read)
+        return _read_full(meta, fetch, spans, max_read)
     return _read_packed(
-        meta, fetch, indices, base, max_read=max_read, threads=threads, executor=executor
+        meta, fetch, spans, base, max_read=max_read, threads=threads, executor=executor
     )
 
 
@@ -411,6 +450,7 @@ def read_tensors(
     wanted: Sequence[int],
     *,
     base: RangedBlob | RawState | None = None,
+    spans: Spans | None = None,
     max_read: int = DEFAULT_MAX_READ,
     threads: int = 1,
     executor: Executor | None = None,
@@ -421,11 +461,15 @@ def read_tensors(
     against its digest before use (see the module docstring); adjacent ones are fetched
     together, at most ``max_read`` bytes a fetch (a single chunk or frame may be longer).
     ``base``: for a delta, its base (:class:`~tiercheck.errors.BaseMismatch` if it is missing
-    or another); ignored otherwise. Packed frames decode on ``executor`` or ``threads`` threads
-    (``0`` = ``os.cpu_count()``; default 1: the caller usually reads several blobs at once).
+    or another); ignored otherwise. ``spans``: for some wanted tensors, the bytes
+    ``[start, end)`` (C order) that are needed; only the chunks or frames overlapping them are
+    read, and the tensor's other bytes are left unset. Packed frames decode on ``executor`` or
+    ``threads`` threads (``0`` = ``os.cpu_count()``; default 1: the caller usually reads
+    several blobs at once).
 
     Returns ``{index: tensor}`` with each tensor's dtype and shape from the layout, in fresh
-    memory of its own. Raises :class:`ValueError` for an index the blob does not have.
+    memory of its own. Raises :class:`ValueError` for an index the blob does not have, or a
+    span that is not within its tensor's bytes.
     """
     if max_read <= 0:
         raise ValueError(f"max_read must be positive, got {max_read}")
@@ -433,7 +477,7 @@ def read_tensors(
     got = _read_bytes(
         meta,
         fetch,
-        indices,
+        _spans(meta, indices, spans),
         base,
         max_read=max_read,
         threads=threads or os.cpu_count() or 1,

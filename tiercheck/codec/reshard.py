@@ -3,10 +3,11 @@
 A version saved by ``N`` ranks holds one blob per rank. :func:`plan_reshard` looks at the
 :class:`~tiercheck.codec.flatten.Layout` of every old blob (headers only, no tensor bytes) and
 says what new rank ``q`` needs: the layout it would have saved itself (:attr:`ReshardPlan.layout`),
-which tensors of which old blobs to read (:attr:`ReshardPlan.wanted`, so a ranged read fetches
-only those), and how to cut them. :func:`assemble` then builds the new rank's tensors from the old
-ones it was given. Both are pure: no I/O, no process group, no collective; every new rank can
-compute the plan of every other.
+which tensors of which old blobs to read (:attr:`ReshardPlan.wanted`) and which bytes of each
+(:attr:`ReshardPlan.spans`), so a ranged read fetches only those, and how to cut them.
+:func:`assemble` then builds the new rank's tensors from the old ones it was given. Both are
+pure: no I/O, no process group, no collective; every new rank can compute the plan of every
+other.
 
 The rules:
 
@@ -64,7 +65,7 @@ from typing import Any, Literal
 import msgpack
 import torch
 
-from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout
+from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout, TensorSpec
 from tiercheck.codec.plan import paused_gc
 from tiercheck.errors import ConfigError, FormatError, ReshardError
 
@@ -301,6 +302,10 @@ class ReshardPlan:
       old layout says (what :func:`assemble` checks it was given).
     * :attr:`checks`: the plain tensors compared bit for bit between old rank 0 and the other
       old ranks read (``per_rank="refuse"`` only).
+    * :attr:`spans`: ``(old rank, index) -> (start, end)``: the bytes of each wanted tensor
+      (C order) that the pieces and checks use lie in ``[start, end)``. For ``Shard(0)`` they
+      are exactly the rows a new shard overlaps; :func:`assemble` reads no byte outside them,
+      so the others need not be read at all.
     """
 
     layout: Layout
@@ -312,6 +317,7 @@ class ReshardPlan:
     new_world: int
     old_world: int
     per_rank: PerRank
+    spans: dict[tuple[int, int], tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -619,6 +625,13 @@ def _plan(
         for s, indices in wanted.items()
         for i in indices
     }
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    for plist in pieces:
+        for p in plist:
+            _widen(spans, (p.rank, p.index), _box_span(stored[p.rank].specs[p.index], p))
+    for check in checks:
+        for key in ((0, check.index0), (check.rank, check.index)):
+            spans[key] = (0, stored[key[0]].specs[key[1]].nbytes)
     return ReshardPlan(
         layout=layout,
         wanted={s: tuple(sorted(wanted[s])) for s in sorted(wanted) if wanted[s]},
@@ -629,7 +642,28 @@ def _plan(
         new_world=new_world,
         old_world=n,
         per_rank=per_rank,
+        spans={key: spans.get(key, (0, 0)) for key in sources},
     )
+
+
+def _box_span(spec: TensorSpec, piece: Piece) -> tuple[int, int]:
+    """The bytes (C order) of ``spec``'s tensor from the first to the last element of the box
+    ``piece`` copies out of it."""
+    first = last = 0
+    stride = 1
+    for d in range(len(spec.shape) - 1, -1, -1):
+        first += piece.src_start[d] * stride
+        last += (piece.src_start[d] + piece.size[d] - 1) * stride
+        stride *= spec.shape[d]
+    size = spec.dtype.itemsize
+    return first * size, (last + 1) * size
+
+
+def _widen(
+    spans: dict[tuple[int, int], tuple[int, int]], key: tuple[int, int], span: tuple[int, int]
+) -> None:
+    had = spans.get(key)
+    spans[key] = span if had is None else (min(had[0], span[0]), max(had[1], span[1]))
 
 
 def _plain_indices_of(old: _Stored) -> list[int]:

@@ -3,10 +3,11 @@
 A version's world size comes from the job's history (:mod:`tiercheck.consistency.worlds`). When
 it differs from this run's, no rank has "its" blob: new rank ``q`` reads the headers of every
 old rank's blob, plans which old tensors it needs (:func:`~tiercheck.codec.reshard.plan_reshard`),
-reads those -- only the chunks or frames that hold them, by ranged reads where the tier serves
-them (:class:`~tiercheck.tiers.base.SupportsRangedGet`) or as slices of the mapping where it maps
-its blobs into memory (the local tier), each range verified against its checksum -- and puts
-together the state it would have saved itself
+reads those -- only the chunks or frames that hold the bytes of them it uses (the rows of an old
+shard its new shard overlaps: :attr:`~tiercheck.codec.reshard.ReshardPlan.spans`), by ranged
+reads where the tier serves them (:class:`~tiercheck.tiers.base.SupportsRangedGet`) or as
+slices of the mapping where it maps its blobs into memory (the local tier), each range verified
+against its checksum -- and puts together the state it would have saved itself
 (:func:`~tiercheck.codec.reshard.assemble`). The result goes through the same check against the
 caller's state and the same copy into it as any restore.
 
@@ -23,9 +24,10 @@ whole, and the tensors there are read from the rank that stored them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,14 +139,18 @@ class ElasticReader:
             new_world=self.ctx.topo.world_size,
             per_rank=self.ctx.options.job.per_rank,
         )
-        needed: dict[int, set[int]] = {}
+        # Per blob, the tensors wanted and the bytes of each the plan uses (a new shard needs
+        # only the rows of an old one it overlaps).
+        needed: dict[int, dict[int, tuple[int, int]]] = {}
         for s, wanted in plan.wanted.items():
             for i in wanted:
                 r, j = resolved[s].sources[i]
-                needed.setdefault(r, set()).add(j)
+                lo, hi = plan.spans[s, i]
+                had = needed.setdefault(r, {}).get(j)
+                needed[r][j] = (lo, hi) if had is None else (min(had[0], lo), max(had[1], hi))
         real: dict[int, Mapping[int, torch.Tensor]] = {}
-        for r, indices in sorted(needed.items()):
-            real[r] = await self._tensors(tier, keys[r], metas[r], sorted(indices))
+        for r, spans in sorted(needed.items()):
+            real[r] = await self._tensors(tier, keys[r], metas[r], spans)
         old: dict[int, Mapping[int, torch.Tensor]] = {
             s: {i: real[resolved[s].sources[i][0]][resolved[s].sources[i][1]] for i in wanted}
             for s, wanted in plan.wanted.items()
@@ -220,10 +226,11 @@ class ElasticReader:
         return meta
 
     async def _tensors(
-        self, tier: Tier, key: str, meta: BlobMeta, wanted: Sequence[int]
+        self, tier: Tier, key: str, meta: BlobMeta, spans: Mapping[int, tuple[int, int]]
     ) -> dict[int, torch.Tensor]:
-        """The ``wanted`` tensors of one old rank's blob: only the chunks or frames that hold
-        them, each checked against its digest (a delta's base likewise)."""
+        """The tensors of one old rank's blob at the indices ``spans`` names, their bytes in
+        each span: only the chunks or frames that hold those, each checked against its digest
+        (a delta's base likewise)."""
         base: RangedBlob | None = None
         if meta.base is not None:
             base_keys = await self._keys(
@@ -237,7 +244,15 @@ class ElasticReader:
         fetch = await self._fetch(tier, key)
         try:
             return await asyncio.to_thread(
-                read_tensors, meta, fetch, wanted, base=base, executor=self.ctx.cpu
+                functools.partial(
+                    read_tensors,
+                    meta,
+                    fetch,
+                    sorted(spans),
+                    base=base,
+                    spans=spans,
+                    executor=self.ctx.cpu,
+                )
             )
         except (ChecksumMismatch, FormatError) as exc:
             await self._quarantine(tier, key, exc)
