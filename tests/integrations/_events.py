@@ -26,6 +26,7 @@ class Events:
     """Appends this rank's events to ``<out>/events-r<rank>.jsonl``."""
 
     def __init__(self, out: Path, launch: str) -> None:
+        self.out = out
         self.rank = int(os.environ["RANK"])
         self.common = {
             "launch": launch,
@@ -52,6 +53,7 @@ class Events:
                 version=restored.version,
                 source=restored.source_tier,
                 sources={str(r): t for r, t in restored.source_tiers.items()},
+                saved_by=restored.saved_by,
             )
 
 

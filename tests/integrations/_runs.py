@@ -187,11 +187,19 @@ def _gone(pid: int) -> bool:
 
 
 class Torchrun:
-    """A training script run by torchrun on 2 local processes; its events read from the files
-    the ranks write (``_events.py``), its workers killable one by one or all at once."""
+    """A training script run by torchrun on ``ranks`` local processes (2 by default); its events
+    read from the files the ranks write (``_events.py``), its workers killable one by one or all
+    at once."""
 
     def __init__(
-        self, script: Path, args: list[str], out: Path, launch: str, *, restarts: int = 0
+        self,
+        script: Path,
+        args: list[str],
+        out: Path,
+        launch: str,
+        *,
+        restarts: int = 0,
+        ranks: int = 2,
     ) -> None:
         self.out, self.launch = out, launch
         self.log = out / f"{launch}.log"
@@ -207,7 +215,7 @@ class Torchrun:
         }
         command = [
             sys.executable, "-m", "torch.distributed.run",
-            "--standalone", "--nproc-per-node=2", f"--max-restarts={restarts}",
+            "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={restarts}",
             "--monitor-interval=0.1",
             str(script), *args, "--out", str(out), "--launch", launch,
         ]  # fmt: skip

@@ -25,6 +25,7 @@ Events go to ``<out>/events-r<rank>.jsonl`` (see ``_events.py``); the final weig
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from pathlib import Path
@@ -43,11 +44,18 @@ STEPS, EVERY = 30, 3
 
 
 class Report(L.Callback):
-    """Seeds each rank's dropout stream, reports progress, and slows steps so kills land mid-run."""
+    """Seeds each rank's dropout stream, reports progress, and slows steps so kills land mid-run.
 
-    def __init__(self, io: TiercheckCheckpointIO, events: Events, delay: float) -> None:
+    With ``resumed_weights`` (a function of the module), writes the weights training starts
+    from to ``<out>/resumed-r<rank>.safetensors``.
+    """
+
+    def __init__(
+        self, io: TiercheckCheckpointIO, events: Events, delay: float, resumed_weights: Any = None
+    ) -> None:
         self.io, self.events, self.delay = io, events, delay
         self.commits = Commits(events, lambda: io.last_save)
+        self.resumed_weights = resumed_weights
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Each rank its own stream; after a resume TiercheckCallback sets the saved states
@@ -56,6 +64,9 @@ class Report(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.events.resumed(trainer.global_step, self.io.restored)
+        if self.resumed_weights is not None:
+            path = self.events.out / f"resumed-r{self.events.rank}.safetensors"
+            save_file(self.resumed_weights(pl_module), str(path))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.commits.poll()
@@ -67,8 +78,14 @@ def main() -> None:
 
 
 def train(make_model: Any, strategy: Any, full: Any) -> None:
-    """Fit a ``make_model()`` on 2 ranks with ``strategy`` through tiercheck, then write each rank's
-    final weights (``full`` turns a state value into the whole tensor)."""
+    """Fit a ``make_model()`` on the ranks torchrun started (2 in the tests) with ``strategy``
+    through tiercheck, then write each rank's final weights (``full`` turns a state value into
+    the whole tensor).
+
+    ``--steps`` ends training earlier; ``--elastic`` opens the job with ``elastic=True`` and
+    ``per_rank="wrap"`` (a job saved by another number of ranks is resharded; each rank's own
+    state comes from old rank ``rank % N``) and writes the weights training starts from.
+    """
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True)
     parser.add_argument("--memory", required=True)
@@ -76,7 +93,10 @@ def train(make_model: Any, strategy: Any, full: Any) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--launch", required=True)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--elastic", action="store_true")
     args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "2"))
     # Lightning 2.6 calls torch.utils._pytree.LeafSpec(), deprecated in recent torch; harmless.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
 
@@ -84,15 +104,25 @@ def train(make_model: Any, strategy: Any, full: Any) -> None:
     events("start")
     L.seed_everything(0, verbose=False)
     model = make_model()
+    elastic: dict[str, Any] = {"elastic": True, "per_rank": "wrap"} if args.elastic else {}
     io = TiercheckCheckpointIO(
-        args.job, local_root=args.memory, persistent=args.durable, base_every=4, peer_timeout=60
+        args.job,
+        local_root=args.memory,
+        persistent=args.durable,
+        base_every=4,
+        peer_timeout=60,
+        **elastic,
     )
-    report = Report(io, events, args.delay)
+
+    def whole(module: L.LightningModule) -> dict[str, torch.Tensor]:
+        return {k: full(v).detach().clone() for k, v in module.state_dict().items()}
+
+    report = Report(io, events, args.delay, whole if args.elastic else None)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=world,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -100,11 +130,10 @@ def train(make_model: Any, strategy: Any, full: Any) -> None:
         plugins=[io],
         callbacks=[TiercheckCallback(every_n_train_steps=EVERY), report],
     )
-    batches = Batches(rank=events.rank, world=2)
+    batches = Batches(rank=events.rank, world=world)
     trainer.fit(model, train_dataloaders=batches, ckpt_path=io.resume_path())
     report.commits.poll()  # fit's teardown waited for every save in flight
-    weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
-    save_file(weights, str(args.out / f"final-r{events.rank}.safetensors"))
+    save_file(whole(model), str(args.out / f"final-r{events.rank}.safetensors"))
     events("done")
     # Leave no process group to the interpreter's exit: torch's C++ threads torn down there can
     # abort the process ("terminate called without an active exception") after all went well.

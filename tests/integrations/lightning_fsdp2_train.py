@@ -19,6 +19,8 @@ whole (``full_tensor``), to ``<out>/final-r<rank>.safetensors``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_ddp_train import train
@@ -39,9 +41,10 @@ class ShardedNet(Net):
 
 def main() -> None:
     # The DDP script's run, with FSDP2; every rank gathers every parameter at the end (collective).
+    world = int(os.environ.get("WORLD_SIZE", "2"))
     train(
         ShardedNet,
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
         lambda v: v.full_tensor(),
     )
 

@@ -33,7 +33,7 @@ from tiercheck.consistency.manifest import Abort, Begin
 from tiercheck.engine.jobs import HeldBase, Job
 from tiercheck.engine.options import TierEncoding
 from tiercheck.engine.tier import writes_commit_records
-from tiercheck.errors import StateChanged, TierWriteFailed
+from tiercheck.errors import FormatError, StateChanged, TierWriteFailed
 from tiercheck.tiers.base import Buffer
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class Encoder:
                 made = await asyncio.to_thread(
                     lean, layout, [s for s in steps if s is not None], 0, self.ctx.topo.world_size
                 )
-            except ValueError as exc:
+            except (ValueError, FormatError) as exc:
                 # Safe, only larger: the durable tiers get this rank's replicated state too.
                 logger.warning(
                     "tiercheck: rank %s stores its replicated state whole in durable tiers "
