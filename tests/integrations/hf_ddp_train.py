@@ -40,8 +40,8 @@ STEPS, SAVE_STEPS, BATCH = 30, 3, 4
 class Report(TrainerCallback):
     """Seeds each rank's dropout stream, reports progress, and slows steps so kills land mid-run."""
 
-    def __init__(self, events: Events, delay: float) -> None:
-        self.events, self.delay = events, delay
+    def __init__(self, events: Events, delay: float, dump: bool = False) -> None:
+        self.events, self.delay, self.dump = events, delay, dump
         self.trainer: TiercheckTrainer | None = None
         self.commits: Commits | None = None
 
@@ -51,6 +51,9 @@ class Report(TrainerCallback):
         # the resumed epoch's first batch comes, which is later.
         torch.manual_seed(1000 + self.events.rank)
         self.events.resumed(state.global_step, self.trainer.tiercheck_restored)
+        if self.dump:  # the weights training starts from
+            path = self.events.out / f"resumed-r{self.events.rank}.safetensors"
+            save_file(weights_of(self.trainer.model), str(path))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         time.sleep(self.delay)
@@ -66,6 +69,11 @@ class Report(TrainerCallback):
         self.commits.poll()
 
 
+def weights_of(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights (one copy of each: GPT-2 ties its output layer to its embedding)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", required=True)
@@ -74,6 +82,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--launch", required=True)
     parser.add_argument("--delay", type=float, default=0.0)
+    # Train fewer steps; open the job elastic (resharded onto another number of ranks, each
+    # rank's own state from old rank rank % N) and write the weights training starts from.
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--elastic", action="store_true")
     args = parser.parse_args()
 
     events = Events(args.out, args.launch)
@@ -92,7 +104,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=str(args.out / "trainer"),
         use_cpu=True,
-        max_steps=STEPS,
+        max_steps=args.steps,
         per_device_train_batch_size=BATCH,
         learning_rate=1e-3,
         warmup_steps=5,
@@ -106,7 +118,7 @@ def main() -> None:
         ddp_bucket_cap_mb=0,
         ddp_find_unused_parameters=True,
     )
-    report = Report(events, args.delay)
+    report = Report(events, args.delay, dump=args.elastic)
     trainer = TiercheckTrainer(
         model=model,
         args=training,
@@ -118,14 +130,14 @@ def main() -> None:
             "persistent": args.durable,
             "base_every": 4,
             "peer_timeout": 60,
+            **({"elastic": True, "per_rank": "wrap"} if args.elastic else {}),
         },
     )
     report.trainer = trainer
     report.commits = Commits(events, lambda: trainer.tiercheck_last_save)
     trainer.train(resume_from_checkpoint=True)
     report.commits.poll()  # train() waited for every save in flight
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    save_file(weights, str(args.out / f"final-r{events.rank}.safetensors"))
+    save_file(weights_of(model), str(args.out / f"final-r{events.rank}.safetensors"))
     events("done")
 
 
