@@ -259,7 +259,9 @@ def test_the_hint_coming_and_going_keeps_each_tiers_delta_base(tmp_path: Path) -
     for v, root in ((3, tmp_path), (1, tmp_path.with_name(tmp_path.name + "-v1"))):
         group2 = LocalGroup(WORLD)
 
-        def back(r: int, v: int = v, root: Path = root) -> tuple[Any, dict[str, Any]]:
+        def back(
+            r: int, v: int = v, root: Path = root, group2: LocalGroup = group2
+        ) -> tuple[Any, dict[str, Any]]:
             state = empty_state()
             with job(root, r, group2, per_node=2) as ckpt:
                 return ckpt.restore(state, version=v), state
