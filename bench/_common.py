@@ -12,8 +12,9 @@ import math
 import os
 import platform
 import statistics
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "evict_from_page_cache",
     "fsync_path",
     "load_snapshot",
+    "run_ranks",
     "summary",
     "tree_nbytes",
 ]
@@ -135,3 +137,25 @@ def tree_nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(tree_nbytes(v) for v in obj)
     return 0
+
+
+def run_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
+    """``fn(rank)`` for every rank of ``world``, each on a thread (the ranks of a
+    ``tiercheck.testing.LocalGroup``); the results in rank order, or the first error raised."""
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def one(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

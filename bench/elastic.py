@@ -25,7 +25,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,25 +34,8 @@ import tiercheck
 from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.testing import LocalGroup
 
-
-def run_ranks(world: int, fn: Any) -> list[Any]:
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_ranks
 
 
 def shard_of(full: torch.Tensor, rank: int, world: int) -> DTensorShard:

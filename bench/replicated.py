@@ -23,8 +23,8 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,25 +34,8 @@ import torch
 import tiercheck
 from tiercheck.testing import LocalGroup
 
-
-def run_ranks(world: int, fn: Any) -> list[Any]:
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_ranks
 
 
 def checkpointer(
