@@ -418,3 +418,61 @@ def test_a_job_saved_with_references_restores_on_another_world(
             for key, expected in model_of(newest).items():
                 assert torch.equal(state["model"][key], expected)
             assert state["step"] == newest
+
+
+@pytest.mark.parametrize("fails", ["derive", "copy"])
+def test_a_lean_blob_that_cannot_be_made_is_stored_whole_durably(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """Making node 1's first rank's durable blob lean fails (the derivation refuses, or the copy
+    raises): that rank warns and stores the model whole there -- more bytes, nothing lost, the
+    save not failed -- and every rank restores from the persistent tier, then from a delta on
+    that base made lean again."""
+    from tiercheck.codec import replica
+    from tiercheck.engine import encode
+
+    def refuse(*_: Any) -> None:
+        raise ValueError("refused for the test")
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a copy that fails, for the test")
+
+    if fails == "derive":
+        monkeypatch.setattr(encode, "lean", refuse)
+    else:
+        monkeypatch.setattr(replica.Lean, "payload", broken)
+    with caplog.at_level("WARNING", logger="tiercheck"):
+        save(tmp_path, range(1), per_node=2)
+    assert (
+        "durable tiers store" in caplog.text or "stores its replicated state whole" in caplog.text
+    )
+    durable = blob_sizes(tmp_path / "durable", 0)
+    model = nbytes(model_of(0))
+    assert durable[0] >= model
+    assert durable[2] >= model  # whole: the one rank that could not refer to rank 0
+    assert durable[1] < model
+    assert durable[3] < model
+    monkeypatch.undo()
+    group = LocalGroup(WORLD)
+
+    def more(r: int) -> None:  # version 1, a delta on that whole base, lean again
+        with job(tmp_path, r, group, per_node=2) as ckpt:
+            assert ckpt.restore(empty_state()) is not None
+            ckpt.save(1, state_of(1, r))
+            ckpt.wait()
+
+    run_ranks(WORLD, more)
+    assert blob_sizes(tmp_path / "durable", 1)[2] < model
+    for node in (0, 1):
+        shutil.rmtree(tmp_path / f"node{node}")
+    copy = tmp_path.with_name(tmp_path.name + "-v0")
+    shutil.copytree(tmp_path, copy)
+    assert_restored(restore(tmp_path, per_node=2), 1, "persistent")
+    group2 = LocalGroup(WORLD)
+
+    def back(r: int) -> tuple[Any, dict[str, Any]]:
+        state = empty_state()
+        with job(copy, r, group2, per_node=2) as ckpt:
+            return ckpt.restore(state, version=0), state
+
+    assert_restored(run_ranks(WORLD, back), 0, "persistent")

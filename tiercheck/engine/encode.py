@@ -117,7 +117,7 @@ class Encoder:
                 await self._publish_reserved(job, raw)
             # What the durable tiers store: the lean state, on a node's first rank but rank 0.
             lean_raw = await self._lean_state(job, raw) if job.held is not None else None
-            held = self.base if base is not None else None
+            held_base = self.base if base is not None else None
             encoded: dict[tuple[TierEncoding, bool], tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
                 if job.results[name].done():  # published in place, or skipped when staging
@@ -125,7 +125,7 @@ class Encoder:
                 durable = job.held is not None and writes_commit_records(self.pipes[name].tier)
                 source = lean_raw if durable and lean_raw is not None else raw
                 if (encoding, durable) not in encoded:
-                    against = None if held is None else held.for_tier(durable)
+                    against = None if held_base is None else held_base.for_tier(durable)
                     encoded[encoding, durable] = await self._encode(source, encoding, against)
                 parts, meta = encoded[encoding, durable]
                 if (
@@ -240,8 +240,17 @@ class Encoder:
             self._lean = (layout.skeleton, job.held, made)
         if made is None:
             return None
-        payload = await asyncio.to_thread(made.payload, layout, raw.payload)
-        leaves = await asyncio.to_thread(chunk_digests, payload, executor=self.ctx.cpu)
+        try:
+            payload = await asyncio.to_thread(made.payload, layout, raw.payload)
+            leaves = await asyncio.to_thread(chunk_digests, payload, executor=self.ctx.cpu)
+        except Exception:
+            # The lean copy is an economy: without it the durable tiers store the state whole.
+            logger.exception(
+                "tiercheck: rank %s could not make version %s lean; durable tiers store it whole",
+                self.ctx.rank,
+                raw.version,
+            )
+            return None
         return RawState(
             raw.version,
             made.layout,
