@@ -14,6 +14,7 @@ step and saves it; a second opening (not elastic) restores that version and prin
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build(world)
     state = {"app": ModelAndOptimizer(model, opt), "rng": RNGState()}
+    # Each simulated node its own memory (one node by default: the root itself).
+    per_node = int(os.environ.get("TIERCHECK_RANKS_PER_NODE", str(world)))
     options: dict[str, Any] = {
-        "local_root": args.root,
+        "local_root": args.root if per_node >= world else args.root / f"node{rank // per_node}",
         "persistent": args.persistent,
         "persist": "all",
         "peer_timeout": 60,

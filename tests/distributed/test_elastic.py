@@ -29,10 +29,13 @@ WORKER = Path(__file__).with_name("elastic_worker.py")
 STEPS = 3  # versions 0, 1, 2
 
 
-def torchrun(root: Path, durable: Path, out: Path, ranks: int, phase: str) -> list[str]:
+def torchrun(  # noqa: PLR0917 -- the tests call it positionally, per_node by keyword
+    root: Path, durable: Path, out: Path, ranks: int, phase: str, per_node: int | None = None
+) -> list[str]:
     env = {
         **os.environ,
-        "TIERCHECK_RANKS_PER_NODE": str(ranks),  # one node: its memory holds every rank's blob
+        # One node by default: its memory holds every rank's blob.
+        "TIERCHECK_RANKS_PER_NODE": str(per_node or ranks),
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
     }
@@ -125,3 +128,34 @@ def test_fsdp2_job_of_4_ranks_restores_on_2_and_3_and_one_of_2_on_4(
         f"rank {r} restored {last} saved_by 2 from local" for r in range(4)
     ]
     assert_same(torch.load(tmp_path / "out4" / "restored.pt", weights_only=True), saved2)
+
+
+def test_a_job_that_lost_a_node_restores_on_the_other_from_its_memory(
+    shm: Path, tmp_path: Path
+) -> None:
+    """4 ranks on 2 nodes save (local, peer and persistent tiers: node 0 holds node 1's blobs
+    as peer replicas); node 1 is lost and the job starts again on node 0 alone, 2 ranks. They
+    reshard the newest version from node 0's memory -- its own blobs and the replicas it held
+    -- bit for bit. The original job still restores on 4 ranks afterwards."""
+    last = STEPS - 1
+    root, durable, out = shm / "nodes", tmp_path / "durable", tmp_path / "out"
+    torchrun(root, durable, out / "save", 4, "save", per_node=2)
+    saved = torch.load(out / "save" / "saved.pt", weights_only=True)
+    assert sorted(p.name for p in root.iterdir()) == ["node0", "node1"]
+    held = root / "node0" / "replicas" / "elastic"
+    assert sorted(p.name for p in held.iterdir()) == ["r00002", "r00003"]
+    original = copy(root, durable, shm / "original", tmp_path / "original")
+    shutil.rmtree(root / "node1")  # node 1 is lost
+    lines = torchrun(root / "node0", durable, tmp_path / "out2", 2, "restore")
+    assert [line for line in lines if " restored " in line] == [
+        f"rank {r} restored {last} saved_by 4 from local" for r in range(2)
+    ]
+    assert_same(torch.load(tmp_path / "out2" / "restored.pt", weights_only=True), saved)
+    assert sorted(p.name for p in held.iterdir()) == ["r00002", "r00003"]  # read, not moved
+    # The original job, its node 1 lost, still restores on 4 ranks (node 1's from the peer tier).
+    shutil.rmtree(original[0] / "node1")
+    lines = torchrun(*original, tmp_path / "out3", 4, "restore", per_node=2)
+    assert [line for line in lines if " restored " in line] == [
+        f"rank {r} restored {last} saved_by 4 from {'local' if r < 2 else 'peer'}"
+        for r in range(4)
+    ]

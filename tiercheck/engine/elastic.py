@@ -13,7 +13,10 @@ caller's state and the same copy into it as any restore.
 
 A tier can serve such a version when it holds every old rank's blob of it: the persistent tier
 when the ``COMMIT`` record is there, a memory tier when its listing shows a blob of every old
-rank (a one-node job: the node's shared memory holds all of them).
+rank (a one-node job: the node's shared memory holds all of them). The node's local tier counts
+the peer replicas the node holds as well (:class:`~tiercheck.engine.held.WithHeld`): a job of
+two nodes that lost one holds the whole version on the other, its own ranks' blobs in its local
+tier and the lost node's as the replicas it kept for them.
 
 Replicated state an old rank stored as a reference to another rank (its node's first, or rank 0)
 (:class:`~tiercheck.codec.flatten.ReplicaRef`) is resolved before planning
@@ -26,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +45,12 @@ from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
 from tiercheck.consistency.recovery import Inventory
+from tiercheck.defaults import NodeRoot
+from tiercheck.engine.held import WithHeld
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
 from tiercheck.tiers.base import Buffer, SupportsRangedGet, SupportsReserve, Tier
+from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
@@ -61,6 +69,10 @@ class ElasticReader:
         self.ctx = ctx
         self.pipes = pipes
         self.reader = reader
+        # The peer replicas this node holds for the job (read in place; see engine/held.py),
+        # and the other worlds' versions the local tier serves only with them.
+        self._held: Tier | None = None
+        self._with_held: set[int] = set()
         # Blobs fetched during one read: the header and the tensors come from the same blob.
         self._blobs: dict[tuple[str, str], Buffer] = {}
         self._lock = threading.Lock()
@@ -80,12 +92,47 @@ class ElasticReader:
         world, claim = self.ctx.topo.world_size, self.ctx.claim
         if listed is not None:
             return {v for v in listed if claim.world_of(v) != world}
-        ranks: dict[int, set[int]] = {}
-        async for key in pipe.tier.list("v"):
-            parsed = parse_blob_key(key)
-            if parsed is not None and claim.world_of(parsed.version) != world:
-                ranks.setdefault(parsed.version, set()).add(parsed.rank)
-        return {v for v, held in ranks.items() if held >= set(range(claim.world_of(v)))}
+
+        async def whole(tier: Tier) -> set[int]:
+            ranks: dict[int, set[int]] = {}
+            async for key in tier.list("v"):
+                parsed = parse_blob_key(key)
+                if parsed is not None and claim.world_of(parsed.version) != world:
+                    ranks.setdefault(parsed.version, set()).add(parsed.rank)
+            return {v for v, held in ranks.items() if held >= set(range(claim.world_of(v)))}
+
+        alone = await whole(pipe.tier)
+        held = self._held_replicas() if self._is_node_local(pipe.tier) else None
+        if held is None:
+            return alone
+        # A lost node's blobs survive as the replicas this node holds for its ranks.
+        self._with_held = await whole(WithHeld(pipe.tier, held, self.ctx.job_id)) - alone
+        return alone | self._with_held
+
+    def _is_node_local(self, tier: Tier) -> bool:
+        """Whether ``tier`` is this node's local tier (its blobs under the node root)."""
+        blobs = os.path.abspath(NodeRoot(self._node_root).blobs)
+        return isinstance(tier, LocalTier) and os.path.abspath(tier.root) == blobs
+
+    @property
+    def _node_root(self) -> Path:
+        return Path(self.ctx.options.job.node_root)
+
+    def _held_replicas(self) -> Tier | None:
+        """The peer replicas this node holds (a tier over its ``replicas/`` folder), when it
+        holds any of this job's."""
+        if self._held is None:
+            replicas = NodeRoot(self._node_root).replicas
+            if not (replicas / self.ctx.job_id).is_dir():
+                return None
+            self._held = LocalTier(replicas, name="held-replicas")
+        return self._held
+
+    def _source(self, tier: Tier, version: int) -> Tier:
+        """What ``version`` is read from in ``tier``: with the held replicas where needed."""
+        if version in self._with_held and self._is_node_local(tier) and self._held is not None:
+            return WithHeld(tier, self._held, self.ctx.job_id)
+        return tier
 
     async def fetch(
         self, version: int, mine: Inventory
@@ -119,7 +166,7 @@ class ElasticReader:
         """This rank's share of ``version`` from ``tier``, put together from the old ranks'."""
         self._blobs.clear()
         try:
-            return await self._read(tier, version)
+            return await self._read(self._source(tier, version), version)
         finally:
             self._blobs.clear()
 
@@ -158,8 +205,11 @@ class ElasticReader:
         parts = await asyncio.to_thread(assemble, plan, old)
         return Resharded(version, plan.layout, tuple(parts), old_world)
 
-    async def _keys(self, tier: Tier, version: int, old_world: int) -> dict[int, str]:
-        """Every old rank's blob key of ``version`` in ``tier``."""
+    async def _keys(
+        self, tier: Tier, version: int, old_world: int, ranks: range | None = None
+    ) -> dict[int, str]:
+        """The blob key of ``version`` in ``tier`` of each old rank in ``ranks`` (all)."""
+        wanted = range(old_world) if ranks is None else ranks
         if writes_commit_records(tier):
             record = CommitRecord.from_bytes(bytes(await tier.get(commit_key(version))))
             if record.world_size != old_world:
@@ -176,7 +226,7 @@ class ElasticReader:
             # "full" sorts before "packed": the cheaper read.
             if parsed.rank not in found or (parsed.kind, key) < found[parsed.rank]:
                 found[parsed.rank] = (parsed.kind, key)
-        missing = sorted(set(range(old_world)) - set(found))
+        missing = sorted(set(wanted) - set(found))
         if missing:
             raise BlobNotFound(
                 f"{tier.name!r} lacks the blobs of old ranks {missing} of version {version}"
@@ -233,8 +283,9 @@ class ElasticReader:
         (a delta's base likewise)."""
         base: RangedBlob | None = None
         if meta.base is not None:
+            base_world = self.ctx.claim.world_of(meta.base.version)
             base_keys = await self._keys(
-                tier, meta.base.version, self.ctx.claim.world_of(meta.base.version)
+                tier, meta.base.version, base_world, range(meta.rank, meta.rank + 1)
             )
             base_key = base_keys[meta.rank]
             base_meta = await self._meta(tier, base_key, meta.base.version, meta.rank)
