@@ -156,6 +156,5 @@ def test_a_job_that_lost_a_node_restores_on_the_other_from_its_memory(
     shutil.rmtree(original[0] / "node1")
     lines = torchrun(*original, tmp_path / "out3", 4, "restore", per_node=2)
     assert [line for line in lines if " restored " in line] == [
-        f"rank {r} restored {last} saved_by 4 from {'local' if r < 2 else 'peer'}"
-        for r in range(4)
+        f"rank {r} restored {last} saved_by 4 from {'local' if r < 2 else 'peer'}" for r in range(4)
     ]
