@@ -102,7 +102,10 @@ class ElasticReader:
             return {v for v, held in ranks.items() if held >= set(range(claim.world_of(v)))}
 
         alone = await whole(pipe.tier)
-        held = self._held_replicas() if self._is_node_local(pipe.tier) else None
+        if not self._is_node_local(pipe.tier):
+            return alone
+        self._with_held = set()
+        held = self._held_replicas()
         if held is None:
             return alone
         # A lost node's blobs survive as the replicas this node holds for its ranks.
