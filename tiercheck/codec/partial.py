@@ -40,6 +40,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -70,12 +71,22 @@ __all__ = [
     "Spans",
     "read_meta_ranged",
     "read_tensors",
+    "widen",
 ]
 
 #: ``fetch(start, end)``: bytes ``[start, end)`` of one blob, clipped to its size.
 Fetch = Callable[[int, int], Buffer]
 #: Per tensor index, the bytes ``[start, end)`` of the tensor that are wanted (others: all).
 Spans = Mapping[int, tuple[int, int]]
+
+_K = TypeVar("_K")
+
+
+def widen(spans: dict[_K, tuple[int, int]], key: _K, span: tuple[int, int]) -> None:
+    """Make ``spans[key]`` cover ``span`` too (the smallest span holding both)."""
+    had = spans.get(key)
+    spans[key] = span if had is None else (min(had[0], span[0]), max(had[1], span[1]))
+
 
 #: The first read of :func:`read_meta_ranged`: the preamble and, usually, the whole header.
 DEFAULT_FIRST_READ = 64 << 10
@@ -337,9 +348,7 @@ def _base_bytes(
         # The same bytes of each base tensor (same dtype and shape) as of the tensor XORed on it.
         base_spans: dict[int, tuple[int, int]] = {}
         for i, j in matches.items():
-            lo, hi = spans[i]
-            had = base_spans.get(j)
-            base_spans[j] = (lo, hi) if had is None else (min(had[0], lo), max(had[1], hi))
+            widen(base_spans, j, spans[i])
         got = _read_bytes(
             base.meta,
             base.fetch,

@@ -66,6 +66,7 @@ import msgpack
 import torch
 
 from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout, TensorSpec
+from tiercheck.codec.partial import widen
 from tiercheck.codec.plan import paused_gc
 from tiercheck.errors import ConfigError, FormatError, ReshardError
 
@@ -628,7 +629,7 @@ def _plan(
     spans: dict[tuple[int, int], tuple[int, int]] = {}
     for plist in pieces:
         for p in plist:
-            _widen(spans, (p.rank, p.index), _box_span(stored[p.rank].specs[p.index], p))
+            widen(spans, (p.rank, p.index), _box_span(stored[p.rank].specs[p.index], p))
     for check in checks:
         for key in ((0, check.index0), (check.rank, check.index)):
             spans[key] = (0, stored[key[0]].specs[key[1]].nbytes)
@@ -657,13 +658,6 @@ def _box_span(spec: TensorSpec, piece: Piece) -> tuple[int, int]:
         stride *= spec.shape[d]
     size = spec.dtype.itemsize
     return first * size, (last + 1) * size
-
-
-def _widen(
-    spans: dict[tuple[int, int], tuple[int, int]], key: tuple[int, int], span: tuple[int, int]
-) -> None:
-    had = spans.get(key)
-    spans[key] = span if had is None else (min(had[0], span[0]), max(had[1], span[1]))
 
 
 def _plain_indices_of(old: _Stored) -> list[int]:

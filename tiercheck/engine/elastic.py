@@ -39,7 +39,7 @@ import torch
 
 from tiercheck.codec import BlobMeta, RangedBlob, read_meta_ranged, read_tensors
 from tiercheck.codec.assembled import Resharded
-from tiercheck.codec.partial import Fetch
+from tiercheck.codec.partial import Fetch, widen
 from tiercheck.codec.replica import resolve_all
 from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.consistency.commit import CommitRecord
@@ -195,9 +195,7 @@ class ElasticReader:
         for s, wanted in plan.wanted.items():
             for i in wanted:
                 r, j = resolved[s].sources[i]
-                lo, hi = plan.spans[s, i]
-                had = needed.setdefault(r, {}).get(j)
-                needed[r][j] = (lo, hi) if had is None else (min(had[0], lo), max(had[1], hi))
+                widen(needed.setdefault(r, {}), j, plan.spans[s, i])
         real: dict[int, Mapping[int, torch.Tensor]] = {}
         for r, spans in sorted(needed.items()):
             real[r] = await self._tensors(tier, keys[r], metas[r], spans)
