@@ -31,7 +31,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,15 +93,16 @@ class ElasticReader:
         if listed is not None:
             return {v for v in listed if claim.world_of(v) != world}
 
-        async def whole(tier: Tier) -> set[int]:
+        def whole(keys: Collection[str]) -> set[int]:
             ranks: dict[int, set[int]] = {}
-            async for key in tier.list("v"):
+            for key in keys:
                 parsed = parse_blob_key(key)
                 if parsed is not None and claim.world_of(parsed.version) != world:
                     ranks.setdefault(parsed.version, set()).add(parsed.rank)
             return {v for v, held in ranks.items() if held >= set(range(claim.world_of(v)))}
 
-        alone = await whole(pipe.tier)
+        keys = {key async for key in pipe.tier.list("v")}
+        alone = whole(keys)
         if not self._is_node_local(pipe.tier):
             return alone
         self._with_held = set()
@@ -109,7 +110,9 @@ class ElasticReader:
         if held is None:
             return alone
         # A lost node's blobs survive as the replicas this node holds for its ranks.
-        self._with_held = await whole(WithHeld(pipe.tier, held, self.ctx.job_id)) - alone
+        view = WithHeld(pipe.tier, held, self.ctx.job_id)
+        keys |= {key async for key in view.held_keys("v", keys)}
+        self._with_held = whole(keys) - alone
         return alone | self._with_held
 
     def _is_node_local(self, tier: Tier) -> bool:

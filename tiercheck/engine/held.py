@@ -15,7 +15,7 @@ next to where it lies (the peer tier's own quarantine layout for a replica), nev
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 from tiercheck.consistency.identity import parse_quarantine_key
 from tiercheck.consistency.keys import parse_blob_key
@@ -55,15 +55,12 @@ class WithHeld(Tier):
             return await self.held.get(self._held_key(key))
 
     async def get_range(self, key: str, start: int, end: int) -> Buffer:
-        """Bytes ``[start, end)`` of the blob under ``key`` (clipped as a slice is)."""
-        for tier, where in ((self.local, key), (self.held, self._held_key(key))):
-            if await tier.exists(where):
-                get_range = getattr(tier, "get_range", None)
-                if callable(get_range):
-                    part: Buffer = await get_range(where, start, end)
-                    return part
-                return memoryview(await tier.get(where)).cast("B")[start:end]
-        raise BlobNotFound(f"{self.name!r} holds no blob {key}, nor a replica of it")
+        """Bytes ``[start, end)`` of the blob under ``key`` (clipped as a slice is): the local
+        tier's, else the held replica's."""
+        try:
+            return await _get_range(self.local, key, start, end)
+        except BlobNotFound:
+            return await _get_range(self.held, self._held_key(key), start, end)
 
     async def put(self, key: str, data: Buffer) -> None:
         """Only a quarantined blob may be written: set aside next to where the original lies."""
@@ -90,6 +87,12 @@ class WithHeld(Tier):
         async for key in self.local.list(prefix):
             seen.add(key)
             yield key
+        async for key in self.held_keys(prefix, seen):
+            yield key
+
+    async def held_keys(self, prefix: str = "", skip: Collection[str] = ()) -> AsyncIterator[str]:
+        """The held replicas' keys under ``prefix`` (as the local tier would name them), but
+        those in ``skip``."""
         async for key in self.held.list(f"{self.job}/"):
             _, _, rest = key.partition("/")
             owner, _, inner = rest.partition("/")
@@ -98,6 +101,14 @@ class WithHeld(Tier):
                 parsed is not None
                 and owner == f"r{parsed.rank:05d}"
                 and inner.startswith(prefix)
-                and inner not in seen
+                and inner not in skip
             ):
                 yield inner
+
+
+async def _get_range(tier: Tier, key: str, start: int, end: int) -> Buffer:
+    get_range = getattr(tier, "get_range", None)
+    if callable(get_range):
+        part: Buffer = await get_range(key, start, end)
+        return part
+    return memoryview(await tier.get(key)).cast("B")[start:end]
