@@ -35,7 +35,7 @@ from tiercheck import (
     TierWriteFailed,
     WorldSizeMismatch,
 )
-from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX
+from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX, JobRecord
 from tiercheck.testing import LocalGroup
 
 from .helpers import TinyTrainer, assert_state_equal, clone_state
@@ -129,6 +129,24 @@ def restore_all(root: Path, world: int, **kw: Any) -> list[Any]:
     return run_ranks(world, rank)
 
 
+def restore_then_save(
+    root: Path, world: int, version: int, make: Callable[[int, int], Any] | None = None, **kw: Any
+) -> list[Any]:
+    """Every rank restores, then the run goes on and saves ``version`` (``make(version,
+    rank)``, default :func:`state_of`); returns what each restore got."""
+    group = LocalGroup(world)
+    make = make or state_of
+
+    def rank(r: int) -> Any:
+        with job(root, r, world, group, **kw) as ckpt:
+            got = ckpt.restore()
+            ckpt.save(version, make(version, r))
+            ckpt.wait()
+            return got
+
+    return run_ranks(world, rank)
+
+
 def assert_restores(root: Path, world: int, version: int, **kw: Any) -> None:
     """The original job restores ``version`` bit-exact on every rank."""
     restored = restore_all(root, world, **kw)
@@ -200,10 +218,16 @@ def test_a_corrupt_newest_version_gives_way_and_is_quarantined(tmp_path: Path) -
     assert_state_equal(restored.state, state_of(1))
     assert 2 in restored.rejected
     assert any("ChecksumMismatch" in line for line in restored.rejected[2])
-    # Version 2 was abandoned (the run continues from 1), but its bytes were set aside first.
-    assert not newest.exists()
     copy = next(tmp_path.rglob("quarantine/v000000000002/r00000.full"))
     assert copy.read_bytes() == damaged
+    # A restore changes nothing stored: the damaged blob is where it was...
+    assert newest.read_bytes() == damaged
+    # ... until the run goes on from 1 and saves 2 anew; the damaged bytes stay set aside.
+    (again,) = restore_then_save(tmp_path, 1, 2, tiers=["local"])
+    assert again.version == 1
+    assert newest.read_bytes() != damaged
+    assert copy.read_bytes() == damaged
+    assert_restores(tmp_path, 1, 2, tiers=["local"])
 
 
 def test_a_tier_that_cannot_be_listed_refuses_the_restore(tmp_path: Path) -> None:
@@ -227,9 +251,17 @@ def test_only_torn_saves_restore_nothing_and_are_cleared(tmp_path: Path) -> None
     save_versions(tmp_path, 2, [0], tiers=["local"])
     # Rank 1's blob is gone (its save never happened, say): version 0 was never whole.
     next((tmp_path / "node1").rglob("v000000000000/r00001.full")).unlink()
+    before = stored_files(tmp_path)
     restored = restore_all(tmp_path, 2, tiers=["local"])
     assert restored == [None, None]
-    assert not list(tmp_path.rglob("v000000000000/r*"))  # a later save cannot mix with it
+    assert stored_files(tmp_path) == before  # a restore changes nothing stored
+    # The first save removes the torn pieces before writing, so it cannot mix with them.
+    fresh = restore_then_save(tmp_path, 2, 0, lambda v, r: state_of(v + 100, r), tiers=["local"])
+    assert fresh == [None, None]
+    for r, got in enumerate(restore_all(tmp_path, 2, tiers=["local"])):
+        assert got is not None
+        assert got.version == 0
+        assert_state_equal(got.state, state_of(100, r))
 
 
 # --- one writer per job --------------------------------------------------------------------------
@@ -393,7 +425,10 @@ def test_memory_of_another_run_is_not_restored(tmp_path: Path) -> None:
     save_versions(tmp_path, 1, range(3), durable="experiment-1")
     # A new experiment reuses the job id and the memory root with a brand-new durable folder.
     with (
-        pytest.raises(StaleMemory, match="another run with the same name"),
+        pytest.raises(
+            StaleMemory,
+            match=r"(?s)another durable location.*experiment-1.*holds versions \[1, 2\]",
+        ),
         job(tmp_path, 0, 1, None, durable="experiment-2") as new,
     ):
         new.restore()
@@ -410,6 +445,82 @@ def test_memory_of_another_run_is_not_restored(tmp_path: Path) -> None:
     (restored,) = restore_all(tmp_path, 1, durable="experiment-1", node="node9")
     assert restored.version == 2
     assert_state_equal(restored.state, state_of(2))
+
+
+def test_a_damaged_job_record_names_the_repair_and_the_repair_loses_no_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """#19 finding 10: a JOB record that is not JSON refuses the opening with a StorageError
+    naming ``tiercheck repair-job``; that command sets the record aside and nothing else, and
+    the job then restores its newest version bit-exact -- from its memory (whose token the new
+    record takes over) and, after a cluster loss, from durable storage."""
+    from tiercheck.cli import main as cli
+
+    save_versions(tmp_path, 2, range(5), persist="all")
+    record = tmp_path / "durable" / "job" / JOB_KEY
+    token = JobRecord.from_bytes(record.read_bytes()).token
+    record.write_bytes(b'{"format": "tiercheck.job/1", "job_id": "job", "tok')  # a torn write
+    before = stored_files(tmp_path)
+    with pytest.raises(StorageError, match=r"tiercheck repair-job .* --job job"):
+        restore_all(tmp_path, 2)
+    assert stored_files(tmp_path) == before
+    assert cli(["repair-job", (tmp_path / "durable").as_uri(), "--job", "job"]) == 0
+    assert "set aside as quarantine/JOB." in capsys.readouterr().out
+    assert not record.exists()
+    assert stored_files(tmp_path) == before  # no version, no COMMIT record touched
+    (kept,) = list((tmp_path / "durable" / "job" / "quarantine").glob("JOB.*"))
+    assert kept.read_bytes().endswith(b'"tok')
+    # The next opening writes the record anew, with the token the nodes' memory names.
+    assert_restores(tmp_path, 2, 4)
+    assert JobRecord.from_bytes(record.read_bytes()).token == token
+    assert cli(["repair-job", (tmp_path / "durable").as_uri(), "--job", "job"]) == 0
+    assert "is fine" in capsys.readouterr().out
+    # Damaged again, and this time the cluster's memory is gone too.
+    record.write_bytes(b"\x00garbage")
+    for node in ("node0", "node1"):
+        shutil.rmtree(tmp_path / node)
+    assert cli(["repair-job", (tmp_path / "durable").as_uri(), "--job", "job"]) == 0
+    assert_restores(tmp_path, 2, 4)
+
+
+def test_stale_memory_says_which_case_and_what_discarding_loses(tmp_path: Path) -> None:
+    """#19 finding 11: another incarnation at the same location, a damaged identity, and
+    memory without an identity are told apart; the damaged case may be adopted, and the
+    message names the versions that exist only in memory before it offers to discard them."""
+    from tiercheck.consistency.identity import IDENTITY_FILE
+
+    save_versions(tmp_path, 1, range(4), base_every=2)  # versions 0 and 2 are durable bases
+    identity = tmp_path / "node0" / IDENTITY_FILE
+    good = identity.read_bytes()
+    identity.write_bytes(good[: len(good) // 2])  # truncated: damaged, not another run's
+    before = stored_files(tmp_path)
+    with pytest.raises(StaleMemory) as caught:
+        restore_all(tmp_path, 1)
+    text = str(caught.value)
+    assert "identity record is damaged" in text
+    assert "another run" not in text
+    assert "holds versions [2, 3]" in text
+    assert "[3] of them in no durable storage of this job: only there" in text
+    assert "stale_memory='adopt'" in text
+    assert "the only copy of versions [3]" in text
+    assert stored_files(tmp_path) == before
+    # The operator knows the memory is this run's: adopted, the newest version comes back
+    # from memory and the identity is written anew.
+    (restored,) = restore_all(tmp_path, 1, stale_memory="adopt")
+    assert (restored.version, restored.source_tier) == (3, "local")
+    assert_state_equal(restored.state, state_of(3))
+    assert identity.read_bytes() != good[: len(good) // 2]
+    # Another incarnation at the same location (the job was deleted and begun anew there):
+    # "adopt" does not apply, and the message says whose memory it is.
+    other = tmp_path / "other"
+    save_versions(other, 1, range(2))
+    shutil.rmtree(tmp_path / "durable")
+    shutil.copytree(other / "durable", tmp_path / "durable")
+    for policy in ("error", "adopt"):
+        with pytest.raises(StaleMemory, match=r"another run of 'job' at the same durable location"):
+            restore_all(tmp_path, 1, stale_memory=policy)
+    (restored,) = restore_all(other, 1)
+    assert restored.version == 1
 
 
 def test_a_restart_after_the_durable_folder_vanished_uses_its_memory(tmp_path: Path) -> None:

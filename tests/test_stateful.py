@@ -196,3 +196,136 @@ def test_load_state_dict_failing_on_one_rank_fails_the_restore_on_every_rank(
             return float(obj.weights[0])
 
     assert run_ranks(2, fine) == [1.0, 1.0]
+
+
+class NaturalFSDP2App:
+    """The ``Stateful`` torchtitan and DCP users write: ``get_state_dict(model, opt)``, which
+    initialises an optimizer that has not stepped (a step with zero gradients: AdamW's
+    ``step`` becomes 1 and its weight decay moves the weights)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+        self.asked = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.asked += 1
+        model_state, optim_state = get_state_dict(self.model, self.opt)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.opt,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+def _train(tmp_path: Path | None, steps: int = 5) -> tuple[list[torch.Tensor], int]:
+    """A fresh run of ``steps`` AdamW steps, with tiercheck (restore first, save every step)
+    when ``tmp_path`` is given; the final weights and how often ``state_dict`` was asked for
+    before the first step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    app = NaturalFSDP2App(model, opt)
+    ckpt = None if tmp_path is None else _ckpt(tmp_path)
+    if ckpt is not None:
+        assert ckpt.restore({"app": app}) is None
+    asked = app.asked
+    data = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        loss = model(torch.randn(16, 8, generator=data)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if ckpt is not None:
+            ckpt.save(step, {"app": app})
+    if ckpt is not None:
+        ckpt.close()
+    return [p.detach().clone() for p in model.parameters()], asked
+
+
+def test_a_fresh_run_trains_bit_for_bit_as_without_tiercheck(tmp_path: Path) -> None:
+    """#19: a restore with nothing stored must not call the caller's ``state_dict()``; with the
+    natural FSDP2 ``Stateful`` that would step a fresh AdamW once and the run would diverge."""
+    without, _ = _train(None)
+    with_it, asked = _train(tmp_path)
+    assert asked == 0  # nothing of the caller's ran before the ranks knew there was a version
+    for a, b in zip(without, with_it, strict=True):
+        assert torch.equal(a, b)
+    # And when there is something to restore, the same object gets it (state_dict is asked
+    # for then, to fill in place): the last step's weights come back.
+    torch.manual_seed(123)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    app = NaturalFSDP2App(model, opt)
+    with _ckpt(tmp_path) as ckpt:
+        restored = ckpt.restore({"app": app})
+    assert restored is not None
+    assert restored.version == 4
+    assert app.asked == 1
+    for a, b in zip(with_it, model.parameters(), strict=True):
+        assert torch.equal(a, b.detach())
+    assert opt.state_dict()["state"][0]["step"].item() == 5.0
+
+
+def test_a_state_dict_that_raises_fails_the_restore_on_every_rank(tmp_path: Path) -> None:
+    """Asking for the targets happens after the ranks agreed; when it raises on one rank,
+    every rank raises (none waits for the other), and nothing stored changes."""
+    from tests.test_never_lose import run_ranks
+    from tiercheck.testing import LocalGroup
+
+    def ckpt_of(rank: int, group: LocalGroup) -> SyncCheckpointer:
+        return SyncCheckpointer(
+            "job",
+            rank=rank,
+            world_size=2,
+            ranks_per_node=1,
+            coordinator=group.coordinator(rank),
+            local_root=tmp_path / f"node{rank}",
+            persistent=(tmp_path / "durable").as_uri(),
+            tiers=["local", "persistent"],
+            peer_timeout=30,
+        )
+
+    saving = LocalGroup(2)
+
+    def save(rank: int) -> None:
+        with ckpt_of(rank, saving) as ckpt:
+            ckpt.save(1, {"a": Counter(1.0)})
+            ckpt.wait()
+
+    run_ranks(2, save)
+
+    class Broken(Counter):
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError("cannot build my state_dict")
+
+    restoring = LocalGroup(2)
+    raised: dict[int, BaseException] = {}
+
+    def restore(rank: int) -> None:
+        with ckpt_of(rank, restoring) as ckpt:
+            try:
+                ckpt.restore({"a": Broken() if rank == 1 else Counter()})
+            except Exception as exc:
+                raised[rank] = exc
+
+    run_ranks(2, restore, timeout=60)
+    assert isinstance(raised[1], StatefulError), raised
+    assert isinstance(raised[0], StatefulError), raised
+    assert "cannot build my state_dict" in str(raised[0])
+    again = LocalGroup(2)
+
+    def fine(rank: int) -> float:
+        with ckpt_of(rank, again) as ckpt:
+            obj = Counter()
+            assert ckpt.restore({"a": obj}) is not None
+            return float(obj.weights[0])
+
+    assert run_ranks(2, fine) == [1.0, 1.0]

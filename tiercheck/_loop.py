@@ -18,6 +18,9 @@ __all__ = ["LoopThread"]
 
 T = TypeVar("T")
 
+# Rounds of cancelling what is left on a stopping loop (each round's clean-up may start tasks).
+_CANCEL_ROUNDS = 20
+
 
 class LoopThread:
     """An asyncio loop running forever on a daemon thread until :meth:`stop`."""
@@ -35,10 +38,15 @@ class LoopThread:
         try:
             self.loop.run_forever()
         finally:
-            pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
+            # Cancelling a task may start others (a cancelled save's clean-up): cancel until
+            # none is left, so that none runs into the executors closed below, and none is
+            # destroyed pending (asyncio's "Task was destroyed but it is pending!").
+            for _ in range(_CANCEL_ROUNDS):
+                pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+                if not pending:
+                    break
+                for task in pending:
+                    task.cancel()
                 self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.run_until_complete(self.loop.shutdown_default_executor())

@@ -24,7 +24,15 @@ from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.replica import referenced, resolve, take
 from tiercheck.errors import ChecksumMismatch, FormatError
 
-__all__ = ["FindBase", "GetBlob", "OnDamaged", "ReadRank", "complete", "read_blob"]
+__all__ = [
+    "FindBase",
+    "GetBlob",
+    "OnDamaged",
+    "OtherBase",
+    "ReadRank",
+    "complete",
+    "read_blob",
+]
 
 #: Reads the blob stored under a key.
 GetBlob = Callable[[str], Awaitable[Buffer]]
@@ -32,6 +40,9 @@ GetBlob = Callable[[str], Awaitable[Buffer]]
 FindBase = Callable[[int, int], Awaitable[str]]
 #: Told of a blob that failed verification: its key, its bytes, the error (raised afterwards).
 OnDamaged = Callable[[str, Buffer, Exception], Awaitable[None]]
+#: A delta's base from somewhere else, when the one beside the delta cannot be read: called with
+#: the base's version and rank and why that one failed; returns it read and verified, or raises.
+OtherBase = Callable[[int, int, Exception], Awaitable[RawState]]
 #: Rank ``rank``'s blob of the same version, read and verified (:func:`complete` reads by it).
 ReadRank = Callable[[int], Awaitable[RawState]]
 
@@ -44,6 +55,7 @@ async def read_blob(
     expect: tuple[int, int] | None = None,
     executor: Executor | None = None,
     on_damaged: OnDamaged | None = None,
+    other_base: OtherBase | None = None,
 ) -> RawState:
     """Read the blob under ``key`` (and its base, for a delta) and decode it, verified.
 
@@ -55,9 +67,18 @@ async def read_blob(
             if it holds another); its base is then checked the same way. ``None``: not checked.
         executor: threads for decoding (see :func:`tiercheck.codec.decode`).
         on_damaged: awaited with a blob that fails verification, before the error is raised.
+        other_base: where a delta's base comes from when the one ``find_base`` names is
+            missing or damaged (a copy in another tier): any blob that decodes to the raw
+            payload the delta was encoded against serves, since decoding checks its digest.
     """
     return await _read(
-        get, key, find_base=find_base, expect=expect, executor=executor, on_damaged=on_damaged
+        get,
+        key,
+        find_base=find_base,
+        expect=expect,
+        executor=executor,
+        on_damaged=on_damaged,
+        other_base=other_base,
     )
 
 
@@ -70,6 +91,7 @@ async def _read(
     executor: Executor | None,
     on_damaged: OnDamaged | None,
     as_base: bool = False,
+    other_base: OtherBase | None = None,
 ) -> RawState:
     blob = await get(key)
     try:
@@ -88,17 +110,22 @@ async def _read(
         if as_base:
             raise FormatError(f"{key} is a delta, but a base must be self-contained")
         base_version = meta.base.version
-        base_key = await find_base(base_version, meta.rank)
         base_expect = None if expect is None else (base_version, meta.rank)
-        base = await _read(
-            get,
-            base_key,
-            find_base=find_base,
-            expect=base_expect,
-            executor=executor,
-            on_damaged=on_damaged,
-            as_base=True,
-        )
+        try:
+            base_key = await find_base(base_version, meta.rank)
+            base = await _read(
+                get,
+                base_key,
+                find_base=find_base,
+                expect=base_expect,
+                executor=executor,
+                on_damaged=on_damaged,
+                as_base=True,
+            )
+        except (FileNotFoundError, ChecksumMismatch, FormatError, OSError) as exc:
+            if other_base is None:
+                raise
+            base = await other_base(base_version, meta.rank, exc)
     try:
         return await asyncio.to_thread(decode, blob, base=base, executor=executor, meta=meta)
     except (ChecksumMismatch, FormatError) as exc:

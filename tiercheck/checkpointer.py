@@ -48,7 +48,7 @@ from typing import Any
 
 from tiercheck import stateful
 from tiercheck._loop import LoopThread
-from tiercheck.engine.core import CheckpointerCore
+from tiercheck.engine.core import CheckpointerCore, drive_async, restore_steps
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import CloseMode, TierPolicy
 from tiercheck.engine.results import (
@@ -59,7 +59,7 @@ from tiercheck.engine.results import (
     SaveStats,
     TierSaveStats,
 )
-from tiercheck.errors import StatefulError, TierClosed
+from tiercheck.errors import TierClosed
 from tiercheck.staging import caller_marks
 
 __all__ = [
@@ -156,17 +156,9 @@ class Checkpointer(CheckpointerCore):
         local shards (see :func:`tiercheck.codec.dtensor.materialize`).
         """
         loop, engine = await self._ensure_open()
-        prepared = None if state is None else stateful.for_restore(state)
-        target = None if prepared is None else prepared.target
-        restored = await loop.run(engine.restore(target, version, strict))
-        try:
-            result = stateful.finish_restore(state, prepared, restored)
-        except StatefulError as exc:
-            # Collective: the other ranks must not go on training either.
-            await loop.run(engine.loaded(str(exc)))
-            raise
-        if restored is not None:
-            await loop.run(engine.loaded(None))
+        result: Restored | None = await drive_async(
+            restore_steps(engine, state, version, strict), loop.run
+        )
         return result
 
     async def wait(self) -> dict[str, int | None]:

@@ -22,6 +22,7 @@ __all__ = [
     "ReshardError",
     "RestoreError",
     "SaveSkipped",
+    "ShardsInconsistent",
     "StaleMemory",
     "StateChanged",
     "StateMismatch",
@@ -150,6 +151,13 @@ class ReshardError(StateMismatch):
     resharded (a layout other than Shard/Replicate on a 1-D mesh of the old ranks, old blobs
     that disagree, or per-rank state under ``per_rank="refuse"``). The message says what is
     supported and what to do; nothing was written and nothing stored is touched."""
+
+
+class ShardsInconsistent(ReshardError):
+    """The old ranks' blobs of a version do not fit together (shards that do not tile, layouts
+    the ranks disagree on, a mesh larger than the number of ranks said to have saved it): that
+    version cannot be rebuilt on any number of ranks, so a restore passes over it to an older
+    one, as over a damaged version."""
 
 
 class WorldSizeMismatch(ConfigError):

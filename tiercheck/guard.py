@@ -37,6 +37,7 @@ from tiercheck.consistency.identity import (
     probe_key,
     writer_key,
 )
+from tiercheck.consistency.keys import parse_version_folder
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import (
     BlobNotFound,
@@ -54,6 +55,7 @@ __all__ = [
     "RankLock",
     "discard_node_memory",
     "node_holds_data",
+    "node_versions",
     "probe",
     "read_identity",
     "read_job_record",
@@ -159,6 +161,20 @@ def node_holds_data(node_root: Path) -> bool:
             if any(not atomic.is_internal_name(f) for f in files):
                 return True
     return False
+
+
+def node_versions(node_root: Path) -> list[int]:
+    """The versions the node's local tier holds blobs of (by folder name), ascending."""
+    found = []
+    try:
+        entries = list(os.scandir(NodeRoot(node_root).blobs))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        parsed = parse_version_folder(entry.name)
+        if parsed is not None and entry.is_dir(follow_symlinks=False):
+            found.append(parsed)
+    return sorted(found)
 
 
 def discard_node_memory(node_root: Path) -> None:

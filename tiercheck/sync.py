@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from tiercheck import stateful
-from tiercheck.engine.core import CheckpointerCore
+from tiercheck.engine.core import CheckpointerCore, drive, restore_steps
 from tiercheck.engine.options import CloseMode
 from tiercheck.engine.results import Restored, SaveHandle
-from tiercheck.errors import StatefulError
 from tiercheck.staging import caller_marks
 
 __all__ = ["SyncCheckpointer"]
@@ -57,17 +56,7 @@ class SyncCheckpointer(CheckpointerCore):
     ) -> Restored | None:
         """Restore the newest version every rank can rebuild; see :meth:`Checkpointer.restore`."""
         loop, engine = self.open()._start()
-        prepared = None if state is None else stateful.for_restore(state)
-        target = None if prepared is None else prepared.target
-        restored = loop.call(engine.restore(target, version, strict))
-        try:
-            result = stateful.finish_restore(state, prepared, restored)
-        except StatefulError as exc:
-            # Collective: the other ranks must not go on training either.
-            loop.call(engine.loaded(str(exc)))
-            raise
-        if restored is not None:
-            loop.call(engine.loaded(None))
+        result: Restored | None = drive(restore_steps(engine, state, version, strict), loop.call)
         return result
 
     def wait(self) -> dict[str, int | None]:

@@ -29,7 +29,7 @@ from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.codec.dtypes import supported_dtypes
 from tiercheck.codec.flatten import Layout, flatten, unflatten, write_payload
 from tiercheck.codec.reshard import ReshardPlan, assemble, plan_reshard, torch_chunk
-from tiercheck.errors import ConfigError, ReshardError, StateMismatch
+from tiercheck.errors import ConfigError, ReshardError, ShardsInconsistent, StateMismatch
 
 from ._helpers import copy_tensor, random_tensor, tensor_bytes
 
@@ -469,7 +469,9 @@ SUPPORTED = "Shard(d) or Replicate()"
             ),
             "mesh of shape (2, 1)",
         ),
-        (lambda s, sh: replace(sh, mesh=(3,)), "mesh of 3 ranks, but 2 ranks saved"),
+        # A DTensor on a 1-D mesh smaller than the saving world (tensor parallelism inside a
+        # data-parallel group) is a layout tiercheck does not reshard.
+        (lambda s, sh: replace(sh, mesh=(1,), coord=(0,)), "mesh of 1 ranks, but 2 ranks saved"),
         (lambda s, sh: replace(sh, placements=(("shard", 5),)), "sharded on dimension 5"),
     ],
 )
@@ -498,11 +500,16 @@ def test_unsupported_layouts_are_refused(change: Any, expected: str) -> None:
         (lambda s, sh: replace(sh, local=sh.local[:2]) if s == 1 else sh, "up to 5 of 6"),
         (lambda s, sh: replace(sh, local=sh.local[:, :3]) if s == 1 else sh, "not one a 1-D"),
         (lambda s, sh: replace(sh, offset=(5, 0)) if s == 1 else sh, "not one a 1-D"),
+        # No rank of a save sits on a mesh larger than the save's world: the record of which
+        # world saved the version does not fit the blobs.
+        (lambda s, sh: replace(sh, mesh=(3,)), "mesh of 3 ranks, but 2 ranks are recorded"),
     ],
 )
 def test_inconsistent_old_blobs_are_refused(change: Any, expected: str) -> None:
     layouts = with_record(2, change)
-    with pytest.raises(ReshardError, match=r"\['w'\]") as info:
+    # ShardsInconsistent: the version cannot be rebuilt on any world, and a restore passes over
+    # it to an older one (a ReshardError still, for callers that catch that).
+    with pytest.raises(ShardsInconsistent, match=r"\['w'\]") as info:
         plan_reshard(layouts, new_rank=0, new_world=3, per_rank="wrap")
     assert expected in str(info.value)
     assert "restore another version" in str(info.value)

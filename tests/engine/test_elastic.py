@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from tests.test_never_lose import run_ranks, stored_files
-from tiercheck import ReshardError, SyncCheckpointer, VersionError, WorldSizeMismatch
+from tiercheck import (
+    ReshardError,
+    SyncCheckpointer,
+    TierWriteFailed,
+    VersionError,
+    WorldSizeMismatch,
+)
 from tiercheck.codec import CodecOptions, read_meta
 from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.consistency.identity import IDENTITY_FILE, JOB_KEY, JobRecord, NodeIdentity
@@ -174,17 +180,27 @@ def test_another_world_size_restores_resharded_from_memory_and_goes_on(
     saved_by_4: Path, tmp_path: Path
 ) -> None:
     root = clone(saved_by_4, tmp_path / "run")
+    before = stored_files(root)
     got = restore_all(root, 2, elastic=True)
     for q, restored in enumerate(got):
         check_resharded(restored, 3, q, 2)
         assert restored.saved_by == 4
         assert restored.source_tier == "local"
+    # A restore changes nothing stored, the world-size history included: the 2-rank run only
+    # looked, so a 4-rank opening (not elastic) still takes the job as it was.
+    record = JobRecord.from_bytes((root / "durable" / "job" / JOB_KEY).read_bytes())
+    assert (record.world_size, record.worlds) == (4, ())
+    assert stored_files(root) == before
+    for r, restored in enumerate(restore_all(root, 4)):
+        assert restored.version == 3
+        assert torch.equal(restored.state["w"], shard(3, r, 4).local)
+
+    # The 2-rank run goes on saving: its first save records the new world from version 4 on.
+    # The next opening (not elastic) restores its own version, and a 4-rank opening is now the
+    # one refused.
+    go_on(root, 2, 4)
     record = JobRecord.from_bytes((root / "durable" / "job" / JOB_KEY).read_bytes())
     assert (record.world_size, record.worlds) == (2, ((0, 4), (4, 2)))
-
-    # The 2-rank run goes on saving; the next opening (not elastic) restores its own version,
-    # and a 4-rank opening is now the one refused.
-    go_on(root, 2, 4)
     for q, restored in enumerate(restore_all(root, 2)):
         check_resharded(restored, 4, q, 2)
         assert (restored.saved_by, restored.source_tier) == (2, "local")
@@ -296,25 +312,45 @@ def test_each_new_rank_reads_only_the_ranges_it_needs(tmp_path: Path) -> None:
         assert read < sum(blobs) / 6, (q, read, blobs)
 
 
-def test_a_job_record_that_cannot_be_updated_fails_the_restore_on_every_rank(
+def test_a_job_record_that_cannot_be_updated_keeps_the_durable_tier_out_until_it_is(
     saved_by_4: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The first save of a resharded run records its world in the job record; when that write
+    fails, the save still goes to memory (the nodes' identities record the world, with a newer
+    revision), the durable tier takes nothing filed under the old history, and the next
+    opening believes the identities and writes the record."""
     from tiercheck.engine.claim import Claim
     from tiercheck.errors import StorageError
-
-    before = stored_files(saved_by_4)
 
     async def refuse(self: Claim) -> None:
         raise StorageError("the durable location refused the write (test)")
 
+    group = LocalGroup(2)
+
+    def one(r: int) -> list[int]:
+        with job(saved_by_4, r, 2, group, elastic=True) as ckpt:
+            assert ckpt.restore() is not None
+            handle = ckpt.save(4, state_of(4, r, 2))
+            ckpt.wait()
+            assert handle.committed("local")
+            with pytest.raises(TierWriteFailed, match="job record could not be updated"):
+                handle.result("persistent")
+            return sorted(ckpt.versions()["persistent"])
+
     with monkeypatch.context() as patch:
         patch.setattr(Claim, "write_job_record", refuse)
-        with pytest.raises(StorageError, match="must not save until it is"):
-            restore_all(saved_by_4, 2, elastic=True)
-    assert stored_files(saved_by_4) == before
+        durable_seen = run_ranks(2, one)
+    assert durable_seen == [[0, 1, 2, 3]] * 2
     record = JobRecord.from_bytes((saved_by_4 / "durable" / "job" / JOB_KEY).read_bytes())
-    assert (record.world_size, record.worlds) == (4, ())
+    assert (record.world_size, record.worlds, record.revision) == (4, (), 0)
     identity = NodeIdentity.from_bytes((saved_by_4 / "node" / IDENTITY_FILE).read_bytes())
-    assert (identity.world_size, identity.worlds) == (4, ())
-    for q, restored in enumerate(restore_all(saved_by_4, 2, elastic=True)):
-        check_resharded(restored, 3, q, 2)
+    assert (identity.world_size, identity.worlds) == (2, ((0, 4), (4, 2)))
+    assert identity.revision == 1
+    assert not list((saved_by_4 / "durable").rglob("v000000000004/*"))
+    # The store works again: the next opening (not elastic: the identities say 2 ranks now)
+    # restores version 4 from memory and rewrites the job record.
+    for q, restored in enumerate(restore_all(saved_by_4, 2)):
+        check_resharded(restored, 4, q, 2)
+        assert (restored.saved_by, restored.source_tier) == (2, "local")
+    record = JobRecord.from_bytes((saved_by_4 / "durable" / "job" / JOB_KEY).read_bytes())
+    assert (record.world_size, record.worlds, record.revision) == (2, ((0, 4), (4, 2)), 1)

@@ -10,6 +10,8 @@ Subcommands (``tiercheck <command> --help`` for each)::
                                        --purge-quarantine to remove set-aside blobs too)
     tiercheck rm-job  URL --job J      delete a whole job: lists it, asks (or --yes), refuses
                                        while a writer holds the job's lock in a node root
+    tiercheck repair-job URL --job J   set a damaged job record aside (no version touched); the
+                                       next opening writes it anew
 
 A location (``URL``) is a persistent URL or folder -- the checkpointer's ``persistent=`` URL, or
 it plus the job id -- or a node root (``/dev/shm/tiercheck/<job>/<node>``, or ``--local-root
@@ -25,7 +27,8 @@ unknown protocol), ``130`` interrupted. Errors are one line on stderr, never a t
 Commands are registered in one table, :data:`COMMANDS`, each implemented in a module of its own
 (:mod:`~tiercheck.cli.show` for ``ls`` and ``inspect``, :mod:`~tiercheck.cli.verify`,
 :mod:`~tiercheck.cli.export`, :mod:`~tiercheck.cli.gc`, :mod:`~tiercheck.cli.remove` for
-``rm-job``) on top of :mod:`tiercheck.catalog`, with
+``rm-job``, :mod:`~tiercheck.cli.repair` for ``repair-job``) on top of
+:mod:`tiercheck.catalog`, with
 :mod:`~tiercheck.cli.base` (exit codes, console, formatting) and :mod:`~tiercheck.cli.args`
 (shared arguments, locations); a command implemented elsewhere is one :class:`ExternalCommand`
 entry (see the ``demo`` hook at the end of the table).
@@ -57,6 +60,7 @@ from tiercheck.cli.base import (
 from tiercheck.cli.export import configure_export, run_export
 from tiercheck.cli.gc import configure_gc, run_gc
 from tiercheck.cli.remove import configure_rm_job, run_rm_job
+from tiercheck.cli.repair import configure_repair_job, run_repair_job
 from tiercheck.cli.show import configure_inspect, configure_ls, run_inspect, run_ls
 from tiercheck.cli.verify import configure_verify, run_verify
 from tiercheck.errors import ConfigError, JobLocked, TiercheckError
@@ -134,6 +138,12 @@ COMMANDS: list[Command | ExternalCommand] = [
         "delete a whole job (lists it first; asks, or --yes)",
         configure_rm_job,
         run_rm_job,
+    ),
+    Command(
+        "repair-job",
+        "set a damaged job record (JOB) aside so the job opens again; no version is touched",
+        configure_repair_job,
+        run_repair_job,
     ),
 ]
 

@@ -68,7 +68,7 @@ import torch
 from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout, TensorSpec
 from tiercheck.codec.partial import widen
 from tiercheck.codec.plan import paused_gc
-from tiercheck.errors import ConfigError, FormatError, ReshardError
+from tiercheck.errors import ConfigError, FormatError, ReshardError, ShardsInconsistent
 
 __all__ = ["Piece", "ReshardPlan", "assemble", "plan_reshard", "torch_chunk"]
 
@@ -388,6 +388,13 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
         raise FormatError(f"old rank 0 holds a malformed DTensor record at {path}: {exc}") from exc
     if len(mesh) != 1 or len(placements) != 1:
         raise _refuse_layout(path, f"it was saved on a mesh of shape {tuple(mesh)}")
+    if mesh[0] > n:
+        # No rank of a save can sit on a mesh larger than that save's world: the record of
+        # which world saved the version, or the blobs, are not what they should be.
+        raise ShardsInconsistent(
+            f"cannot reshard the DTensor at {path}: it was saved on a mesh of {mesh[0]} ranks, "
+            f"but {n} ranks are recorded as having saved the version. {_INCONSISTENT}"
+        )
     if mesh[0] != n:
         raise _refuse_layout(
             path, f"it was saved on a mesh of {mesh[0]} ranks, but {n} ranks saved the version"
@@ -410,7 +417,7 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
     for old in olds:
         dt = old.dtensors.get(path)
         if dt is None:
-            raise ReshardError(
+            raise ShardsInconsistent(
                 f"cannot reshard: old rank 0 holds a DTensor at {path} but old rank {old.rank} "
                 "does not. The old ranks must hold the same DTensors (every rank of an FSDP2 "
                 "job does)."
@@ -424,7 +431,7 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
                 f"old rank {old.rank} holds a malformed DTensor record at {path}: {exc}"
             ) from exc
         if fields != reference or spec.dtype != dtype:
-            raise ReshardError(
+            raise ShardsInconsistent(
                 f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
                 f"its layout (dtype, global shape, stride, placements or mesh): "
                 f"{str(dtype).removeprefix('torch.')} {reference} against "
@@ -458,14 +465,14 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
             if start == stop:
                 continue
             if start != end:
-                raise ReshardError(
+                raise ShardsInconsistent(
                     f"cannot reshard the DTensor at {path}: the old shards do not cover its "
                     f"dimension {dim} exactly (old rank {rank}'s shard starts at {start}, the "
                     f"shards before it end at {end}). {_INCONSISTENT}"
                 )
             end = stop
         if end != shape[dim]:
-            raise ReshardError(
+            raise ShardsInconsistent(
                 f"cannot reshard the DTensor at {path}: the old shards cover its dimension "
                 f"{dim} up to {end} of {shape[dim]}. {_INCONSISTENT}"
             )
@@ -476,7 +483,7 @@ def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
 def _tiling(
     path: str, rank: int, offset: tuple[int, ...], local: tuple[int, ...], shape: tuple[int, ...]
 ) -> ReshardError:
-    return ReshardError(
+    return ShardsInconsistent(
         f"cannot reshard the DTensor at {path}: old rank {rank}'s local shard {local} at offset "
         f"{offset} is not one a 1-D mesh gives a global {shape} tensor, so the pieces would not "
         f"cover the new shards exactly. {_INCONSISTENT}"
@@ -557,7 +564,7 @@ def _plan(
     for old in olds[1:]:
         if set(old.dtensors) != paths:
             extra = sorted(set(old.dtensors) ^ paths)[:_MAX_SHOWN]
-            raise ReshardError(
+            raise ShardsInconsistent(
                 f"cannot reshard: old ranks 0 and {old.rank} hold DTensors at different paths "
                 f"({extra}). The old ranks must hold the same DTensors (every rank of an FSDP2 "
                 "job does)."

@@ -133,6 +133,11 @@ def _check_worlds(record: Any, world_size: int) -> None:
     object.__setattr__(record, "worlds", spans)
 
 
+def _check_revision(revision: object) -> None:
+    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        raise ValueError(f"revision must be an int >= 0, got {revision!r}")
+
+
 def _known_fields(cls: type[Any], body: dict[str, Any]) -> dict[str, Any]:
     names = cls.__dataclass_fields__
     return {k: v for k, v in body.items() if k in names}
@@ -154,8 +159,12 @@ class JobRecord(_JsonRecord):
     #: The world-size history (:mod:`tiercheck.consistency.worlds`); empty when the job never
     #: changed its number of ranks.
     worlds: Spans = ()
+    #: How many times the history was changed: where the job record and a node's identity
+    #: disagree (one of them could not be written), the higher revision is the newer truth.
+    revision: int = 0
 
     def __post_init__(self) -> None:
+        _check_revision(self.revision)
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if not isinstance(self.token, str) or not self.token:
@@ -191,6 +200,9 @@ class NodeIdentity(_JsonRecord):
     created: float = 0.0
     #: The world-size history, as in :class:`JobRecord`.
     worlds: Spans = ()
+    #: As in :class:`JobRecord`.
+    revision: int = 0
 
     def __post_init__(self) -> None:
+        _check_revision(self.revision)
         _check_worlds(self, self.world_size)

@@ -19,12 +19,14 @@ __all__ = [
     "commit_key",
     "parse_blob_key",
     "parse_commit_key",
+    "parse_version_folder",
     "version_prefix",
 ]
 
 BlobKind = Literal["full", "packed"]
 _BLOB = re.compile(r"^v(\d{12})/r(\d{5})\.(full|packed)$")
 _COMMIT = re.compile(r"^v(\d{12})/COMMIT$")
+_FOLDER = re.compile(r"^v(\d{12})$")
 MAX_VERSION = 10**12 - 1
 MAX_RANK = 10**5 - 1
 
@@ -68,4 +70,11 @@ def parse_blob_key(key: str) -> BlobKey | None:
 def parse_commit_key(key: str) -> int | None:
     """The version a ``COMMIT`` key belongs to, or ``None`` when ``key`` is not one."""
     m = _COMMIT.match(key)
+    return None if m is None else int(m.group(1))
+
+
+def parse_version_folder(name: str) -> int | None:
+    """The version a folder name (``v000000000042``, a version prefix without its ``/``)
+    names, or ``None`` when ``name`` is not one."""
+    m = _FOLDER.match(name)
     return None if m is None else int(m.group(1))

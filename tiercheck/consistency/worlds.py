@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from tiercheck.errors import FormatError
 
-__all__ = ["Spans", "parse_spans", "span_after", "world_of"]
+__all__ = ["Spans", "parse_spans", "span_after", "spans_of", "world_of"]
 
 #: ``(first_version, world_size)`` pairs, first versions strictly increasing.
 Spans = tuple[tuple[int, int], ...]
@@ -74,3 +74,17 @@ def span_after(spans: Spans, old_world: int, first_version: int, new_world: int)
     if kept[-1][1] == new_world:
         return tuple(kept)
     return (*kept, (first_version, new_world))
+
+
+def spans_of(saved_by: Sequence[tuple[int, int]]) -> Spans:
+    """The history that ``(version, world_size)`` pairs (each version with the number of ranks
+    that saved it, as ``COMMIT`` records say) follow; the first span starts at version 0.
+    The empty history when one world saved them all (or there are none)."""
+    ordered = sorted(saved_by)
+    if not ordered or len({w for _, w in ordered}) == 1:
+        return ()
+    spans: list[tuple[int, int]] = [(0, ordered[0][1])]
+    for version, world in ordered[1:]:
+        if world != spans[-1][1]:
+            spans.append((version, world))
+    return tuple(spans)

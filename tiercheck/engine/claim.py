@@ -13,12 +13,13 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
-from tiercheck.consistency.worlds import Spans, parse_spans, span_after, world_of
+from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
 from tiercheck.engine.tier import commit_versions, location
 from tiercheck.errors import (
     JobLocked,
@@ -33,6 +34,7 @@ from tiercheck.guard import (
     RankLock,
     discard_node_memory,
     node_holds_data,
+    node_versions,
     probe,
     read_identity,
     read_job_record,
@@ -44,9 +46,81 @@ from tiercheck.tiers.base import Tier
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
 
-__all__ = ["Claim"]
+__all__ = ["Claim", "Stale", "stale_message"]
 
 logger = logging.getLogger("tiercheck")
+
+
+@dataclass(frozen=True, slots=True)
+class Stale:
+    """Why a node's memory is not taken as this run's.
+
+    ``kind``: ``"damaged"`` (its identity record cannot be read), ``"predates"`` (checkpoints
+    without an identity, and a durable location that holds nothing), ``"another-location"``
+    (this job's memory of another durable location), ``"another-run"`` (another job, or
+    another incarnation of this one at the same location).
+    """
+
+    kind: str
+    text: str
+
+
+def _when(created: float) -> str:
+    if not created:
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
+
+
+def stale_message(
+    job_id: str,
+    node_root: str,
+    stale: Mapping[int, Stale],
+    first: Mapping[str, Any],
+    nodes: Mapping[int, Mapping[str, Any]],
+) -> str:
+    """The :class:`~tiercheck.errors.StaleMemory` message: each node's case, what its memory
+    holds and whether that is anywhere else, and what to do about each case."""
+    job = first.get("job") or {}
+    durable = set(job.get("committed") or ())
+    lines = []
+    lost: list[int] = []
+    for n, why in sorted(stale.items()):
+        held = sorted(int(v) for v in nodes[n].get("held") or ())
+        only = [v for v in held if v not in durable]
+        line = f"node {n}: {why.text}; it holds versions {held if held else 'none'}"
+        if only and why.kind in ("damaged", "predates"):
+            line += f" ({only} of them in no durable storage of this job: only there)"
+            lost.extend(only)
+        lines.append(line)
+    kinds = {why.kind for why in stale.values()}
+    advice = []
+    if kinds & {"damaged", "predates"}:
+        warn = f" -- and with it the only copy of versions {sorted(set(lost))}" if lost else ""
+        advice.append(
+            "If this run wrote that memory (its identity record was damaged or removed, by a "
+            "cleanup script say), pass stale_memory='adopt' to use it as this run's; "
+            f"stale_memory='discard' deletes it{warn}."
+        )
+    if "another-location" in kinds:
+        advice.append(
+            "To continue the run that memory belongs to, point persistent= at its durable "
+            "location (named above). stale_memory='discard' deletes it; versions it holds "
+            "that that location does not are then lost."
+        )
+    if "another-run" in kinds:
+        advice.append(
+            "That memory is another run's and is never restored as this one's; "
+            "stale_memory='discard' deletes it (a copy of that run's versions, unless they "
+            "were only there)."
+        )
+    return (
+        f"the shared memory of job {job_id!r} (for this rank: {node_root}) is not known to be "
+        "this run's, so the job does not open:\n  "
+        + "\n  ".join(lines)
+        + "\n"
+        + "\n".join(advice)
+        + "\nOr use another job_id (or another local_root). Nothing was changed."
+    )
 
 
 class Claim:
@@ -67,6 +141,14 @@ class Claim:
         #: tiercheck.consistency.worlds); set by :meth:`judge`.
         self.stored_world = ctx.topo.world_size
         self.worlds: Spans = ()
+        #: How many times the history was changed (the newer of the job record and the nodes'
+        #: identities wins where they disagree).
+        self.revision = 0
+        # The job record at the durable location is behind what the nodes' identities know
+        # (its last update failed): rank 0 rewrites it at open.
+        self._record_behind = False
+        # Nodes whose memory this opening adopted as its own (stale_memory="adopt").
+        self._adopted: list[int] = []
 
     @property
     def world_changed(self) -> bool:
@@ -77,37 +159,44 @@ class Claim:
         """How many ranks saved ``version``."""
         return world_of(version, self.worlds, self.stored_world)
 
-    async def record_world(self, first_version: int) -> None:
-        """After an elastic restore: versions from ``first_version`` on are this world's.
+    def needs_world_record(self, first_version: int) -> bool:
+        """Whether versions from ``first_version`` on, saved by this run, need the world-size
+        history changed: this run has another number of ranks than the history's newest span,
+        or the history names spans from ``first_version`` on (versions that left the timeline)."""
+        if self.stored_world != self.ctx.topo.world_size:
+            return True
+        return any(first >= first_version for first, _ in self.worlds)
 
-        Rank 0 rewrites the job record in the durable tiers, each node's first rank its node's
-        identity, so the next opening knows which versions which world saved. Every rank
-        updates what it knows the same way.
+    async def record_world(self, first_version: int) -> str | None:
+        """Collective: versions from ``first_version`` on are this world's.
+
+        Every rank updates what it knows the same way; each node's first rank records it in
+        its node's identity (memory tiers hold this world's versions from now on), rank 0 in
+        the job record of the durable tiers. Returns why the job record could not be written
+        (every rank alike; the durable tiers must then take no versions until
+        :meth:`sync_job_record` succeeds), else ``None``. The identities carry a newer revision
+        than the record then, so an opening in between believes them.
         """
-        before = (self.worlds, self.stored_world)
         new = self.ctx.topo.world_size
         self.worlds = span_after(self.worlds, self.stored_world, first_version, new)
         self.stored_world = new
+        self.revision += 1
+        if self.ctx.topo.local_rank == 0:
+            await self._write_identity()
+        return await self.sync_job_record()
+
+    async def sync_job_record(self) -> str | None:
+        """Collective: rank 0 writes the job record with what every rank knows; returns why
+        it could not (every rank alike), else ``None``."""
         error = None
         if self.ctx.rank == 0 and self.durable and not self.superseded:
             try:
                 await self.write_job_record()
             except (TiercheckError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        # Collective: saves filed under the old history would be invisible to the next opening,
-        # so no rank goes on when the record could not be written.
         said = await self.ctx.exchange("control", {"error": error})
         failed = [e["error"] for e in said if e["error"] is not None]
-        if failed:
-            self.worlds, self.stored_world = before
-            raise StorageError(
-                f"version {first_version - 1} of job {self.ctx.job_id!r} was restored onto "
-                f"{new} ranks, but the job record could not be updated for that number "
-                f"({failed[0]}); this run must not save until it is. Nothing was deleted; "
-                "check the durable location and restore again."
-            )
-        if self.ctx.topo.local_rank == 0:
-            await self._write_identity()
+        return str(failed[0]) if failed else None
 
     async def guard(self) -> None:
         """Refuse to open over data this run must not touch; the same verdict on every rank.
@@ -145,6 +234,11 @@ class Claim:
             mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
         except OSError:
             mine["has_data"] = True  # cannot look: assume there is something to protect
+        if topo.local_rank == 0:
+            try:
+                mine["held"] = await asyncio.to_thread(node_versions, cfg.job.node_root)
+            except OSError as exc:
+                logger.debug("tiercheck: cannot list the node's memory: %r", exc)
         if self.ctx.rank == 0:
             mine["fresh_token"] = os.urandom(8).hex()
         everyone = await self.ctx.exchange("control", mine)
@@ -162,7 +256,7 @@ class Claim:
         failure = ""
         if self.ctx.rank == 0 and durable:
             try:
-                if everyone[0]["job"]["state"] != "found":
+                if everyone[0]["job"]["state"] != "found" or self._record_behind:
                     await self.write_job_record()
                 for tier in durable:
                     fence = Fence(tier, self.ctx.session)
@@ -183,7 +277,11 @@ class Claim:
                 fence.adopt(int(decided[0]["generations"][tier.name]))
                 self.fences[tier.name] = fence
         me = everyone[self.ctx.rank]
-        if topo.local_rank == 0 and (me.get("identity") is None or topo.node_index in stale):
+        if topo.local_rank == 0 and (
+            me.get("identity") is None
+            or topo.node_index in stale
+            or topo.node_index in self._adopted
+        ):
             await self._write_identity()
 
     async def _write_identity(self) -> None:
@@ -195,6 +293,7 @@ class Claim:
             persistent=location(durable[0]) if durable else None,
             created=time.time(),
             worlds=self.worlds,
+            revision=self.revision,
         )
         try:
             await asyncio.to_thread(write_identity, self.ctx.options.job.node_root, identity)
@@ -208,6 +307,7 @@ class Claim:
             self.stored_world,
             time.time(),
             worlds=self.worlds,
+            revision=self.revision,
         )
         for tier in self.durable:
             await write_job_record(tier, record)
@@ -215,10 +315,13 @@ class Claim:
     async def _read_job_record(self, durable: Sequence[Tier]) -> dict[str, Any]:
         """Rank 0: what the durable tiers say about the job's incarnation.
 
-        ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records written
-        before job records existed; the newest says how many ranks saved them) or ``"absent"``
-        (nothing stored: a new location, or one that was emptied).
+        ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records but no job
+        record: written before job records existed, or one set aside by ``tiercheck
+        repair-job``; the history is read off the ``COMMIT`` records, each of which says how
+        many ranks saved its version) or ``"absent"`` (nothing stored: a new location, or one
+        that was emptied). ``committed``: the versions with ``COMMIT`` records.
         """
+        committed = sorted(await commit_versions(durable[0]))
         for tier in durable:
             record = await read_job_record(tier)
             if record is not None:
@@ -227,12 +330,21 @@ class Claim:
                     "token": record.token,
                     "world_size": record.world_size,
                     "worlds": [list(span) for span in record.worlds],
+                    "revision": record.revision,
+                    "committed": committed,
                 }
-        newest = max(await commit_versions(durable[0]), default=None)
-        if newest is None:
-            return {"state": "absent"}
-        commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(newest))))
-        return {"state": "legacy", "world_size": commit.world_size}
+        if not committed:
+            return {"state": "absent", "committed": []}
+        sizes = []
+        for version in committed:
+            commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(version))))
+            sizes.append((version, commit.world_size))
+        return {
+            "state": "legacy",
+            "world_size": sizes[-1][1],
+            "worlds": [list(span) for span in spans_of(sizes)],
+            "committed": committed,
+        }
 
     def judge(self, everyone: Sequence[Mapping[str, Any]]) -> dict[int, str]:
         """Decide, from what every rank saw, whether this run may open; return stale nodes.
@@ -253,16 +365,23 @@ class Claim:
         first = everyone[0]
         if first.get("job_error"):
             raise StorageError(
-                f"cannot read or write the job record of {cfg.job.job_id!r}: {first['job_error']}"
+                f"cannot read the job record (JOB) of {cfg.job.job_id!r} at "
+                f"{location(self.durable[0]) if self.durable else '?'}: {first['job_error']}. "
+                "Nothing was read or changed. If the record is damaged, `tiercheck repair-job "
+                f"<persistent URL> --job {cfg.job.job_id}` sets it aside and the next opening "
+                "writes it anew from the COMMIT records and the nodes' memory, without losing "
+                "a version."
             )
         nodes: dict[int, Mapping[str, Any]] = {}
         for e in everyone:
             nodes.setdefault(int(e["node"]), e)
         identities: dict[int, NodeIdentity | None] = {}
-        stale: dict[int, str] = {}
+        stale: dict[int, Stale] = {}
         for n, e in nodes.items():
             if e.get("identity_error"):
-                stale[n] = f"its identity record is unreadable ({e['identity_error']})"
+                stale[n] = Stale(
+                    "damaged", f"its identity record is damaged ({e['identity_error']})"
+                )
                 identities[n] = None
                 continue
             text = e.get("identity")
@@ -278,19 +397,41 @@ class Claim:
         }
         absent = job is not None and job["state"] == "absent"
         worlds: Spans = ()
+        revision = 0
+        self._record_behind = False
         if job is not None and job["state"] == "found":
             token, world_size = job["token"], job["world_size"]
             worlds = parse_spans(job.get("worlds"), world_size)
+            revision = int(job.get("revision", 0))
             where = f"at {here}"
+            newer = [
+                i
+                for i in identities.values()
+                if i is not None
+                and i.token == token
+                and i.job_id == cfg.job.job_id
+                and i.persistent == here
+            ]
+            newest = max(newer, key=lambda i: i.revision, default=None)
+            if newest is not None and newest.revision > revision:
+                # The record's last update failed; the nodes recorded the change: theirs is
+                # the history the stored versions follow.
+                world_size, worlds, revision = newest.world_size, newest.worlds, newest.revision
+                self._record_behind = True
         elif job is not None:
             where = f"at {here}"
+            world_size = job.get("world_size", topo.world_size)
+            worlds = parse_spans(job.get("worlds"), world_size)
             if len(ours) == 1:
-                # The location lost its records (deleted, a lifecycle rule) while the job was
-                # away, or predates them; the memory that names it is this job's.
+                # The location lost its job record (deleted, a lifecycle rule, set aside by
+                # `tiercheck repair-job`) while the job was away, or predates it; the memory
+                # that names it is this job's.
                 token, remembered = next(iter(ours.items()))
-                world_size = job.get("world_size", remembered.world_size)
-                if world_size == remembered.world_size:
-                    worlds = remembered.worlds
+                if absent or world_of(
+                    max(job.get("committed") or [0]), remembered.worlds, remembered.world_size
+                ) == world_of(max(job.get("committed") or [0]), worlds, world_size):
+                    world_size, worlds = remembered.world_size, remembered.worlds
+                    revision = remembered.revision
                 if absent:
                     logger.warning(
                         "tiercheck: the durable location %s of job %r holds nothing, but the "
@@ -301,23 +442,24 @@ class Claim:
                     )
             else:
                 token = first["fresh_token"]
-                world_size = job.get("world_size", topo.world_size)
         else:
             tokens = {i.token for i in identities.values() if i is not None}
             if len(tokens) > 1:
                 raise StaleMemory(
                     f"the nodes of job {cfg.job.job_id!r} hold memory of different runs "
                     f"(tokens {sorted(tokens)}); with no durable tier to tell which is this "
-                    "run's, none is used. Pass stale_memory='discard' to start over, or "
-                    "another job_id."
+                    "run's, none is used. Nothing was changed. Pass stale_memory='discard' "
+                    "to delete every node's memory of the job and start over (its versions "
+                    "exist nowhere else: there is no durable tier), or use another job_id."
                 )
             token = tokens.pop() if tokens else first["fresh_token"]
             known = [i for i in identities.values() if i is not None]
-            sizes = {i.world_size for i in known}
-            world_size = sizes.pop() if len(sizes) == 1 else topo.world_size
-            # Nodes that joined later know less of the history: take the longest.
-            histories = sorted((i.worlds for i in known if i.world_size == world_size), key=len)
-            worlds = histories[-1] if histories else ()
+            if known:
+                # Nodes that joined later, or missed an update, know less: the newest wins.
+                best = max(known, key=lambda i: (i.revision, len(i.worlds)))
+                world_size, worlds, revision = best.world_size, best.worlds, best.revision
+            else:
+                world_size = topo.world_size
             where = "in the nodes' memory"
         if world_size != topo.world_size and not cfg.job.elastic:
             raise WorldSizeMismatch(
@@ -328,32 +470,53 @@ class Claim:
             )
         self.stored_world = world_size
         self.worlds = worlds
+        self.revision = revision
         for n, identity in identities.items():
             if n in stale:
                 continue
             if identity is None:
                 if absent and nodes[n]["has_data"]:
-                    stale[n] = (
-                        "it holds checkpoints from before this job's durable location existed"
+                    stale[n] = Stale(
+                        "predates",
+                        "it holds checkpoints but no identity record, and the job's durable "
+                        "location holds nothing: they are not known to be this run's",
                     )
-            elif identity.job_id != cfg.job.job_id or identity.token != token:
-                stale[n] = (
-                    f"it belongs to another run of {identity.job_id!r} (token "
-                    f"{identity.token[:8]}, durable location {identity.persistent})"
+            elif identity.job_id != cfg.job.job_id:
+                stale[n] = Stale(
+                    "another-run", f"it belongs to job {identity.job_id!r}, not this one"
+                )
+            elif identity.token == token:
+                continue  # this incarnation's memory (its folder may have moved: same token)
+            elif identity.persistent != here:
+                stale[n] = Stale(
+                    "another-location",
+                    f"it belongs to this job as saved to another durable location "
+                    f"({identity.persistent}; this run uses {here})",
+                )
+            else:
+                stale[n] = Stale(
+                    "another-run",
+                    f"it belongs to another run of {identity.job_id!r} at the same durable "
+                    f"location (token {identity.token[:8]}, made "
+                    f"{_when(identity.created)}), not the one the job record names (token "
+                    f"{token[:8]}): the job was deleted or started anew there since",
                 )
         self.job_token = token
-        if stale and cfg.job.stale_memory != "discard":
-            lines = [f"node {n}: {why}" for n, why in sorted(stale.items())]
-            raise StaleMemory(
-                f"the shared memory of job {cfg.job.job_id!r} (for this rank: {cfg.job.node_root}) "
-                "holds checkpoints of another run with the same name; they are not restored as "
-                "this run's:\n  "
-                + "\n  ".join(lines)
-                + "\nTo continue that run, point this one at its durable location. To discard "
-                "that memory, pass stale_memory='discard' (or delete the folder). Or use "
-                "another job_id. Nothing was changed."
+        policy = cfg.job.stale_memory
+        if not stale or policy == "discard":
+            return {n: why.text for n, why in stale.items()}
+        if policy == "adopt" and all(why.kind in ("damaged", "predates") for why in stale.values()):
+            logger.warning(
+                "tiercheck: adopting the memory of nodes %s as this run's (stale_memory='adopt'): "
+                "%s",
+                sorted(stale),
+                "; ".join(f"node {n}: {why.text}" for n, why in sorted(stale.items())),
             )
-        return stale
+            self._adopted = sorted(stale)
+            return {}
+        raise StaleMemory(
+            stale_message(cfg.job.job_id, str(cfg.job.node_root), stale, first, nodes)
+        )
 
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""

@@ -7,12 +7,17 @@ event loop thread the :class:`~tiercheck.engine.engine.Engine` runs on, started 
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tiercheck import stateful
 from tiercheck._loop import LoopThread
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
@@ -27,12 +32,121 @@ from tiercheck.engine.options import (
     VersionSelector,
     resolve_options,
 )
-from tiercheck.engine.results import CheckpointerStats
-from tiercheck.errors import TierClosed
+from tiercheck.engine.results import CheckpointerStats, Restored
+from tiercheck.errors import StatefulError, TierClosed
 from tiercheck.tiers.base import Tier
 from tiercheck.topology import Topology
 
-__all__ = ["CheckpointerCore"]
+__all__ = ["CheckpointerCore", "Steps", "drive", "drive_async", "restore_steps"]
+
+logger = logging.getLogger("tiercheck")
+
+# Checkpointers whose loop runs: those still open at interpreter exit are closed then.
+_LIVE: weakref.WeakSet[CheckpointerCore] = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def _close_live_at_exit() -> None:
+    """At interpreter exit, close every checkpointer its owner never closed (bounded: the
+    saves in flight get ``close_timeout`` seconds, memory tiers first; no other rank is waited
+    for). Without it, the interpreter would stop the pipeline mid-step, with asyncio warnings
+    and tracebacks of work cut short."""
+    for ckpt in list(_LIVE):
+        ckpt._close_at_exit()
+
+
+def _install_exit_hook() -> None:
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed = True
+    # Before the thread pools refuse new work at exit (concurrent.futures registers its own
+    # hook the same way, earlier, so this one runs first); atexit hooks run after that.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(_close_live_at_exit)
+            return
+    except RuntimeError:  # the interpreter is already shutting down
+        return
+    import atexit
+
+    atexit.register(_close_live_at_exit)
+
+
+#: A public call as the engine coroutines it runs, in order: each is run on the checkpointer's
+#: loop (blocking for :class:`~tiercheck.SyncCheckpointer`, awaited for
+#: :class:`~tiercheck.Checkpointer`) and its result sent back in; the generator's return value is
+#: the call's. One implementation behind both faces.
+Steps = Generator[Coroutine[Any, Any, Any], Any, Any]
+
+
+def drive(steps: Steps, call: Callable[[Coroutine[Any, Any, Any]], Any]) -> Any:
+    """Run ``steps`` to the end, each through ``call`` (blocking); returns what they return.
+    An exception of a step is thrown into the generator at that step."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            coro = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        error = None
+        try:
+            result = call(coro)
+        except BaseException as exc:
+            error = exc
+
+
+async def drive_async(
+    steps: Steps, run: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]
+) -> Any:
+    """:func:`drive` for an async caller: each step is awaited through ``run``."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            coro = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        error = None
+        try:
+            result = await run(coro)
+        except BaseException as exc:
+            error = exc
+
+
+def restore_steps(engine: Engine, state: Any, version: int | None, strict: bool) -> Steps:
+    """The steps of :meth:`tiercheck.Checkpointer.restore` (collective, every rank alike).
+
+    The caller's ``state`` is looked into (each ``Stateful`` object's ``state_dict()``) only
+    once the ranks know that some version can be restored: on a fresh start nothing of the
+    caller's runs, so a run with tiercheck computes exactly what it would without it (an
+    optimizer whose ``state_dict`` initialises its moments is left untouched).
+    """
+    started = time.perf_counter()
+    agreement = yield engine.restore_agree(version)
+    if agreement is None:
+        return None
+    prepared = None
+    try:
+        prepared = None if state is None else stateful.for_restore(state)
+    except Exception as exc:
+        # Collective: the other ranks are about to read; they must refuse too, not wait.
+        yield engine.restore_read(
+            agreement, None, strict, started, failed=f"{type(exc).__name__}: {exc}"
+        )
+        raise  # restore_read raised already on every rank; this is only for the type checker
+    target = None if prepared is None else prepared.target
+    restored: Restored = yield engine.restore_read(agreement, target, strict, started)
+    try:
+        result = stateful.finish_restore(state, prepared, restored)
+    except StatefulError as exc:
+        # Collective: the other ranks must not go on training either.
+        yield engine.loaded(str(exc))
+        raise
+    yield engine.loaded(None)
+    return result
 
 
 class CheckpointerCore:
@@ -118,10 +232,14 @@ class CheckpointerCore:
             storage_options: options for the ``persistent`` URL's fsspec filesystem, e.g. for
                 S3 ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``
                 (default: the backend's own, such as the AWS environment variables).
-            stale_memory: what to do with a node's shared memory that holds checkpoints of
-                another run of the same ``job_id`` (another durable location, or a location
-                that was made anew): ``"error"`` (default) refuses to open with
-                :class:`~tiercheck.errors.StaleMemory`, ``"discard"`` deletes that memory.
+            stale_memory: what to do with a node's shared memory that is not known to be this
+                run's (another run of the same ``job_id``, another durable location, a location
+                that was made anew, or an identity record that is damaged or missing):
+                ``"error"`` (default) refuses to open with
+                :class:`~tiercheck.errors.StaleMemory`, whose message says which case it is and
+                which versions exist only there; ``"discard"`` deletes that memory;
+                ``"adopt"`` takes memory whose identity is damaged or missing as this run's
+                (never memory that names another run or location).
             close_timeout: seconds the close may spend on each step that can wait on something
                 it does not control: when leaving ``with``/``async with`` on an exception, the
                 wait for the saves in flight (memory tiers first; no agreement with other
@@ -257,4 +375,29 @@ class CheckpointerCore:
                 f"tiercheck-{self._config.job.job_id}-r{self._config.job.topology.rank}"
             )
             self._engine = Engine(self._config)
+            _LIVE.add(self)
+            _install_exit_hook()
         return self._loop, self._engine
+
+    def _close_at_exit(self) -> None:
+        """The interpreter is exiting and this checkpointer was never closed: close it,
+        bounded (see :func:`_close_live_at_exit`)."""
+        loop, engine = self._loop, self._engine
+        if self._closed or loop is None or engine is None:
+            return
+        logger.warning(
+            "tiercheck: the checkpointer of job %r was never closed; closing it at exit "
+            "(saves in flight get close_timeout=%s s)",
+            self.job_id,
+            self._config.coordination.close_timeout,
+        )
+        self._closed = True
+        try:
+            loop.call(engine.aclose("bounded"))
+        except Exception:
+            logger.exception(
+                "tiercheck: closing the checkpointer of job %r at exit failed", self.job_id
+            )
+        finally:
+            loop.stop()
+            self._loop = None

@@ -27,12 +27,13 @@ from tiercheck.engine.encode import Encoder
 from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.engine.options import CloseMode, Options, TierEncoding
 from tiercheck.engine.read import Reader
-from tiercheck.engine.restore import Restorer
+from tiercheck.engine.restore import Agreement, Restorer
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
 from tiercheck.engine.schedule import Schedule
 from tiercheck.engine.shutdown import Shutdown
 from tiercheck.engine.stage import Stager
 from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
+from tiercheck.engine.timeline import Timeline
 from tiercheck.errors import ConfigError, SaveSkipped, StatefulError, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
@@ -66,8 +67,14 @@ class Engine:
         self.schedule = Schedule(self.ctx, self.pipes)
         self.stager = Stager(self.ctx, self.pipes)
         self.encoder = Encoder(self.ctx, self.pipes, self.schedule)
+        self.timeline = Timeline(self.ctx, self.pipes)
         self.restorer = Restorer(
-            self.ctx, self.pipes, Reader(self.ctx, self.pipes), self.schedule, self.encoder
+            self.ctx,
+            self.pipes,
+            Reader(self.ctx, self.pipes),
+            self.schedule,
+            self.encoder,
+            timeline=self.timeline,
         )
         self.shutdown = Shutdown(self)
         self.save_lock = asyncio.Lock()
@@ -181,6 +188,9 @@ class Engine:
         self._check_open()
         schedule = self.schedule
         schedule.check_version(version)
+        # After a restore, the first save settles where the run goes on from (versions that
+        # left the timeline set aside) before anything of this version is written anywhere.
+        await self.timeline.settle()
         # Inline: pure Python walking the state, shorter than a hop to a thread and back. A
         # state shaped like the previous one reuses its layout (see tiercheck.codec.plan).
         flat = self.planner.flatten(state)
@@ -274,14 +284,26 @@ class Engine:
         """Committed versions per tier that are still there, as this rank sees them."""
         return {name: await pipe.restorable() for name, pipe in self.pipes.items()}
 
-    async def restore(
-        self, state: Any, version: int | None, strict: bool = True
-    ) -> Restored | None:
-        """Restore collectively; see :meth:`tiercheck.Checkpointer.restore`."""
-        started = time.perf_counter()
+    async def restore_agree(self, version: int | None) -> Agreement | None:
+        """The first step of a restore (collective): what every rank can restore, or ``None``
+        on a fresh start; see :meth:`Restorer.agree`. The saves in flight finish first."""
         self._check_open()
         await self.wait()
-        return await self.restorer.restore(state, version, strict, started)
+        return await self.restorer.agree(version)
+
+    async def restore_read(
+        self,
+        agreement: Agreement,
+        state: Any,
+        strict: bool,
+        started: float,
+        failed: str | None = None,
+    ) -> Restored:
+        """The second step (collective): read, check and copy in the agreed version; see
+        :meth:`Restorer.restore`. ``failed``: this rank could not make its target (the
+        caller's ``state_dict()`` raised), so every rank refuses."""
+        self._check_open()
+        return await self.restorer.restore(agreement, state, strict, started, failed=failed)
 
     async def loaded(self, error: str | None) -> None:
         """After a restore, every rank says whether its ``load_state_dict`` calls succeeded.

@@ -42,6 +42,15 @@ class Lane:
         """Queue an encoded version for writing; ``False`` (and the version dropped for this
         tier) when the tier is ``tier_queue`` versions behind."""
         tier_queue = self.pipe.ctx.options.tiers.tier_queue
+        if self.pipe.blocked is not None:
+            self.pipe.skip(
+                job,
+                TierWriteFailed(
+                    f"the {self.pipe.name!r} tier takes no new versions for now: "
+                    f"{self.pipe.blocked}"
+                ),
+            )
+            return False
         if self.queue.qsize() >= tier_queue:
             job.lane_done(
                 self.pipe.name,

@@ -41,7 +41,7 @@ __all__ = [
 
 TierEncoding = Literal["full", "packed"]
 BusyPolicy = Literal["wait", "skip"]
-StalePolicy = Literal["error", "discard"]
+StalePolicy = Literal["error", "discard", "adopt"]
 #: What an elastic restore does with leaves that are not DTensors and differ between the ranks
 #: that saved them: ``"refuse"`` (a :class:`~tiercheck.errors.ReshardError`) or ``"wrap"`` (new
 #: rank ``q`` takes old rank ``q % N``'s); see :mod:`tiercheck.codec.reshard`.
@@ -230,8 +230,10 @@ def resolve_options(
         raise ConfigError(f"overlap must be True or False, got {overlap!r}")
     if max_pending < 1 or tier_queue < 1:
         raise ConfigError("max_pending and tier_queue must be at least 1")
-    if stale_memory not in ("error", "discard"):
-        raise ConfigError(f"stale_memory must be 'error' or 'discard', got {stale_memory!r}")
+    if stale_memory not in ("error", "discard", "adopt"):
+        raise ConfigError(
+            f"stale_memory must be 'error', 'discard' or 'adopt', got {stale_memory!r}"
+        )
     if not isinstance(elastic, bool):
         raise ConfigError(f"elastic must be True or False, got {elastic!r}")
     if per_rank not in ("refuse", "wrap"):

@@ -94,6 +94,9 @@ class Reader:
         async def damaged(key: str, blob: Buffer, exc: Exception) -> None:
             await self.quarantine(tier, key, blob, exc)
 
+        async def other_base(base: int, rank: int, why: Exception) -> RawState:
+            return await self._base_elsewhere(tier, base, rank, why)
+
         return await read_blob(
             get,
             await self._own_key(tier, version, owner),
@@ -101,7 +104,32 @@ class Reader:
             expect=(version, owner),
             executor=self.ctx.cpu,
             on_damaged=damaged,
+            other_base=other_base,
         )
+
+    async def _base_elsewhere(self, tier: Tier, base: int, rank: int, why: Exception) -> RawState:
+        """Rank ``rank``'s ``base`` from the other tiers, fastest first, when the copy in
+        ``tier`` beside a delta cannot be read (``why``): a delta whose base is damaged in one
+        tier is restorable wherever an intact copy of that base is. Raises ``why`` when no
+        other tier has one."""
+        for name, pipe in self.pipes.items():
+            if pipe.tier is tier:
+                continue
+            try:
+                found = await self.read(pipe.tier, base, rank=rank)
+            except Exception as exc:
+                logger.debug("tiercheck: base %s of rank %s not in %r: %r", base, rank, name, exc)
+                continue
+            logger.warning(
+                "tiercheck: the base %s of rank %s in %r cannot be read (%s); using the copy in %r",
+                base,
+                rank,
+                tier.name,
+                why,
+                name,
+            )
+            return found
+        raise why
 
     async def _get(self, tier: Tier, key: str, rank: int) -> Buffer:
         if rank == self.ctx.rank:

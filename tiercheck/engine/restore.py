@@ -1,12 +1,16 @@
-"""Restore: inventory, agree, fetch, and truncate the abandoned future.
+"""Restore: inventory, agree, fetch; nothing stored is changed.
 
 Every rank inventories what it can rebuild from each tier (:meth:`Restorer._inventory`); the
-ranks exchange inventories and agree on the newest version every one of them can rebuild
+ranks exchange inventories (:meth:`Restorer.agree`). Only when some version can be restored is
+the caller's state asked for (so that nothing of the caller's runs on a fresh start); then the
+ranks agree on the newest version every one of them can rebuild
 (:func:`~tiercheck.consistency.recovery.agree`); each rank reads it from its fastest tier
 (:class:`~tiercheck.engine.read.Reader`) and checks it against the caller's state; the ranks
 exchange verdicts, and a version that failed anywhere is passed over for the next older one.
-Only once the chosen version is whole on every rank are newer versions removed and, in the
-memory tiers, versions every rank holds adopted as committed.
+Once the chosen version is whole on every rank, the memory tiers' versions every rank holds are
+adopted as committed (the manifest is told), and the run's next save is told where the run goes
+on from (:class:`~tiercheck.engine.timeline.Continuation`): newer versions leave the timeline
+then, set aside in durable tiers, never deleted by a restore.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,10 +32,13 @@ from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
+from tiercheck.engine.timeline import Continuation
 from tiercheck.errors import (
     FormatError,
     ReshardError,
     RestoreError,
+    ShardsInconsistent,
+    StatefulError,
     StateMismatch,
     UnsupportedObject,
 )
@@ -42,8 +50,9 @@ if TYPE_CHECKING:
     from tiercheck.engine.read import Reader
     from tiercheck.engine.schedule import Schedule
     from tiercheck.engine.tier import TierPipeline
+    from tiercheck.engine.timeline import Timeline
 
-__all__ = ["Restorer"]
+__all__ = ["Agreement", "Restorer"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -52,11 +61,30 @@ _REFUSALS: dict[str, type[Exception]] = {
     "StateMismatch": StateMismatch,
     "UnsupportedObject": UnsupportedObject,
     "ReshardError": ReshardError,
+    "StatefulError": StatefulError,
 }
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank knows once the inventories are exchanged: the versions every rank can
+    rebuild (:func:`~tiercheck.consistency.recovery.candidates`), of which the restore tries
+    the newest first. Made by :meth:`Restorer.agree`; the caller's state is asked for only
+    once there is one (see :meth:`tiercheck.Checkpointer.restore`)."""
+
+    mine: Inventory
+    everyone: tuple[Inventory, ...]
+    #: The tiers some rank could not list, and why (reported with any refusal).
+    unlisted: tuple[str, ...]
+    #: The version asked for, or ``None`` for the newest every rank can rebuild.
+    version: int | None
+
+
 class Restorer:
-    """The collective restore of one rank."""
+    """The collective restore of one rank, in two steps: :meth:`agree` (what can be restored,
+    if anything), then :meth:`restore` (read, check, copy in). Neither changes anything
+    stored: what the run gives up by going on from the restored version is settled by its
+    next save (:class:`~tiercheck.engine.timeline.Timeline`)."""
 
     def __init__(
         self,
@@ -65,66 +93,91 @@ class Restorer:
         reader: Reader,
         schedule: Schedule,
         encoder: Encoder,
+        *,
+        timeline: Timeline,
     ) -> None:
         self.ctx = ctx
         self.pipes = pipes
         self.reader = reader
         self.schedule = schedule
         self.encoder = encoder
+        self.timeline = timeline
         self.elastic = ElasticReader(ctx, pipes, reader)
         # The versions with COMMIT records in each durable tier, as the inventory listed them.
         self._listed: dict[str, set[int]] = {}
 
-    async def restore(
-        self, state: Any, version: int | None, strict: bool, started: float
-    ) -> Restored | None:
-        """Restore ``version`` (or the newest every rank can rebuild); see
-        :meth:`tiercheck.Checkpointer.restore`. The saves in flight are done already."""
+    async def agree(self, version: int | None) -> Agreement | None:
+        """Exchange inventories; ``None`` when nothing is stored that any rank could restore
+        (a fresh start), else what the ranks agree can be tried. Raises
+        :class:`~tiercheck.errors.RestoreError` (every rank alike) when ``version`` cannot be
+        rebuilt by every rank, or when versions are stored but none can be restored here."""
         mine, errors = await self._inventory()
         gathered = await self.ctx.exchange("control", {"inv": mine.to_wire(), "errors": errors})
-        everyone = [Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered)]
-        unlisted = [
+        everyone = tuple(Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered))
+        unlisted = tuple(
             f"rank {r} cannot list the {tier!r} tier: {msg}"
             for r, e in enumerate(gathered)
             for tier, msg in sorted(e["errors"].items())
-        ]
+        )
         possible = candidates(everyone)
         if version is not None and version not in possible:
             raise RestoreError(
-                f"version {version} cannot be rebuilt by every rank; rank {self.ctx.rank} can "
-                f"rebuild {sorted(mine.versions())}" + ("".join(f"; {line}" for line in unlisted))
+                f"version {version} of job {self.ctx.job_id!r} cannot be restored: not every "
+                f"rank can rebuild it from any tier. The versions every rank can rebuild: "
+                f"{sorted(possible) or 'none'}; rank {self.ctx.rank} holds "
+                f"{sorted(mine.versions()) or 'none'}. Nothing was changed."
+                + ("".join(f"; {line}" for line in unlisted))
             )
-        if not possible:
-            claim = self.ctx.claim
-            if claim.world_changed:
-                # Starting afresh here would file this world's saves under the old world's
-                # history; what the old world left stays as it is.
-                raise RestoreError(
-                    f"job {self.ctx.job_id!r} was saved by {claim.stored_world} ranks and "
-                    f"stores no version every one of this run's {self.ctx.topo.world_size} "
-                    "ranks can rebuild resharded (each needs every old rank's blob of it in one "
-                    "tier). Nothing was deleted. Restart with "
-                    f"{claim.stored_world} ranks, or use another job_id."
-                    + ("".join(f"; {line}" for line in unlisted))
-                )
-            if unlisted:
-                raise RestoreError(
-                    f"cannot tell what job {self.ctx.job_id!r} stores, so nothing is restored "
-                    "and nothing is deleted:\n  " + "\n  ".join(unlisted)
-                )
-            if any(inv.versions() for inv in everyone):
-                # Only torn versions: blobs of saves that no tier holds whole for every rank,
-                # hence never committed anywhere. Remove them, or a later save of the same
-                # version could be combined with them.
-                logger.warning(
-                    "tiercheck: job %r stores no whole version, only pieces of saves that never "
-                    "committed (%s); removing them",
-                    self.ctx.job_id,
-                    sorted(mine.versions()),
-                )
-                await self._truncate_from(0, reason="restore: torn, never committed")
-            self.schedule.session_started = True
-            return None
+        if possible:
+            return Agreement(mine, everyone, unlisted, version)
+        claim = self.ctx.claim
+        if claim.world_changed:
+            # Starting afresh here would file this world's saves under the old world's
+            # history; what the old world left stays as it is.
+            raise RestoreError(
+                f"job {self.ctx.job_id!r} was saved by {claim.stored_world} ranks and "
+                f"stores no version every one of this run's {self.ctx.topo.world_size} "
+                "ranks can rebuild resharded (each needs every old rank's blob of it in one "
+                "tier). Nothing was deleted. Restart with "
+                f"{claim.stored_world} ranks, or use another job_id."
+                + ("".join(f"; {line}" for line in unlisted))
+            )
+        if unlisted:
+            raise RestoreError(
+                f"cannot tell what job {self.ctx.job_id!r} stores, so nothing is restored "
+                "and nothing is deleted:\n  " + "\n  ".join(unlisted)
+            )
+        if any(inv.versions() for inv in everyone):
+            # Only torn versions: blobs of saves that no tier holds whole for every rank,
+            # hence never committed anywhere. The first save removes them, or it could be
+            # combined with them.
+            logger.warning(
+                "tiercheck: job %r stores no whole version, only pieces of saves that never "
+                "committed (%s); the first save removes them",
+                self.ctx.job_id,
+                sorted(mine.versions()),
+            )
+            self.timeline.continue_from(
+                Continuation(-1, "pieces of saves that never committed, no whole version")
+            )
+        self.schedule.session_started = True
+        return None
+
+    async def restore(
+        self,
+        agreement: Agreement,
+        state: Any,
+        strict: bool,
+        started: float,
+        *,
+        failed: str | None = None,
+    ) -> Restored:
+        """Restore the version ``agreement`` leads to (see
+        :meth:`tiercheck.Checkpointer.restore`). The saves in flight are done already.
+        ``failed``: this rank has no target (making it raised); every rank raises
+        :class:`~tiercheck.errors.StatefulError` at the first exchange."""
+        mine, everyone, unlisted = agreement.mine, agreement.everyone, list(agreement.unlisted)
+        version = agreement.version
         rejected: dict[int, list[str]] = {}
         excluded: set[int] = set()
         while True:
@@ -135,15 +188,24 @@ class Restorer:
             if chosen is None:
                 raise RestoreError(self._rejection_report(rejected, unlisted))
             raw: RawState | Resharded | None
-            if self.ctx.claim.world_of(chosen) == self.ctx.topo.world_size:
+            reasons: list[str]
+            if failed is not None:
+                raw, source, reasons = None, None, []
+            elif self.ctx.claim.world_of(chosen) == self.ctx.topo.world_size:
                 raw, source, reasons = await self.reader.fetch(chosen, mine)
             else:
                 try:
                     raw, source, reasons = await self.elastic.fetch(chosen, mine)
+                except ShardsInconsistent as exc:
+                    # The blobs of this version do not make one save: no world can use it.
+                    raw, source, reasons = None, None, [f"{type(exc).__name__}: {exc}"]
                 except ReshardError as exc:
                     raw, source, reasons = None, None, []
                     refusal = ("ReshardError", str(exc))
             rebuilt: Any = None
+            if failed is not None:
+                refusal = ("StatefulError", f"building the state to restore into failed: {failed}")
+                raw = None
             if raw is not None:
                 try:
                     with paused_gc():  # tens of thousands of short-lived objects: see there
@@ -193,12 +255,8 @@ class Restorer:
             # restore to return: copy without walking it a second time.
             with paused_gc():
                 rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
-        await self._truncate_from(chosen + 1, reason="restore: abandoned future")
         old_world = self.ctx.claim.world_of(chosen)
         if old_world != self.ctx.topo.world_size:
-            # From the next version on, this world saves: recorded in the job record and the
-            # nodes' identities, so the next opening reads each version the way it was saved.
-            await self.ctx.claim.record_world(chosen + 1)
             logger.info(
                 "tiercheck: restored version %s of job %r saved by %s ranks onto %s ranks",
                 chosen,
@@ -214,6 +272,13 @@ class Restorer:
                 pipe.committed = {v for v in self._listed.get(pipe.name, ()) if v <= chosen}
         self.schedule.restart_from(chosen)
         self.encoder.drop_base()
+        if version is not None:
+            reason = f"the run went back to version {chosen}"
+        elif rejected:
+            reason = f"versions {sorted(rejected)} could not be restored"
+        else:
+            reason = f"the run went on from version {chosen}, the newest every rank could restore"
+        self.timeline.continue_from(Continuation(chosen, reason))
         return Restored(
             version=chosen,
             state=rebuilt,
@@ -312,8 +377,3 @@ class Restorer:
                 pipe.unlisted = False
             by_tier[pipe.name] = frozenset(versions)
         return Inventory(self.ctx.rank, by_tier), errors
-
-    async def _truncate_from(self, first: int, reason: str) -> None:
-        """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
-        for pipe in self.pipes.values():
-            await pipe.truncate_from(first, reason)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.codec import BlobMeta
+from tiercheck.consistency.abandoned import ABANDONED_PREFIX, expired, parse_tag, tags_in
 from tiercheck.consistency.keys import (
     commit_key,
     parse_blob_key,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TierPipeline",
+    "abandoned_sets",
     "build_tier",
     "commit_versions",
     "location",
@@ -73,6 +75,18 @@ async def commit_versions(tier: Tier) -> set[int]:
     return found
 
 
+async def abandoned_sets(tier: Tier) -> dict[str, int]:
+    """The whole abandoned sets in ``tier`` (those with their ``SET`` record): tag -> the
+    first version set aside (see :mod:`tiercheck.consistency.abandoned`)."""
+    keys = [key async for key in tier.list(ABANDONED_PREFIX)]
+    out: dict[str, int] = {}
+    for tag, inner in tags_in(keys).items():
+        parsed = parse_tag(tag)
+        if parsed is not None and "SET" in inner:
+            out[tag] = parsed[0]
+    return out
+
+
 def location(tier: Tier) -> str:
     """Where a durable tier stores, as recorded in node identities."""
     inner: Any = tier
@@ -99,6 +113,11 @@ class TierPipeline:
         #: The writer: encoded versions waiting to be written, in version order.
         self.lane = Lane(self)
         self.rounds = CommitRounds(self, on_base_lost)
+        self._on_base_lost = on_base_lost
+        #: Why the tier takes no new versions for now (see :meth:`block`), or ``None``.
+        self.blocked: str | None = None
+        #: Whole abandoned sets in the tier (durable tiers): tag -> the first version set aside.
+        self.abandoned: dict[str, int] = {}
         #: Set while the round worker has nothing left to do (retention included).
         self.idle = asyncio.Event()
         self.idle.set()
@@ -139,6 +158,8 @@ class TierPipeline:
                 ),
                 held={**self.others, **self.own},
             )
+            if self.durable:
+                self.abandoned = await abandoned_sets(self.tier)
         except Exception as exc:
             logger.error(
                 "tiercheck: cannot list the %r tier (%r); nothing will be deleted from it "
@@ -181,6 +202,37 @@ class TierPipeline:
                 out[parsed.version] = OwnBlob(key, base)
         self.others = others
         return out
+
+    def keys_from(self, first: int) -> dict[int, list[str]]:
+        """This rank's blob keys of versions ``>= first``, by version (those of another world's
+        versions this rank looks after included, see :attr:`others`)."""
+        out: dict[int, list[str]] = {}
+        for version, blob in self.own.items():
+            if version >= first:
+                out.setdefault(version, []).append(blob.key)
+        for version, keys in self.others.items():
+            if version >= first:
+                out.setdefault(version, []).extend(keys)
+        return out
+
+    def block(self, reason: str) -> None:
+        """Take no new versions (each is dropped for this tier, with ``reason``) and keep
+        retention away, until :meth:`unblock`: the tier still holds another timeline's
+        versions, or a record the run needs could not be written there."""
+        self.blocked = reason
+
+    def unblock(self) -> None:
+        """Take versions again; the next save is a base (the tier holds none of the run's
+        current deltas' base)."""
+        if self.blocked is None:
+            return
+        self.blocked = None
+        self._on_base_lost()
+        logger.warning("tiercheck: the %r tier takes new versions again", self.name)
+
+    def note_abandoned(self, tag: str, first: int) -> None:
+        """A whole abandoned set ``tag`` (versions from ``first`` on) now lies in the tier."""
+        self.abandoned[tag] = first
 
     async def restorable(self) -> list[int]:
         """Committed versions that are still there and whose base is too, as this rank sees."""
@@ -308,8 +360,10 @@ class TierPipeline:
     async def retain(self) -> None:
         """Trim the tier to its policy's ``keep`` (never a base a kept delta needs, never a
         version in flight)."""
-        if self.unlisted or (self.ctx.claim.superseded and self.durable):
-            return  # never delete from a tier this run cannot see whole, or no longer owns
+        if self.unlisted or self.blocked or (self.ctx.claim.superseded and self.durable):
+            # Never delete from a tier this run cannot see whole or no longer owns, nor from
+            # one that still holds another timeline's versions (they would count as its own).
+            return
         if self.durable:
             # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
             # lifecycle rule) must not count towards `keep`.
@@ -334,6 +388,26 @@ class TierPipeline:
         # a base that is gone, whenever the process dies.
         for version in reversed(doomed):
             await self.evict(version, "retention")
+        if self.durable and self.abandoned and self.ctx.rank == 0:
+            for tag in expired(self.abandoned, self.committed, self.policy.keep):
+                await self.remove_abandoned(tag)
+
+    async def remove_abandoned(self, tag: str) -> None:
+        """Delete the abandoned set ``tag``: its ``SET`` record first (it is then an
+        incomplete set, which nothing restores), then everything else in it."""
+        prefix = f"{ABANDONED_PREFIX}{tag}/"
+        keys = [key async for key in self.tier.list(prefix)]
+        for key in sorted(keys, key=lambda k: not k.endswith("/SET")):
+            await self.ctx.claim.check(self.tier)
+            await self.tier.delete(key)
+        self.abandoned.pop(tag, None)
+        logger.info(
+            "tiercheck: removed the abandoned set %s from the %r tier: the run holds %s "
+            "committed versions of its own after it",
+            tag,
+            self.name,
+            self.policy.keep,
+        )
 
     async def evict(self, version: int, reason: str) -> None:
         """Delete ``version`` from the tier: this rank's blob, and rank 0 its COMMIT record."""

@@ -53,6 +53,7 @@ __all__ = [
     "fsync_dir",
     "fsync_dir_of",
     "is_internal_name",
+    "link_over",
     "make_dirs",
     "owned_by_dead_process",
     "parse_temp_name",
@@ -359,3 +360,41 @@ def atomic_write(
         discard(temp_path)
         raise
     return size
+
+
+# What link(2) answers where a filesystem cannot hard-link (callers then copy the bytes).
+_NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EXDEV, errno.EMLINK, errno.EOPNOTSUPP})
+
+
+def link_over(
+    source: str, target: str, *, fsync: bool = False, dir_mode: int | None = None
+) -> bool:
+    """Publish ``target`` as a hard link to the file ``source``; ``False`` where the filesystem
+    has no hard links (nothing is changed then).
+
+    The link is made under a temporary name next to ``target`` and renamed over it, like any
+    publication: ``target`` is the old file or ``source``'s, never missing in between. Only for
+    files that are never written in place after publication (blobs): the two names share one
+    file. :class:`FileNotFoundError` if ``source`` is gone.
+    """
+    directory = os.path.dirname(target)
+    for _ in range(_CREATE_ATTEMPTS):
+        temp = os.path.join(directory, temp_name())
+        try:
+            os.link(source, temp)
+        except FileNotFoundError:
+            if not os.path.exists(source):
+                raise
+            make_dirs(directory, dir_mode)
+            continue
+        except OSError as exc:
+            if exc.errno in _NO_LINK_ERRNOS:
+                return False
+            raise
+        try:
+            publish(temp, target, fsync_dir=fsync)
+        except BaseException:
+            discard(temp)
+            raise
+        return True
+    raise FileNotFoundError(errno.ENOENT, "the folder kept vanishing", directory)

@@ -55,6 +55,7 @@ __all__ = [
     "Buffer",
     "FailureScope",
     "Reservation",
+    "SupportsCopy",
     "SupportsPrepare",
     "SupportsRangedGet",
     "SupportsReserve",
@@ -62,6 +63,7 @@ __all__ = [
     "Tier",
     "TierSetup",
     "check_range",
+    "copy_blob",
     "validate_key",
 ]
 
@@ -332,6 +334,31 @@ class SupportsRangedGet(Protocol):
     """
 
     async def get_range(self, key: str, start: int, end: int) -> Buffer: ...
+
+
+@runtime_checkable
+class SupportsCopy(Protocol):
+    """A tier that can store a copy of one of its blobs under another key without the bytes
+    passing through the caller.
+
+    ``copy(src, dst)`` publishes ``dst`` atomically with exactly the bytes of ``src`` (as a
+    ``put`` of them would), overwriting a blob already there; ``src`` is left as it is. A
+    missing ``src`` raises :class:`~tiercheck.errors.BlobNotFound`. Both keys follow
+    :func:`validate_key`. The persistent tier hard-links on a local filesystem (blobs are never
+    written in place, so a link is a copy) and copies server-side on object stores. Callers
+    fall back to ``get`` then ``put`` for a tier without it (:func:`copy_blob`).
+    """
+
+    async def copy(self, src: str, dst: str) -> None: ...
+
+
+async def copy_blob(tier: Tier, src: str, dst: str) -> None:
+    """Store the blob under ``src`` also under ``dst``: the tier's own :class:`SupportsCopy`
+    where it has it, else a ``get`` and a ``put`` through this process."""
+    if isinstance(tier, SupportsCopy):
+        await tier.copy(src, dst)
+        return
+    await tier.put(dst, await tier.get(src))
 
 
 def check_range(start: object, end: object) -> tuple[int, int]:

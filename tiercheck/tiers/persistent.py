@@ -268,6 +268,18 @@ class PersistentTier(Tier):
         check_range(start, end)
         return await self._call("get_range", key, self._range_sync, key, start, end)
 
+    async def copy(self, src: str, dst: str) -> None:
+        """Store the blob under ``src`` also under ``dst`` (:class:`~tiercheck.tiers.SupportsCopy`).
+
+        On a local filesystem a hard link, published like a put (a temporary name, then a
+        rename): blobs are never written in place, so the two names can share one file. Where
+        links are refused (some network filesystems), and on object stores, the filesystem's own
+        copy (server-side on S3). Retried like any call.
+        """
+        self._check_key(src)
+        self._check_key(dst)
+        await self._call("copy", dst, self._copy_sync, src, dst)
+
     async def get_size(self, key: str) -> int:
         """Size of the blob under ``key``, from the store's metadata (no read)."""
         self._check_key(key)
@@ -328,6 +340,25 @@ class PersistentTier(Tier):
             # bytes.join copies large buffers with the GIL released.
             body = b"".join(views)
         self._fs.pipe_file(self._path(key), body)
+
+    def _copy_sync(self, src: str, dst: str) -> None:
+        source, target = self._path(src), self._path(dst)
+        if self._local:
+            if not os.path.isfile(source):
+                raise BlobNotFound(f"no blob {src!r} in the persistent tier at {self._url}")
+            if atomic.link_over(source, target, fsync=self._fsync):
+                return
+            # No hard links here: copy through this process, published atomically.
+            with open(source, "rb") as f:
+                atomic.atomic_write(target, [memoryview(f.read())], fsync=self._fsync)
+            return
+        self._fs.invalidate_cache(source)
+        try:
+            self._fs.copy(source, target)
+        except _MISSING:
+            raise BlobNotFound(f"no blob {src!r} in the persistent tier at {self._url}") from None
+        finally:
+            self._fs.invalidate_cache(target)
 
     def _get_sync(self, key: str) -> bytes:
         path = self._path(key)

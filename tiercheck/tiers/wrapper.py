@@ -2,8 +2,8 @@
 
 :class:`DelegatingTier` wraps an *inner* tier and forwards each call to it -- the five abstract
 methods, ``putv``, ``get_size``, ``aclose``, and the optional abilities the inner tier has
-(``reserve``, ``prepare``, ``stop_serving``, ``get_range``). A subclass adds behaviour around
-the calls without re-implementing the forwarding: fault injection
+(``reserve``, ``prepare``, ``stop_serving``, ``get_range``, ``copy``). A subclass adds
+behaviour around the calls without re-implementing the forwarding: fault injection
 (:class:`tiercheck.testing.faults.FaultyTier`), latency, metrics, logging, access checks.
 Example::
 
@@ -32,6 +32,7 @@ from tiercheck.tiers.base import (
     Buffer,
     FailureScope,
     Reservation,
+    SupportsCopy,
     SupportsPrepare,
     SupportsRangedGet,
     SupportsReserve,
@@ -58,6 +59,7 @@ OPERATIONS: Final = frozenset(
         "reserve",
         "commit",
         "abort",
+        "copy",
         "prepare",
         "stop_serving",
     }
@@ -74,10 +76,11 @@ class DelegatingTier(Tier):
         The wrapper has exactly the optional abilities of its inner tier: it implements
         :class:`~tiercheck.tiers.SupportsReserve` (``reserve``) if and only if the inner tier
         does, and likewise :class:`~tiercheck.tiers.SupportsPrepare`,
-        :class:`~tiercheck.tiers.SupportsStopServing` and
-        :class:`~tiercheck.tiers.SupportsRangedGet`. (So an instance's class is a subclass,
-        of the same name, of the class constructed, with the forwarding of those abilities
-        added; ``isinstance(w, YourSubclass)`` holds as usual.)
+        :class:`~tiercheck.tiers.SupportsStopServing`,
+        :class:`~tiercheck.tiers.SupportsRangedGet` and :class:`~tiercheck.tiers.SupportsCopy`.
+        (So an instance's class is a subclass, of the same name, of the class constructed,
+        with the forwarding of those abilities added; ``isinstance(w, YourSubclass)`` holds
+        as usual.)
 
     Adding behaviour
         Override :meth:`before`, which every forwarded operation awaits first with its name
@@ -85,9 +88,9 @@ class DelegatingTier(Tier):
         inner tier sees it. Reservations are wrapped in :class:`DelegatedReservation`, whose
         ``commit`` and ``abort`` go through :meth:`before` too. Overriding the methods
         themselves works as well (call ``super()``), except for ``reserve``, ``prepare``,
-        ``stop_serving`` and ``get_range``: their forwarding comes first in the class's MRO (an
-        ability follows the inner tier, always), so change them through :meth:`before` and
-        :meth:`wrap_reservation`.
+        ``stop_serving``, ``get_range`` and ``copy``: their forwarding comes first in the
+        class's MRO (an ability follows the inner tier, always), so change them through
+        :meth:`before` and :meth:`wrap_reservation`.
 
     Checks
         The wrapper checks first that it is open and that the key is valid, so that a closed
@@ -260,8 +263,20 @@ class _ForwardsRangedGet(DelegatingTier):
         return await inner.get_range(key, start, end)
 
 
+class _ForwardsCopy(DelegatingTier):
+    async def copy(self, src: str, dst: str) -> None:
+        """Forward :meth:`SupportsCopy.copy` (``before`` sees ``"copy"`` with ``dst``)."""
+        self._check_key(src)
+        self._check_key(dst)
+        await self.before("copy", dst)
+        inner = self.inner
+        assert isinstance(inner, SupportsCopy)
+        await inner.copy(src, dst)
+
+
 _ABILITIES: Final[tuple[tuple[type, type[DelegatingTier]], ...]] = (
     (SupportsReserve, _ForwardsReserve),
+    (SupportsCopy, _ForwardsCopy),
     (SupportsRangedGet, _ForwardsRangedGet),
     (SupportsPrepare, _ForwardsPrepare),
     (SupportsStopServing, _ForwardsStopServing),

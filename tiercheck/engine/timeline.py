@@ -1,0 +1,256 @@
+"""After a restore the run goes on from the restored version; the first save settles it.
+
+A restore reads and changes nothing stored: restoring an older version only to look at it,
+then closing, leaves the job exactly as it was. What a restore decides is kept as a
+:class:`Continuation`, and only when the run saves again (:meth:`Timeline.settle`, at the start
+of the first save, before anything of it is written) is the job made to continue from there:
+
+1. **Versions after the restored one** leave the run's timeline, or a later save of the same
+   number would be mixed with them. In a tier that outlives the cluster, the committed ones are
+   *set aside*, whole, as an abandoned set (:mod:`tiercheck.consistency.abandoned`): every rank
+   copies its blobs there, then rank 0 copies their ``COMMIT`` records and writes the set's
+   ``SET`` record, removes the ``COMMIT`` records, and only then does every rank remove its
+   blobs. A death at any point leaves either the versions where they were (and at most a set
+   without its ``SET``: copies) or a whole set. Pieces of versions that never committed are
+   removed. Memory tiers drop them (they are not durable; their committed versions that matter
+   are in the durable tier, or were the caller's to give up by going back).
+2. **The world-size history**, when the run has another number of ranks than the versions'
+   history says saves from here on, is recorded -- after step 1, so that no version the history
+   would misdescribe is left on the timeline at any moment.
+
+A durable tier where either step fails (an outage) takes no new versions (each is skipped for
+it, with the reason) until a retry succeeds; the retry runs every :data:`RETRY_EVERY` saves. A
+version is never written over blobs that another timeline left there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiercheck.consistency.abandoned import (
+    AbandonedSet,
+    abandoned_key,
+    set_record_key,
+    set_tag,
+)
+from tiercheck.consistency.keys import commit_key
+from tiercheck.engine.tier import commit_versions
+from tiercheck.errors import BlobNotFound, FormatError
+from tiercheck.tiers.base import copy_blob
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.tier import TierPipeline
+
+__all__ = ["RETRY_EVERY", "Continuation", "Timeline"]
+
+logger = logging.getLogger("tiercheck")
+
+#: A durable tier whose settling failed is tried again every this many saves.
+RETRY_EVERY = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a restore leaves for the first save after it: the run goes on from ``version``."""
+
+    #: The restored version; ``-1`` when nothing whole was stored (the run starts over).
+    version: int
+    #: Why the versions after it leave the timeline (logged, and kept in the ``SET`` record).
+    reason: str
+
+
+class Timeline:
+    """Settles, before the first save after a restore, the timeline the run continues."""
+
+    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
+        self.ctx = ctx
+        self.pipes = pipes
+        self._pending: Continuation | None = None
+        # What could not be settled yet: per durable tier, the continuation still owed there;
+        # and whether the world-size record is still owed (it needs every durable tier).
+        self._owed: dict[str, Continuation] = {}
+        self._world_owed: int | None = None
+        self._saves_since_failure = 0
+
+    def continue_from(self, continuation: Continuation) -> None:
+        """A restore chose where the run goes on from; settled at the next save."""
+        self._pending = continuation
+
+    async def settle(self) -> None:
+        """At the start of a save (every rank, in the same order): settle a pending
+        continuation, or retry what could not be settled before. Never raises for a tier's
+        failure: that tier takes no new versions until a retry succeeds."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            # A new continuation replaces whatever an earlier one still owed: its set-aside
+            # covers every version after the (older or equal) version restored now.
+            self._owed.clear()
+            self._world_owed = None
+            await self._settle(pending, list(self.pipes.values()))
+            return
+        if not self._owed and self._world_owed is None:
+            return
+        self._saves_since_failure += 1
+        if self._saves_since_failure % RETRY_EVERY:
+            return
+        owed = dict(self._owed)
+        self._owed.clear()
+        for name, continuation in sorted(owed.items()):
+            await self._set_aside(self.pipes[name], continuation)
+        if self._world_owed is not None:
+            await self._record_world(self._world_owed)
+        self._unblock_settled()
+
+    async def _settle(self, c: Continuation, pipes: list[TierPipeline]) -> None:
+        first = c.version + 1
+        logger.info(
+            "tiercheck: job %r goes on from version %s; versions from %s on leave its "
+            "timeline (%s)",
+            self.ctx.job_id,
+            c.version,
+            first,
+            c.reason,
+        )
+        for pipe in pipes:
+            if pipe.durable:
+                await self._set_aside(pipe, c)
+            else:
+                await pipe.truncate_from(first, f"abandoned: {c.reason}")
+        claim = self.ctx.claim
+        if claim.needs_world_record(first):
+            await self._record_world(first)
+        self._unblock_settled()
+
+    async def _record_world(self, first: int) -> None:
+        error = await self.ctx.claim.record_world(first)
+        if error is None:
+            self._world_owed = None
+            return
+        self._world_owed = first
+        self._saves_since_failure = 0
+        for pipe in self.pipes.values():
+            if pipe.durable:
+                pipe.block(
+                    "the job record could not be updated for this run's "
+                    f"{self.ctx.topo.world_size} ranks ({error}); retried every {RETRY_EVERY} "
+                    "saves"
+                )
+
+    def _unblock_settled(self) -> None:
+        for pipe in self.pipes.values():
+            if pipe.blocked and pipe.name not in self._owed and self._world_owed is None:
+                pipe.unblock()
+
+    async def _set_aside(self, pipe: TierPipeline, c: Continuation) -> None:
+        """Collective, in one durable tier: set the committed versions after ``c.version``
+        aside as a whole abandoned set, then remove them (and uncommitted pieces) from the
+        run's timeline. On any rank's failure nothing is removed and the tier is blocked."""
+        ctx, tier = self.ctx, pipe.tier
+        first = c.version + 1
+        mine = pipe.keys_from(first)
+        committed: list[int] = []
+        error: str | None = None
+        if ctx.claim.superseded:
+            error = "a newer opening of the job owns the tier"
+        elif pipe.unlisted:
+            error = "this rank cannot list the tier"
+        elif ctx.rank == 0:
+            try:
+                committed = sorted(v for v in await commit_versions(tier) if v >= first)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        said = await ctx.exchange("control", {"committed": committed, "error": error})
+        committed = [int(v) for v in said[0]["committed"]]
+        if self._failed(pipe, c, [e["error"] for e in said], "listing it"):
+            return
+        tag = set_tag(first, ctx.session)
+        if committed:
+            # 1. Every rank copies its blobs of the committed versions into the set.
+            error = None
+            try:
+                for version in committed:
+                    for key in mine.get(version, ()):
+                        await ctx.claim.check(tier)
+                        await copy_blob(tier, key, abandoned_key(tag, key))
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            said = await ctx.exchange("control", {"error": error})
+            if self._failed(pipe, c, [e["error"] for e in said], "copying blobs"):
+                return
+            # 2. Rank 0 completes the set (COMMIT records, then SET) and only then takes the
+            #    versions off the timeline by removing their COMMIT records.
+            error = None
+            if ctx.rank == 0:
+                try:
+                    await self._complete_set(pipe, tag, c, committed)
+                    for version in committed:
+                        await ctx.claim.check(tier)
+                        await tier.delete(commit_key(version))
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            said = await ctx.exchange("control", {"error": error})
+            if self._failed(pipe, c, [e["error"] for e in said], "completing the set"):
+                return
+            logger.warning(
+                "tiercheck: versions %s of job %r left its timeline (%s); they are kept in the %r "
+                "tier under abandoned/%s/ (`tiercheck ls` lists them) until the run has %s "
+                "committed versions of its own there, or `tiercheck gc --abandoned`",
+                committed,
+                ctx.job_id,
+                c.reason,
+                pipe.name,
+                tag,
+                pipe.policy.keep,
+            )
+            pipe.note_abandoned(tag, first)
+        # 3. Every rank removes its blobs after the restored version: copies of them are in
+        #    the set, or they never committed.
+        await pipe.truncate_from(first, f"abandoned: {c.reason}")
+
+    async def _complete_set(
+        self, pipe: TierPipeline, tag: str, c: Continuation, committed: list[int]
+    ) -> None:
+        """Rank 0: the ``COMMIT`` records into the set, then its ``SET`` record (merged with one
+        an earlier, interrupted attempt of this opening wrote)."""
+        tier, claim = pipe.tier, self.ctx.claim
+        for version in committed:
+            await claim.check(tier)
+            await copy_blob(tier, commit_key(version), abandoned_key(tag, commit_key(version)))
+        versions = set(committed)
+        try:
+            earlier = AbandonedSet.from_bytes(bytes(await tier.get(set_record_key(tag))))
+            versions.update(earlier.versions)
+        except (BlobNotFound, FormatError):
+            pass  # the first attempt (or an unreadable one, replaced)
+        record = AbandonedSet(
+            job_id=self.ctx.job_id,
+            restored=c.version,
+            versions=tuple(sorted(versions)),
+            session=self.ctx.session,
+            time=time.time(),
+            reason=c.reason,
+        )
+        await claim.check(tier)
+        await tier.put(set_record_key(tag), record.to_bytes())
+
+    def _failed(
+        self, pipe: TierPipeline, c: Continuation, errors: list[str | None], step: str
+    ) -> bool:
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return False
+        rank, error = failed[0]
+        self._owed[pipe.name] = c
+        self._saves_since_failure = 0
+        reason = (
+            f"the versions after {c.version} could not be set aside in it ({step}: rank {rank}: "
+            f"{error}); nothing was removed, and it takes no new versions until they are "
+            f"(retried every {RETRY_EVERY} saves)"
+        )
+        logger.error("tiercheck: the %r tier of job %r: %s", pipe.name, self.ctx.job_id, reason)
+        pipe.block(reason)
+        return True
