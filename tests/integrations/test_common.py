@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiercheck import ConfigError, RestoreError, VersionError
+from tiercheck import ConfigError, VersionError
 from tiercheck.integrations import LATEST, RESUME, parse_name, version_name
 from tiercheck.integrations._common import Session, capture_rng, restore_rng
 
@@ -88,24 +88,33 @@ def test_a_version_saved_twice_is_stored_once(tmp_path: Path) -> None:
     session.close()
 
 
-def test_newest_only_restore_drops_nothing(tmp_path: Path) -> None:
+def test_restoring_an_older_version_drops_nothing_until_the_run_saves(tmp_path: Path) -> None:
     options = {"local_root": tmp_path / "shm", "persistent": tmp_path.as_uri(), "persist": "all"}
     session = Session("newest", options)
     for version in (1, 2, 3):
         session.save(version, lambda v=version: {"w": torch.full((2,), float(v))})
     session.close()
 
-    again = Session("newest", options)
-    with pytest.raises(RestoreError):
-        again.restore(2, newest_only=True)
-    restored = again.restore(3, newest_only=True)
-    assert restored is not None
-    assert restored.version == 3
-    # Resuming from an older version is allowed, and continues from there.
-    older = again.restore(2)
+    # Evaluating an older version (a load without a save after it) leaves every version.
+    look = Session("newest", options)
+    older = look.restore(2)
     assert older is not None
     assert older.state["w"].tolist() == [2.0, 2.0]
+    look.close()
+    again = Session("newest", options)
+    newest = again.restore("latest")
+    assert newest is not None
+    assert newest.version == 3
+    # Resuming from the older version and saving continues from there.
+    older = again.restore(2)
+    assert older is not None
+    again.save(3, lambda: {"w": torch.full((2,), 33.0)})
     again.close()
+    last = Session("newest", options)
+    restored = last.restore("latest")
+    assert restored is not None
+    assert restored.state["w"].tolist() == [33.0, 33.0]
+    last.close()
 
 
 def test_session_needs_a_job_id() -> None:

@@ -115,15 +115,16 @@ def test_model_checkpoint_writes_pointers_and_last_resumes(tmp_path: Path, save_
     assert resumed.global_step == 16
 
 
-def test_evaluation_loads_only_the_newest_version(tmp_path: Path) -> None:
+def test_evaluation_loads_any_version_and_drops_nothing(tmp_path: Path) -> None:
     io = _io(tmp_path)
     folder = tmp_path / "ckpts"
     saver = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=4, save_top_k=-1)
     trainer = _trainer(12, [io], [TiercheckCallback(), saver])
     model = EvalNet()
     trainer.fit(model, train_dataloaders=Batches(), val_dataloaders=Batches())
-    with pytest.raises(RestoreError):
-        trainer.validate(model, dataloaders=Batches(), ckpt_path=folder / "step=8.ckpt")
+    trainer.validate(model, dataloaders=Batches(), ckpt_path=folder / "step=8.ckpt")
+    assert io.restored is not None
+    assert io.restored.version == 8
     # Nothing was dropped: the newest version still loads, for evaluation and by name.
     trainer.validate(model, dataloaders=Batches(), ckpt_path=folder / "step=12.ckpt")
     trainer.validate(model, dataloaders=Batches(), ckpt_path=LATEST)

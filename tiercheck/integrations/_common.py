@@ -23,7 +23,7 @@ import torch
 
 from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.consistency.identity import JOB_KEY
-from tiercheck.errors import ConfigError, RestoreError
+from tiercheck.errors import ConfigError
 from tiercheck.guard import node_holds_data
 from tiercheck.sync import SyncCheckpointer
 
@@ -172,29 +172,17 @@ class Session:
         self.last_save = handle
         return handle
 
-    def restore(self, target: Target, *, newest_only: bool = False) -> Restored | None:
+    def restore(self, target: Target) -> Restored | None:
         """Restore ``target``; ``None`` when ``"latest"`` or ``"resume"`` finds nothing
         restorable. Collective: every rank calls it.
 
-        Restoring an older version drops every newer one (the run continues from there, see
-        :meth:`~tiercheck.Checkpointer.restore`). With ``newest_only``, ``target`` must be the
-        newest restorable version, so nothing that could still be restored is dropped;
-        otherwise :class:`~tiercheck.errors.RestoreError`.
+        A restore changes nothing stored (see :meth:`~tiercheck.Checkpointer.restore`): loading
+        an older version to evaluate it drops nothing; a run that resumes from it and saves
+        again sets the newer versions aside then, as it continues from there.
         """
         ckpt = self.checkpointer
-        if isinstance(target, str):  # "latest" or "resume"
-            restored = ckpt.restore()
-        elif newest_only:
-            restored = ckpt.restore()
-            if restored is None or restored.version != target:
-                newest = None if restored is None else restored.version
-                raise RestoreError(
-                    f"job {self.job_id!r}: version {target} is not the newest restorable one "
-                    f"({newest}); loading it would drop the newer versions. Resume training from "
-                    "it instead, or load the newest"
-                )
-        else:
-            restored = ckpt.restore(version=target)
+        # "latest" and "resume" are the newest every rank can rebuild; a number is exactly it.
+        restored = ckpt.restore() if isinstance(target, str) else ckpt.restore(version=target)
         if restored is not None:
             self.last_version = restored.version
         self.restored = restored

@@ -30,10 +30,10 @@ Checkpoint names (``filepath`` when saving, ``ckpt_path`` when loading):
   file that is not a pointer (an ordinary ``.ckpt``) is loaded with Lightning's
   ``TorchCheckpointIO``, so a run can move over to tiercheck from a stock checkpoint.
 
-Loading during ``fit`` resumes: if the version is older than the newest, the newer versions are
-dropped (the run continues from there and will save those steps again). Loading for
-``validate``/``test``/``predict`` drops nothing: it is refused with
-:class:`~tiercheck.errors.RestoreError` unless the version is the newest restorable one.
+Loading restores exactly the version named and changes nothing stored. During ``fit`` the run
+then continues from it: when it is older than the newest, its next save sets the newer versions
+aside (in durable storage; ``tiercheck ls`` shows them) as it saves those steps again. Loading
+for ``validate``/``test``/``predict`` saves nothing, so it leaves every version as it was.
 
 Retention: ``remove_checkpoint`` (``ModelCheckpoint``'s top-k rotation) deletes the pointer file
 only; the version's data stays under tiercheck's own retention (the checkpointer's ``keep``),
@@ -127,7 +127,7 @@ try:
         SingleDeviceStrategy,
         Strategy,
     )
-    from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+    from lightning.pytorch.trainer.states import TrainerStatus
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "tiercheck.integrations.lightning needs Lightning: pip install 'tiercheck[lightning]'"
@@ -323,18 +323,8 @@ class TiercheckCheckpointIO(CheckpointIO):
     def _linked_trainer(self) -> pl.Trainer | None:
         return None if self._trainer is None else self._trainer()
 
-    def _fitting(self) -> bool:
-        """Whether a load now is a ``fit`` resuming (not an evaluation or a direct call)."""
-        trainer = self._linked_trainer()
-        return (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING
-        )
-
     def _restore(self, target: Target) -> Restored | None:
-        # Outside fit (or without a trainer) nothing newer may be dropped.
-        return self._session.restore(target, newest_only=not self._fitting())
+        return self._session.restore(target)
 
     def _write_pointer(self, path: _PATH, version: int) -> None:
         data = json.dumps(
