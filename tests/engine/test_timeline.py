@@ -1,0 +1,155 @@
+"""Going back to an older version: the versions after it are set aside, never deleted, and the
+run's first save is where that happens (tiercheck/engine/timeline.py).
+
+Faults are real: the durable folder is bind-mounted onto itself and remounted read-only while
+the run goes on, as a store that stops taking writes would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_never_lose import assert_restores, job, save_versions, state_of
+from tiercheck import TierWriteFailed
+from tiercheck.consistency.abandoned import AbandonedSet
+from tiercheck.engine.timeline import RETRY_EVERY
+
+
+def abandoned(root: Path) -> dict[str, AbandonedSet]:
+    """The whole abandoned sets in the durable job folder, by tag."""
+    return {
+        p.parent.name: AbandonedSet.from_bytes(p.read_bytes())
+        for p in (root / "durable" / "job").glob("abandoned/*/SET")
+    }
+
+
+def live(root: Path) -> list[int]:
+    """Versions with a COMMIT record on the job's timeline in the durable tier."""
+    return sorted(int(p.parent.name[1:]) for p in (root / "durable" / "job").glob("v*/COMMIT"))
+
+
+def test_going_back_sets_the_newer_versions_aside_at_the_first_save(tmp_path: Path) -> None:
+    save_versions(tmp_path, 1, range(6), persist="all", keep={"local": 2, "persistent": 4})
+    originals = {
+        p.relative_to(tmp_path / "durable" / "job"): p.read_bytes()
+        for p in (tmp_path / "durable" / "job").glob("v00000000000[45]/*")
+    }
+    with job(tmp_path, 0, 1, None, persist="all", keep={"local": 2, "persistent": 4}) as ckpt:
+        restored = ckpt.restore(version=3)
+        assert restored is not None
+        assert restored.version == 3
+        assert live(tmp_path) == [2, 3, 4, 5]  # looking changes nothing
+        ckpt.save(4, state_of(104))
+        ckpt.wait()
+        (tag,) = abandoned(tmp_path)
+        record = abandoned(tmp_path)[tag]
+        assert record.versions == (4, 5)
+        assert record.restored == 3
+        assert "went back to version 3" in record.reason
+        # The set holds the originals, byte for byte; the live folder the new version 4.
+        for key, data in originals.items():
+            assert (tmp_path / "durable" / "job" / "abandoned" / tag / key).read_bytes() == data
+        assert live(tmp_path) == [2, 3, 4]
+        # `tiercheck ls` shows the set; retention removes it once the run has `keep` (4)
+        # committed versions of its own from version 4 on.
+        for v in (5, 6, 7):
+            ckpt.save(v, state_of(100 + v))
+            ckpt.wait()
+            assert bool(abandoned(tmp_path)) == (v < 7), v
+    assert_restores_new(tmp_path, 7)
+
+
+def assert_restores_new(root: Path, version: int) -> None:
+    with job(root, 0, 1, None, node="fresh", persist="all") as ckpt:
+        got = ckpt.restore()
+    assert got is not None
+    assert got.version == version
+    assert torch.equal(got.state["w"], state_of(100 + version)["w"])
+
+
+@pytest.fixture
+def durable_mount(tmp_path: Path) -> Iterator[Path]:
+    """The durable folder bind-mounted onto itself, so that a test can make it read-only."""
+    folder = tmp_path / "durable"
+    folder.mkdir()
+    bound = subprocess.run(
+        ["mount", "--bind", str(folder), str(folder)], capture_output=True, text=True, check=False
+    )
+    if bound.returncode != 0:
+        pytest.skip(f"cannot bind-mount a folder here: {bound.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def remount(folder: Path, mode: str) -> None:
+    done = subprocess.run(
+        ["mount", "-o", f"remount,bind,{mode}", str(folder)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount {mode} here: {done.stderr.strip()}")
+    if mode == "ro":
+        try:
+            (folder / ".probe").write_bytes(b"x")
+        except OSError:
+            return
+        pytest.skip("a read-only remount is still writable on this machine")
+
+
+def test_a_store_that_refuses_the_set_aside_takes_no_new_versions_until_it_can(
+    tmp_path: Path, durable_mount: Path
+) -> None:
+    options = {"persist": "all", "base_every": 2, "keep": {"local": 2, "persistent": 20}}
+    save_versions(tmp_path, 1, range(6), **options)
+    before = {p: p.read_bytes() for p in durable_mount.rglob("v*/*")}
+    last = 3 + RETRY_EVERY + 2
+    with job(tmp_path, 0, 1, None, **options) as ckpt:
+        assert ckpt.restore(version=2) is not None
+        remount(durable_mount, "ro")
+        try:
+            first = ckpt.save(3, state_of(103))
+            with pytest.raises(TierWriteFailed, match="could not be set aside"):
+                first.result("persistent", timeout=60)
+            first.result("local", timeout=60)  # memory goes on
+            # Nothing was removed from the store; training saves on.
+            assert {p: p.read_bytes() for p in durable_mount.rglob("v*/*")} == before
+            for v in range(4, 3 + RETRY_EVERY):
+                h = ckpt.save(v, state_of(100 + v))
+                h.result("local", timeout=60)
+                with pytest.raises(TierWriteFailed, match="takes no new versions"):
+                    h.result("persistent", timeout=60)
+                assert h.stats.tiers["persistent"].state == "skipped"
+        finally:
+            remount(durable_mount, "rw")
+        # The retry (every RETRY_EVERY saves) sets the versions aside, and the tier takes
+        # versions again, starting from a base.
+        handles = [ckpt.save(v, state_of(100 + v)) for v in range(3 + RETRY_EVERY, last + 1)]
+        ckpt.wait()
+        assert handles[0].stats.kind == "base"
+        assert all(h.committed("persistent") for h in handles)
+    (record,) = abandoned(tmp_path).values()
+    assert record.versions == (3, 4, 5)
+    assert live(tmp_path)[-1] == last
+    assert_restores_new(tmp_path, last)
+
+
+def test_a_restore_only_to_look_changes_nothing(tmp_path: Path) -> None:
+    save_versions(tmp_path, 1, range(5), persist="all")
+    stored = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "/v0" in str(p)}
+    with job(tmp_path, 0, 1, None, persist="all") as ckpt:
+        got = ckpt.restore(version=2)
+        assert got is not None
+        assert got.version == 2
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "/v0" in str(p)}
+    assert after == stored
+    assert_restores(tmp_path, 1, 4)
+    assert not abandoned(tmp_path)
