@@ -160,3 +160,70 @@ async def test_a_normal_end_waits_for_every_save(tmp_path: Path) -> None:
 def test_close_timeout_must_be_seconds(tmp_path: Path, bad: Any) -> None:
     with pytest.raises(ConfigError):
         Checkpointer("job", local_root=tmp_path, close_timeout=bad)
+
+
+_EXIT_SCRIPT = """
+import os, signal, sys, threading, torch, tiercheck
+root, case, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ckpt = tiercheck.SyncCheckpointer(
+    "exit", persistent="file://" + root + "/durable", local_root=root + "/shm", persist="all"
+)
+state = {"w": torch.randn(4_000_000)}
+if case == "never-closed":
+    ckpt.save(0, state)
+    try:
+        ckpt.save(0, state)  # the caller's mistake: raises, and the script never closes
+    except tiercheck.VersionError:
+        print("refused", flush=True)
+    sys.exit(0)
+threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+with ckpt:
+    for v in range(10_000):
+        state["w"].add_(1.0)
+        ckpt.save(v, state)
+"""
+
+
+@pytest.mark.slow
+def test_leaving_the_interpreter_is_quiet(tmp_path: Path) -> None:
+    """#19: a checkpointer that was never closed (its save raised) and a SIGINT during saves at
+    several moments end the process with the caller's own traceback at most: no asyncio
+    warnings ("Task was destroyed but it is pending!"), no tiercheck traceback, and the job
+    restores afterwards."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    noise = ("Task was destroyed", "Task exception was never retrieved", "Exception ignored")
+    cases = [("never-closed", 0.0)] + [("sigint", d) for d in (0.05, 0.3, 0.7, 1.2)]
+    for i, (case, delay) in enumerate(cases):
+        root = tmp_path / f"run{i}"
+        done = subprocess.run(
+            [sys.executable, str(script), str(root), case, str(delay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        for word in noise:
+            assert word not in done.stderr, (case, delay, done.stderr)
+        if case == "never-closed":
+            assert done.returncode == 0, done.stderr
+            assert "refused" in done.stdout
+            assert "was never closed; closing it at exit" in done.stderr
+            assert "Traceback" not in done.stderr, done.stderr
+        else:
+            assert done.returncode in (130, -2), (done.returncode, done.stderr)
+            # The caller's KeyboardInterrupt, and nothing of tiercheck's.
+            assert done.stderr.count("Traceback") <= 1, done.stderr
+            assert "tiercheck" not in done.stderr.split("KeyboardInterrupt")[-1], done.stderr
+        with SyncCheckpointer(
+            "exit",
+            persistent=(root / "durable").as_uri(),
+            local_root=root / "shm",
+            persist="all",
+        ) as again:
+            restored = again.restore()
+        if restored is not None:
+            assert restored.state["w"].numel() == 4_000_000

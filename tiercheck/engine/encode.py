@@ -33,7 +33,7 @@ from tiercheck.consistency.manifest import Abort, Begin
 from tiercheck.engine.jobs import HeldBase, Job
 from tiercheck.engine.options import TierEncoding
 from tiercheck.engine.tier import writes_commit_records
-from tiercheck.errors import FormatError, StateChanged, TierWriteFailed
+from tiercheck.errors import FormatError, StateChanged, TierClosed, TierWriteFailed
 from tiercheck.tiers.base import Buffer
 
 if TYPE_CHECKING:
@@ -143,6 +143,14 @@ class Encoder:
         except Exception as exc:
             if isinstance(exc, StateChanged):
                 logger.warning("tiercheck: version %s is not stored: %s", job.version, exc)
+            elif isinstance(exc, TierClosed):
+                # The checkpointer closed under it (a close that stopped waiting, an exit): an
+                # expected end of this version, not a fault of tiercheck's to trace.
+                logger.warning(
+                    "tiercheck: version %s is not stored: the checkpointer closed first (%s)",
+                    job.version,
+                    exc,
+                )
             else:
                 logger.exception("tiercheck: %s version %s failed", doing, job.version)
             self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"{doing} failed: {exc!r}"))

@@ -43,6 +43,8 @@ class Shutdown:
             return
         self.engine.closing = True
         try:
+            if how != "now" and self.engine.opened:
+                await self._let_staging_finish()
             if how == "collective" and self.engine.opened:
                 await self._close_collectively()
                 return
@@ -51,6 +53,22 @@ class Shutdown:
             await self._close_now()
         finally:
             self.engine.closed = True
+
+    async def _let_staging_finish(self) -> None:
+        """A save may still be staging (its caller was interrupted, by a KeyboardInterrupt say,
+        while the copy ran on): let it finish and launch, so that the waits below see it as a
+        save in flight instead of closing the tiers under it. Bounded by ``close_timeout``."""
+        lock = self.engine.save_lock
+        if not lock.locked():
+            return
+        try:
+            await asyncio.wait_for(lock.acquire(), self.engine.cfg.coordination.close_timeout)
+        except TimeoutError:
+            logger.warning(
+                "tiercheck: a save still staging after close_timeout is abandoned by the close"
+            )
+            return
+        lock.release()
 
     async def _close_collectively(self) -> None:
         """The normal end: finish every save, then leave the store and the peers in order.
