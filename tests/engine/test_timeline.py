@@ -153,3 +153,106 @@ def test_a_restore_only_to_look_changes_nothing(tmp_path: Path) -> None:
     assert after == stored
     assert_restores(tmp_path, 1, 4)
     assert not abandoned(tmp_path)
+
+
+def _whole_somewhere(durable: Path, version: int) -> bool:
+    """Whether ``version`` of the old timeline is whole live (its COMMIT record and every blob
+    it names) or whole in an abandoned set with its SET record."""
+    from tiercheck.consistency.commit import CommitRecord
+
+    def whole(folder: Path) -> bool:
+        commit = folder / f"v{version:012d}" / "COMMIT"
+        if not commit.exists():
+            return False
+        record = CommitRecord.from_bytes(commit.read_bytes())
+        return all((folder / e.key).exists() for e in record.entries)
+
+    if whole(durable):
+        return True
+    return any(
+        version in AbandonedSet.from_bytes((s / "SET").read_bytes()).versions and whole(s)
+        for s in durable.glob("abandoned/*")
+        if (s / "SET").exists()
+    )
+
+
+def test_a_death_at_any_write_of_the_first_save_after_going_back_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Systematically: the process dies at the k-th write from the start of the first save
+    after ``restore(version=2)``, for every k up to the last write of that save. Afterwards
+    every version of the old timeline after 2 is whole somewhere (live, or in a whole set),
+    what a restore gives is the content of the timeline that saved it, and the next run
+    settles the timeline and goes on."""
+    from tiercheck import SyncCheckpointer
+    from tiercheck.testing.faults import FaultPlan, FaultyTier, SimulatedCrash, abandon
+    from tiercheck.tiers import LocalTier, PersistentTier
+
+    def opened(root: Path, plan: FaultPlan) -> SyncCheckpointer:
+        return SyncCheckpointer(
+            "job",
+            local_root=root / "node",
+            tiers=[
+                FaultyTier(LocalTier(root / "node" / "blobs"), plan),
+                FaultyTier(PersistentTier((root / "durable" / "job").as_uri()), plan),
+            ],
+            persist="all",
+            base_every=2,
+            keep={"local": 2, "persistent": 10},
+            threads=1,
+        )
+
+    def old(v: int) -> dict[str, object]:
+        return state_of(v)
+
+    def new(v: int) -> dict[str, object]:
+        return state_of(100 + v)
+
+    def prepared(root: Path) -> None:
+        with opened(root, FaultPlan()) as ckpt:
+            for v in range(6):
+                ckpt.save(v, old(v))
+            ckpt.wait()
+
+    # How many writes the first save makes when nothing dies.
+    probe = tmp_path / "probe"
+    prepared(probe)
+    plan = FaultPlan()
+    with opened(probe, plan) as ckpt:
+        ckpt.restore(version=2)
+        before = plan.count
+        ckpt.save(3, new(3))
+        ckpt.wait()
+        writes = plan.count - before
+    assert writes > 8  # copies, COMMIT copies, SET, deletions, then the save itself
+    for k in range(1, writes + 1):
+        root = tmp_path / f"k{k}"
+        prepared(root)
+        plan = FaultPlan()
+        ckpt = opened(root, plan)
+        ckpt.restore(version=2)
+        plan.die_at = plan.count + k
+        try:
+            ckpt.save(3, new(3))
+            ckpt.wait()
+        except SimulatedCrash:
+            pass
+        abandon(ckpt)
+        durable = root / "durable" / "job"
+        for v in (3, 4, 5):
+            assert _whole_somewhere(durable, v), (k, v)
+        with opened(root, FaultPlan()) as again:
+            got = again.restore()
+            assert got is not None, k
+            # The version restored is one timeline's, whole: the new 3 only if it committed.
+            fresh = got.version == 3 and torch.equal(got.state["w"], new(3)["w"])
+            assert fresh or torch.equal(got.state["w"], old(got.version)["w"]), (k, got.version)
+            again.save(got.version + 1, new(got.version + 1))
+            again.wait()
+        with opened(root, FaultPlan()) as last:
+            final = last.restore()
+        assert final is not None
+        assert final.version == got.version + 1
+        assert torch.equal(final.state["w"], new(final.version)["w"])
+        for v in (3, 4, 5):
+            assert v <= got.version or _whole_somewhere(durable, v), (k, v)

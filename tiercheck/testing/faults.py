@@ -104,7 +104,13 @@ class FaultPlan:
 
 # How each forwarded operation counts in the plan: a mutation of stored data, a read, or
 # neither (aborting and closing write nothing, and stay possible after death).
-_WRITES: Final = {"put": "put", "putv": "put", "delete": "delete", "commit": "commit"}
+_WRITES: Final = {
+    "put": "put",
+    "putv": "put",
+    "copy": "copy",
+    "delete": "delete",
+    "commit": "commit",
+}
 _READS: Final = frozenset({"get", "get_range", "get_size", "exists", "list", "reserve", "prepare"})
 
 
@@ -112,8 +118,8 @@ class FaultyTier(DelegatingTier):
     """Wraps a tier, consulting a :class:`FaultPlan` before every operation.
 
     A :class:`~tiercheck.tiers.DelegatingTier`: it has the optional abilities (``reserve``,
-    ``prepare``, ...) of the tier it wraps. ``put``, ``putv``, ``delete`` and a reservation's
-    ``commit`` are the plan's numbered writes; ``get``, ``get_range``, ``get_size``,
+    ``prepare``, ``copy``, ...) of the tier it wraps. ``put``, ``putv``, ``copy``, ``delete`` and
+    a reservation's ``commit`` are the plan's numbered writes; ``get``, ``get_range``, ``get_size``,
     ``exists``, ``list``, ``reserve`` and ``prepare`` fail once the process is dead; ``abort``,
     ``stop_serving`` and ``aclose`` always go through (they store nothing).
     """
