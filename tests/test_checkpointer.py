@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+import tiercheck
 from tiercheck import (
     Checkpointer,
     ConfigError,
     RestoreError,
     SaveSkipped,
+    StateMismatch,
     SyncCheckpointer,
     TierClosed,
     TierNotTargeted,
@@ -290,6 +294,130 @@ async def test_unsupported_state_is_a_typed_error_and_stores_nothing(tmp_path: P
         await ckpt.save(0, {"w": torch.zeros(2)})  # the failed save did not consume the version
         await ckpt.wait()
         assert ckpt.stats.committed["local"] == 1
+
+
+BAD_VERSIONS = ["20", "0", 20.0, True, False, -1, 10**12, None, np.int64(20)]
+
+
+async def _settle(result: Any) -> Any:
+    """The result of a call of either checkpointer (awaited where it is a coroutine)."""
+    return await result if inspect.isawaitable(result) else result
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_a_version_that_is_not_an_int_is_refused_before_anything_opens(
+    tmp_path: Path, sync: bool
+) -> None:
+    """``restore(version="20")`` once compared a string with ints ("version 20 cannot be
+    rebuilt ... can rebuild [0, 10, 20]"); every bad version is a VersionError, on restore as
+    on save, raised before the checkpointer opens (so before any exchange with other ranks)."""
+    state = {"w": torch.arange(4.0)}
+    kind = SyncCheckpointer if sync else Checkpointer
+    durable = (tmp_path / "durable").as_uri()
+    for bad in BAD_VERSIONS:
+        fresh = kind("job", local_root=tmp_path / "shm", persistent=durable)
+        with pytest.raises(VersionError, match=r"a version must be an int in \[0, "):
+            await _settle(fresh.save(bad, state))  # type: ignore[arg-type]
+        if bad is not None:  # restore(version=None) is the newest version
+            with pytest.raises(VersionError, match=r"a version must be an int in \[0, "):
+                await _settle(fresh.restore(version=bad))  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="strict"):
+            await _settle(fresh.restore(strict="no"))  # type: ignore[arg-type]
+        assert fresh._engine is None, f"{bad!r}: the checkpointer was opened"
+    assert not (tmp_path / "shm").exists()
+    # The job itself is untouched by all this: it saves and restores as before.
+    async with _ckpt(tmp_path) as ckpt:
+        await ckpt.save(20, state)
+        for bad in BAD_VERSIONS[:-2]:
+            with pytest.raises(VersionError):
+                await ckpt.restore(version=bad)  # type: ignore[arg-type]
+        restored = await ckpt.restore(version=20)
+    assert restored is not None
+    assert restored.version == 20
+    assert_state_equal(restored.state, state)
+
+
+def test_bad_waits_and_closes_are_config_errors_and_the_job_goes_on(tmp_path: Path) -> None:
+    """Timeouts that are not seconds, and close(flush="no") (which read as flush=True)."""
+    state = {"w": torch.arange(3.0)}
+    ckpt = SyncCheckpointer(
+        "job", local_root=tmp_path / "shm", persistent=(tmp_path / "d").as_uri()
+    )
+    with ckpt:
+        handle = ckpt.save(0, state)
+        for bad in ("1", -1, float("nan"), True):
+            with pytest.raises(ConfigError, match="timeout"):
+                handle.result("local", timeout=bad)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match="timeout"):
+                handle.staged(bad)  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match="timeout"):
+                ckpt.fence(bad)  # type: ignore[arg-type]
+        for kw in ({"flush": "no"}, {"failed": 1}):
+            with pytest.raises(ConfigError, match="must be True or False"):
+                ckpt.close(**kw)  # type: ignore[arg-type]
+        handle.result("local", timeout=60)
+    with SyncCheckpointer(
+        "job", local_root=tmp_path / "shm", persistent=(tmp_path / "d").as_uri()
+    ) as again:
+        restored = again.restore()
+    assert restored is not None
+    assert_state_equal(restored.state, state)
+
+
+async def test_cyclic_deep_and_dataless_states_are_refused_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A list holding itself (a RecursionError before), containers nested absurdly deep, and
+    tensors without data (stored silently with allow_pickle=True before): UnsupportedObject
+    naming the path, whatever allow_pickle says, on save and as a restore target; a meta
+    tensor as a restore target is a StateMismatch. Nothing is stored or written, the version
+    is not used up, and the job restores bit-exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    loop: list[Any] = [torch.ones(2)]
+    loop.append(loop)
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(2000):
+        inner["d"] = {}
+        inner = inner["d"]
+    with FakeTensorMode():
+        fake = torch.empty(3)
+    replicated = tiercheck.Replicated(None)
+    replicated.value = {"again": replicated}
+    nested: list[tuple[Any, str]] = [
+        ({"x": loop}, r"state\['x'\]\[1\]: it is state\['x'\] itself"),
+        ({"r": replicated}, r"state\['r'\]\['again'\]: it is state\['r'\] itself"),
+        ({"deep": deep}, "nested more than 100 deep"),
+    ]
+    dataless: list[tuple[Any, str]] = [
+        ({"m": torch.empty(3, device="meta")}, r"state\['m'\]: a tensor on the meta device"),
+        ({"p": torch.nn.Linear(2, 2, device="meta").weight}, "meta device"),
+        ({"f": fake}, "fake tensor"),
+    ]
+    good = {"w": torch.randn(16), "step": 3}
+    for allow_pickle in (False, True):
+        root = tmp_path / f"pickle-{allow_pickle}"
+        async with _ckpt(root, allow_pickle=allow_pickle, base_every=1) as ckpt:
+            await ckpt.save(0, good)
+            await ckpt.wait()
+            stored = sorted(p for p in root.rglob("v0*/*") if p.is_file())
+            for state, match in nested + dataless:
+                with pytest.raises(UnsupportedObject, match=match):
+                    await ckpt.save(1, state)
+            for state, match in nested:
+                with pytest.raises(UnsupportedObject, match=match):
+                    await ckpt.restore(state)
+            with pytest.raises(StateMismatch, match="meta device"):
+                await ckpt.restore({"w": torch.empty(16, device="meta"), "step": 0})
+            await ckpt.wait()
+            assert sorted(p for p in root.rglob("v0*/*") if p.is_file()) == stored
+            await ckpt.save(1, {"w": good["w"] + 1, "step": 4})  # version 1 is still free
+        async with _ckpt(root, allow_pickle=allow_pickle) as again:
+            restored = await again.restore()
+        assert restored is not None
+        assert restored.version == 1
+        assert_state_equal(restored.state, {"w": good["w"] + 1, "step": 4})
 
 
 async def test_restore_with_nothing_stored_returns_none(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ are added by hand with the record classes of :mod:`tiercheck.consistency.identit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -41,7 +42,7 @@ from tiercheck.catalog import (
     plan_gc,
     safetensors_payload,
 )
-from tiercheck.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, ExternalCommand, main
+from tiercheck.cli import EXIT_OK, EXIT_PIPE, EXIT_PROBLEMS, EXIT_USAGE, ExternalCommand, main
 from tiercheck.cli.base import ProgressBar
 from tiercheck.codec import encode_packed, snapshot
 from tiercheck.codec import verify as verify_blob
@@ -1273,6 +1274,16 @@ def test_usage_errors_under_json_are_json(stored: Stored, run: Any, argv: list[s
     assert "usage: tiercheck" in human.err
 
 
+@pytest.mark.parametrize("job", ["victim::x", "a/b", " ", "..\\escape", "x" * 129])
+def test_a_job_outside_the_id_grammar_is_a_usage_error(stored: Stored, run: Any, job: str) -> None:
+    for json_flag in ([], ["--json"]):
+        ran = run("rm-job", stored.durable, "--job", job, "--yes", *json_flag)
+        assert ran.code == EXIT_USAGE
+        message = ran.json()["error"]["message"] if json_flag else ran.err
+        assert "job_id must be 1 to 128 ASCII letters" in message
+    assert (stored.job / JOB_KEY).is_file()  # nothing was deleted
+
+
 def test_version(run: Any) -> None:
     ran = run("--version")
     assert ran.code == EXIT_OK
@@ -1299,6 +1310,94 @@ def test_the_console_script_runs_as_a_process(stored: Stored, tmp_path: Path) ->
     assert missing.returncode == EXIT_USAGE
     assert "Traceback" not in missing.stderr
     assert missing.stdout == ""
+
+
+# --- a reader that goes away -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def many_jobs(pristine: Stored, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A persistent folder of 200 real job folders (copies of the module's job): ``ls`` prints
+    far more than a pipe holds (64 KiB) plus Python's own buffer (8 KiB)."""
+    root = tmp_path_factory.mktemp("many") / "durable"
+    for i in range(200):
+        shutil.copytree(pristine.job, root / f"job-{i:03d}")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["ls", str(root)]) == EXIT_OK
+    # More than the pipe (64 KiB), the reader's buffer and the writer's (8 KiB each) hold: some
+    # write must come after the reader has gone (--json prints more than this).
+    assert len(out.getvalue()) > 65536 + 2 * 8192
+    return root
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+def test_a_closed_output_pipe_ends_the_command_quietly_with_141(
+    many_jobs: Path, json_flag: list[str]
+) -> None:
+    """``tiercheck ls ROOT | head -1``: once the reader has gone, the command stops with no
+    message and no traceback, and exits 141, as a coreutils tool killed by SIGPIPE."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "tiercheck", "ls", str(many_jobs), *json_flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        first = proc.stdout.readline()
+        proc.stdout.close()  # what head does after its line
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+    assert first.startswith(b"{" if json_flag else b"persistent job 'job-000'")
+    assert err == ""
+    assert proc.returncode == EXIT_PIPE
+
+
+class _ClosingStream(io.StringIO):
+    """stdout whose reader goes away after ``limit`` characters: that write and every write
+    or flush after it fail, as on a pipe."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if self.broken or self.tell() + len(text) > self.limit:
+            self.broken = True
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+    def flush(self) -> None:
+        if self.broken:
+            raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", "{root}"],
+        ["ls", "{root}", "--json"],
+        ["inspect", "{job}"],
+        ["inspect", "{job}", "--json"],
+        ["verify", "{job}"],
+        ["verify", "{job}", "--json"],
+        ["gc", "{job}", "--keep", "1", "--dry-run"],
+        ["ls", "{nothing}", "--json"],  # the error itself goes to the closed stream
+        ["--help"],
+    ],
+    ids=" ".join,
+)
+def test_every_command_ends_quietly_when_stdout_closes(
+    stored: Stored, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    names = {"root": stored.root, "job": stored.job, "nothing": tmp_path / "nothing"}
+    args = [a.format(**names) for a in argv]
+    out, err = _ClosingStream(40), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(args) == EXIT_PIPE
+    assert err.getvalue() == ""
 
 
 def _fake_demo(argv: list[str]) -> int:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tiercheck import SyncCheckpointer, defaults
 from tiercheck.defaults import NodeRoot, default_persistent_url, persistent_job_url
@@ -59,3 +65,132 @@ def test_replica_keys_name_job_and_rank() -> None:
     )
     assert NodeRoot.parse_replica_key("run-1/v000000000007/r00003.packed") is None
     assert NodeRoot.lock_rank("notes.txt") is None
+
+
+# --- the job id grammar: one folder name, one URL path segment ------------------------------
+
+# Ids that would name another folder, bucket or protocol, or that a listing would not show:
+# fsspec URL chaining, queries, fragments, escapes, separators, parents, whitespace, other
+# scripts, nothing, too much.
+BAD_IDS = [
+    "victim::x",
+    "a?b",
+    "a#b",
+    "a%2Fb",
+    "a/b",
+    "a\\b",
+    "..\\escape",
+    "..",
+    ".",
+    ".hidden",
+    "-rf",
+    " ",
+    "a b",
+    "tab\t",
+    "line\n",
+    "ünï",
+    "\u0663",  # an Arabic-Indic digit: a digit to str.isdigit, not to the grammar
+    "",
+    "x" * (defaults.MAX_NAME_LENGTH + 1),
+    "s3://bucket",
+    "file:",
+]
+GOOD_IDS = ["run-1", "_x", "a..b", "A.-_9", "x" * defaults.MAX_NAME_LENGTH]
+
+
+@pytest.mark.parametrize("bad", [*BAD_IDS, 3, None, b"run-1"], ids=repr)
+def test_every_way_in_refuses_an_id_outside_the_grammar(bad: object, tmp_path: Path) -> None:
+    """The checkpointer (before anything is opened), the node root, the job's URL, the local
+    tier: the same ConfigError, stating the grammar and giving an example."""
+    from tiercheck.tiers.local import LocalTier
+
+    url = (tmp_path / "durable").as_uri()
+    attempts = [
+        lambda: SyncCheckpointer(bad, persistent=url, local_root=tmp_path / "shm"),  # type: ignore[arg-type]
+        lambda: SyncCheckpointer(bad, persistent=url),  # type: ignore[arg-type]
+        lambda: defaults.default_root(bad, "n"),  # type: ignore[arg-type]
+        lambda: persistent_job_url(url, bad),  # type: ignore[arg-type]
+        lambda: LocalTier(job_id=bad),  # type: ignore[arg-type]
+    ]
+    if bad is not None:  # node=None is the default name
+        attempts.append(lambda: defaults.default_root("j", bad))  # type: ignore[arg-type]
+        attempts.append(lambda: SyncCheckpointer("j", node=bad, persistent=url))  # type: ignore[arg-type]
+    for attempt in attempts:
+        with pytest.raises(ConfigError) as info:
+            attempt()
+        assert defaults.NAME_GRAMMAR in str(info.value)
+        assert "for example" in str(info.value)
+    assert not (tmp_path / "shm").exists()
+    assert not (tmp_path / "durable").exists()
+
+
+@pytest.mark.parametrize("good", GOOD_IDS)
+def test_an_id_in_the_grammar_is_one_segment_everywhere(good: str, tmp_path: Path) -> None:
+    url = (tmp_path / "durable").as_uri()
+    assert defaults.check_job_id(good) == good
+    assert persistent_job_url(url + "/", good) == f"{url}/{good}"
+    root = defaults.default_root(good, "n0")
+    assert (root.parent.name, root.parent.parent) == (good, defaults.memory_base())
+    ckpt = SyncCheckpointer(good, persistent=url, node="n0")
+    assert ckpt.node_root == root
+
+
+def _folder(url: str) -> tuple[type, str]:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return type(fs), path
+
+
+@given(
+    job_id=st.one_of(
+        st.text(max_size=140),
+        st.sampled_from(BAD_IDS),
+        st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", fullmatch=True),
+    ),
+    root=st.sampled_from(["file:///tmp/tiercheck-grammar/root", "memory://tiercheck/root/"]),
+)
+def test_any_text_is_refused_or_exactly_one_path_segment_of_the_url(job_id: str, root: str) -> None:
+    """Whatever the text: a ConfigError, or the job's folder is ``<url>/<id>`` -- the same
+    filesystem, one segment below the root, named exactly ``id``."""
+    try:
+        url = persistent_job_url(root, job_id)
+    except ConfigError:
+        return
+    assert url == root.rstrip("/") + "/" + job_id
+    fs_type, path = _folder(url)
+    root_type, root_path = _folder(root)
+    assert fs_type is root_type
+    assert path == root_path.rstrip("/") + "/" + job_id
+    assert Path(path).name == job_id
+    assert Path(path).parent == Path(root_path)
+
+
+@settings(max_examples=6)
+@given(job_id=st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", fullmatch=True))
+@example(job_id="x" * defaults.MAX_NAME_LENGTH)
+@example(job_id="_.-")
+def test_an_accepted_id_saves_restores_and_is_listed(job_id: str) -> None:
+    """A real save under any accepted id; ``tiercheck ls`` lists exactly that job."""
+    from tiercheck.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        durable = (Path(tmp) / "durable").as_uri()
+        state = {"w": torch.arange(6.0)}
+        with SyncCheckpointer(
+            job_id, persistent=durable, local_root=Path(tmp) / "shm", base_every=1
+        ) as ckpt:
+            ckpt.save(0, state)
+            assert ckpt.wait()["persistent"] == 0
+            assert Path(ckpt.persistent_job_url.removeprefix("file://")).parent == Path(
+                tmp, "durable"
+            )
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["ls", durable, "--json"]) == 0
+        listed = json.loads(out.getvalue())["locations"]
+        assert [(loc["tier"], loc["job"]) for loc in listed] == [("persistent", job_id)]
+        with SyncCheckpointer(job_id, persistent=durable, local_root=Path(tmp) / "other") as again:
+            restored = again.restore()
+        assert restored is not None
+        assert torch.equal(restored.state["w"], state["w"])

@@ -197,3 +197,36 @@ def test_ctrl_c_stops_the_job_and_cleans_up(tmp_path: Path) -> None:
     while _processes_mentioning(str(work)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _processes_mentioning(str(work)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_closed_output_pipe_stops_the_job_quietly(tmp_path: Path) -> None:
+    """``tiercheck demo | head``: once the reader has gone, the job is stopped, its memory
+    removed, nothing is printed and the demo exits 141 (as a tool killed by SIGPIPE)."""
+    work = tmp_path / "work"
+    command = [
+        sys.executable, "-m", "tiercheck", "demo",
+        "--steps", "400", "--dim", "16", "--batch", "2", "--workdir", str(work),
+    ]  # fmt: skip
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stdout:  # until the first step is reported: torchrun and ranks are up
+            seen.append(line)
+            if line.lstrip().startswith("step"):
+                break
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=180)
+    assert proc.returncode == 141, "".join(seen) + err
+    assert err == ""
+    memory = Path(re.search(r"memory tiers under (\S+),", "".join(seen)).group(1))  # type: ignore[union-attr]
+    assert not memory.exists()
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(work)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(work)) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from tiercheck import (
+    ConfigError,
     JobLocked,
     RestoreError,
     StaleMemory,
@@ -530,6 +532,94 @@ def test_a_restart_after_the_durable_folder_vanished_uses_its_memory(tmp_path: P
     assert restored.version == 2
     assert restored.source_tier == "local"
     assert (tmp_path / "durable" / "job" / JOB_KEY).exists()  # the job record is back
+
+
+def _every_file(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``, records and temporaries included, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_job_id_that_would_alias_another_job_is_refused_and_touches_nothing(
+    tmp_path: Path,
+) -> None:
+    """``victim::x`` used to open job ``victim``'s durable folder (fsspec reads ``::`` as URL
+    chaining), restore its data and write its own versions there. Every id that could name
+    another folder is refused at construction, and ``victim`` restores its own newest version."""
+    durable = (tmp_path / "durable").as_uri()
+    with SyncCheckpointer(
+        "victim", persistent=durable, local_root=tmp_path / "victim-node", base_every=2
+    ) as victim:
+        for v in range(4):
+            victim.save(v, state_of(v))
+        assert victim.wait() == {"local": 3, "persistent": 2}
+    before = _every_file(tmp_path / "durable")
+    memory = _every_file(tmp_path / "victim-node")
+    for alias in ("victim::x", "victim::", "victim/.", "victim?x", "victim#x", "victim%2Fx",
+                  "../durable/victim", "victim ", " victim", "victim\\x"):  # fmt: skip
+        with pytest.raises(ConfigError, match="job_id must be"):
+            SyncCheckpointer(alias, persistent=durable, local_root=tmp_path / "alias-node")
+    assert not (tmp_path / "alias-node").exists()
+    assert _every_file(tmp_path / "durable") == before
+    assert _every_file(tmp_path / "victim-node") == memory
+    # Its own memory, and -- the node lost -- its own durable folder: its own data, bit-exact.
+    for node, version, tier in (("victim-node", 3, "local"), ("fresh-node", 2, "persistent")):
+        with SyncCheckpointer(
+            "victim", persistent=durable, local_root=tmp_path / node, base_every=2
+        ) as again:
+            restored = again.restore()
+        assert restored is not None
+        assert (restored.version, restored.source_tier) == (version, tier)
+        assert_state_equal(restored.state, state_of(version))
+
+
+KILLED_WRITER = """
+import sys, torch, tiercheck
+root, durable = sys.argv[1], sys.argv[2]
+def state_of(v):
+    g = torch.Generator().manual_seed(v * 1000)
+    w, h = torch.randn(2048, generator=g), torch.randn(64, generator=g)
+    return {"w": w, "h": h.to(torch.bfloat16), "step": v}
+ckpt = tiercheck.SyncCheckpointer(
+    "job", tiers=["persistent"], local_root=root, persistent=durable, base_every=10
+).open()
+for v in range(13):
+    handle = ckpt.save(v, state_of(v))
+    handle.result("persistent")  # TierNotTargeted if the version went nowhere
+    print(v, handle.tiers, flush=True)
+sys.stdin.read()  # wait to be killed
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_job_with_durable_tiers_only_stores_every_save_there(tmp_path: Path) -> None:
+    """``tiers=["persistent"]`` once stored only every 10th save (the others had ``tiers={}``).
+    Every save now goes to the durable tier: killed after saving version 12 (a delta), the job
+    restores version 12, bit-exact."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path / "node"), (tmp_path / "d").as_uri()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        lines = [proc.stdout.readline() for _ in range(13)]
+    finally:
+        proc.kill()  # SIGKILL: nothing of the writer runs after its last save returned
+        _, err = proc.communicate(timeout=60)
+    assert lines == [f"{v} ('persistent',)\n" for v in range(13)], err
+    assert proc.returncode == -signal.SIGKILL
+    with SyncCheckpointer(
+        "job",
+        tiers=["persistent"],
+        local_root=tmp_path / "node",
+        persistent=(tmp_path / "d").as_uri(),
+    ) as again:
+        restored = again.restore()
+    assert restored is not None
+    assert (restored.version, restored.source_tier) == (12, "persistent")
+    assert_state_equal(restored.state, state_of(12))
 
 
 # --- durable tier health and retention -----------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tiercheck
-from tiercheck import StateChanged, SyncCheckpointer, TierWriteFailed
+from tiercheck import ConfigError, StateChanged, SyncCheckpointer, TierWriteFailed
 from tiercheck.codec import decode, flatten
 from tiercheck.codec.plan import Flat, Planner
 from tiercheck.staging import SnapshotCopy, StagingPool
@@ -348,3 +348,21 @@ def _to_cpu(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_to_cpu(v) for v in state)
     return state
+
+
+def test_a_fence_hook_refuses_what_cannot_carry_it(tmp_path: Path) -> None:
+    """Wrong arguments fail when the hook is installed, not at the next optimizer step."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = tiercheck.SyncCheckpointer(
+        "job", local_root=tmp_path / "shm", persistent=(tmp_path / "d").as_uri()
+    )
+    for call in (
+        lambda: tiercheck.fence_before_step(ckpt, model),  # a module is no optimizer
+        lambda: tiercheck.fence_before_step(opt, opt),  # an optimizer is no checkpointer
+        lambda: tiercheck.fence_before_forward(ckpt, opt),
+        lambda: tiercheck.fence_before_forward(ckpt, 3),
+    ):
+        with pytest.raises(ConfigError, match="expected"):
+            call()  # type: ignore[no-untyped-call]
+    tiercheck.fence_before_step(ckpt, opt).remove()

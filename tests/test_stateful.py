@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import StatefulError, StateMismatch, SyncCheckpointer
+from tiercheck import Replicated, StatefulError, StateMismatch, SyncCheckpointer
+from tiercheck.errors import UnsupportedObject
 from tiercheck.stateful import for_restore, for_save, is_stateful
 
 
@@ -329,3 +330,51 @@ def test_a_state_dict_that_raises_fails_the_restore_on_every_rank(tmp_path: Path
             return float(obj.weights[0])
 
     assert run_ranks(2, fine) == [1.0, 1.0]
+
+
+def _recursing(n: int) -> None:
+    if n:
+        _recursing(n - 1)
+    raise RecursionError("the caller's own")
+
+
+class _RecursingStateful:
+    def state_dict(self) -> dict[str, Any]:
+        _recursing(3)
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise AssertionError("not called")
+
+
+def test_the_walks_refuse_cycles_and_absurd_nesting_by_path() -> None:
+    """for_save and for_restore walk every container of every save: they check nothing per
+    container, and turn the RecursionError a cycle or a nesting thousands deep ends in into
+    an UnsupportedObject naming the path; a RecursionError of the caller's own is kept."""
+    looped: list[Any] = [torch.ones(1)]
+    looped.append({"back": looped})
+    wrapped = Replicated(None)
+    wrapped.value = [wrapped]
+    deep: Any = torch.ones(1)
+    for _ in range(5000):
+        deep = [deep]
+    cases = [
+        ({"a": looped}, r"state\['a'\]\[1\]\['back'\]: it is state\['a'\] itself"),
+        ({"r": wrapped}, r"state\['r'\]\[0\]: it is state\['r'\] itself"),
+        ({"deep": deep}, r"state\['deep'\](\[0\]){99}: containers nested more than 100 deep"),
+    ]
+    for state, where in cases:
+        with pytest.raises(UnsupportedObject, match="cannot store " + where):
+            for_save(state)
+        with pytest.raises(UnsupportedObject, match="cannot store " + where):
+            for_save(state, None, [])  # the walk that records Replicated paths
+        with pytest.raises(UnsupportedObject, match="cannot restore into " + where):
+            for_restore(state)
+    with pytest.raises(RecursionError, match="the caller's own"):
+        for_save({"s": _RecursingStateful()})
+    # A shared (not cyclic) sub-state is fine, and so is a nesting of 100.
+    shared = {"t": torch.ones(1)}
+    nested: Any = torch.ones(1)
+    for _ in range(100):
+        nested = [nested]
+    assert for_save({"a": shared, "b": shared, "n": nested})["a"] is shared

@@ -121,6 +121,7 @@ class Checkpointer(CheckpointerCore):
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`).
         ``Stateful`` objects in it are saved as their ``state_dict()``; DTensors as their local
         shard and layout."""
+        self._check_save_args(version)
         marks = caller_marks()
         loop, engine = await self._ensure_open()
         held: list[tuple[Any, ...]] | None = [] if engine.leans else None
@@ -154,7 +155,11 @@ class Checkpointer(CheckpointerCore):
         after their layout was checked. Without ``state``, stored DTensors come back as
         DTensors where their mesh can be rebuilt from the default process group, else as their
         local shards (see :func:`tiercheck.codec.dtensor.materialize`).
+
+        A ``version`` that is not an int in ``[0, 10**12)`` (a string, a bool, a float) is a
+        :class:`~tiercheck.errors.VersionError`, before anything is opened or exchanged.
         """
+        self._check_restore_args(version, strict)
         loop, engine = await self._ensure_open()
         result: Restored | None = await drive_async(
             restore_steps(engine, state, version, strict), loop.run
@@ -189,6 +194,7 @@ class Checkpointer(CheckpointerCore):
         ``async with`` on an exception: no agreement (the other ranks may be failing too), the
         saves in flight get ``close_timeout`` seconds, memory tiers first.
         """
+        self._check_close_args(flush, failed)
         await self._shutdown("now" if not flush else "bounded" if failed else "collective")
 
     async def _shutdown(self, how: CloseMode) -> None:

@@ -12,7 +12,9 @@ integrations and the command line find the same places without re-deriving a pat
   (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the LMDB
   log), ``identity.json`` (which incarnation of the job the memory belongs to) and ``locks/``
   (one ``r<rank>.lock`` per writer);
-* how many versions each tier keeps by default (:data:`DEFAULT_KEEP`).
+* how many versions each tier keeps by default (:data:`DEFAULT_KEEP`);
+* the **name grammar** of job ids and node names (:func:`check_job_id`,
+  :func:`check_node_name`): each is always exactly one folder name and one URL path segment.
 
 A leaf like :mod:`tiercheck.errors`: it imports nothing else of tiercheck while loading, so every
 layer (tiers, consistency, the checkpointer, the catalog) may use it without reaching up.
@@ -30,7 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
-from tiercheck.errors import ConfigError, InvalidKey
+from tiercheck.errors import ConfigError
 
 __all__ = [
     "BLOBS_DIR",
@@ -39,10 +41,14 @@ __all__ = [
     "IDENTITY_FILE",
     "LOCKS_DIR",
     "MANIFEST_DIR",
+    "MAX_NAME_LENGTH",
     "MEMORY_DIR",
+    "NAME_GRAMMAR",
     "REPLICAS_DIR",
     "SHM_DIR",
     "NodeRoot",
+    "check_job_id",
+    "check_node_name",
     "default_persistent_url",
     "default_root",
     "memory_base",
@@ -86,29 +92,73 @@ def memory_base() -> Path:
     return Path(SHM_DIR if shm_usable else tempfile.gettempdir()) / MEMORY_DIR
 
 
+#: The longest job id or node name. A job id is one folder name in every tier (at most 255
+#: bytes on Linux filesystems) and appears twice in the longest path tiercheck builds --
+#: ``/dev/shm/tiercheck/<job>/<node>/replicas/<job>/r<rank>/v<version>/<temporary name>``,
+#: under 600 characters with a 64-character host name -- and once in the longest key of a
+#: persistent job folder (``<prefix>/<job>/quarantine/v<version>/r<rank>.packed...``), well
+#: inside S3's 1024-byte keys for any reasonable prefix.
+MAX_NAME_LENGTH: Final = 128
+
+#: What a job id or node name may hold, in words (error messages quote it).
+NAME_GRAMMAR: Final = (
+    f"1 to {MAX_NAME_LENGTH} ASCII letters, digits, '.', '_' and '-', not starting with '.' or '-'"
+)
+
+_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_NAME_LENGTH - 1}}}")
+
+
+def _check_name(what: str, value: object, example: str) -> str:
+    if isinstance(value, str) and _NAME.fullmatch(value) is not None:
+        return value
+    shown = (
+        repr(value) if not isinstance(value, str) or len(value) <= 80 else repr(value[:80]) + "..."
+    )
+    raise ConfigError(
+        f"{what} must be {NAME_GRAMMAR} (for example {example!r}), got {shown}: it is one "
+        "folder name in every tier"
+    )
+
+
+def check_job_id(job_id: object) -> str:
+    """``job_id`` if it is a valid job id, else a :class:`~tiercheck.errors.ConfigError`.
+
+    The one grammar of job ids (:data:`NAME_GRAMMAR`): 1 to :data:`MAX_NAME_LENGTH` ASCII
+    letters, digits, ``.``, ``_`` and ``-``, not starting with ``.`` or ``-``. A job id is
+    always exactly one folder name in a node's memory and one path segment of the persistent
+    URL: no separator (``/``, ``\\``), no URL syntax (``::``, ``?``, ``#``, ``%``), no
+    whitespace, no ``..``, and nothing a filesystem or object store could read otherwise.
+    Every place a job id enters tiercheck (the checkpointers, :func:`default_root`,
+    :func:`persistent_job_url`, the local tier, the command line's ``--job``, the trainer
+    integrations) checks it here.
+    """
+    return _check_name("job_id", job_id, "run-1")
+
+
+def check_node_name(node: object) -> str:
+    """``node`` if it is a valid node name (the grammar of :func:`check_job_id`), else a
+    :class:`~tiercheck.errors.ConfigError`; names one folder under the job's memory."""
+    return _check_name("node", node, "node0")
+
+
 def default_root(job_id: str = "default", node: str | None = None) -> Path:
     """The node root of ``job_id`` on ``node`` when none is given (``local_root=``).
 
     ``/dev/shm/tiercheck/<job_id>/<node>`` (see :func:`memory_base`); ``node`` defaults to the
-    hostname. Raises :class:`~tiercheck.errors.ConfigError` when ``job_id`` or ``node`` is not
-    a single folder name.
+    hostname. Raises :class:`~tiercheck.errors.ConfigError` when ``job_id`` or ``node`` breaks
+    the name grammar (:func:`check_job_id`).
     """
-    return memory_base() / _segment("job_id", job_id) / _segment("node", node)
-
-
-def _segment(what: str, value: str | None) -> str:
-    # Imported here: the tiers import this module, so it may not import them while loading.
-    from tiercheck.tiers.base import validate_key
-
-    if value is None:
-        value = socket.gethostname() or "localhost"
-    try:
-        validate_key(value)
-    except InvalidKey as exc:
-        raise ConfigError(f"{what} must be usable as a folder name: {exc}") from None
-    if "/" in value:
-        raise ConfigError(f"{what} must be a single folder name without '/': {value!r}")
-    return value
+    job_id = check_job_id(job_id)
+    if node is None:
+        host = socket.gethostname() or "localhost"
+        try:
+            node = check_node_name(host)
+        except ConfigError:
+            raise ConfigError(
+                f"this host's name {host!r} cannot name a node's folder (a node name is "
+                f"{NAME_GRAMMAR}); pass node=, for example node='node0'"
+            ) from None
+    return memory_base() / job_id / check_node_name(node)
 
 
 def default_persistent_url() -> str:
@@ -117,8 +167,12 @@ def default_persistent_url() -> str:
 
 
 def persistent_job_url(persistent_url: str, job_id: str) -> str:
-    """The folder of job ``job_id`` under the ``persistent=`` URL: ``<url>/<job_id>``."""
-    return persistent_url.rstrip("/") + "/" + job_id
+    """The folder of job ``job_id`` under the ``persistent=`` URL: ``<url>/<job_id>``.
+
+    ``job_id`` is checked (:func:`check_job_id`), so it is exactly one more path segment of
+    the URL: it can name no other folder, bucket or protocol.
+    """
+    return persistent_url.rstrip("/") + "/" + check_job_id(job_id)
 
 
 @dataclass(frozen=True, slots=True)

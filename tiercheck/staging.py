@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from tiercheck.codec.plan import Flat
-from tiercheck.errors import StateChanged
+from tiercheck.errors import ConfigError, StateChanged
 
 __all__ = [
     "SnapshotCopy",
@@ -225,6 +225,8 @@ def fence_before_step(ckpt: _Fenceable, optimizer: torch.optim.Optimizer) -> Any
     in-place change (an EMA update, a gradient scaler's state, weights edited by hand).
     """
 
+    _check_fence_args(ckpt, optimizer, "register_step_pre_hook", "a torch.optim.Optimizer")
+
     def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         ckpt.fence()
 
@@ -240,10 +242,20 @@ def fence_before_forward(ckpt: _Fenceable, module: torch.nn.Module) -> Any:
     the next forward (data loading, logging, evaluation), not the backward pass.
     """
 
+    _check_fence_args(ckpt, module, "register_forward_pre_hook", "a torch.nn.Module")
+
     def hook(_module: Any, _args: Any) -> None:
         ckpt.fence()
 
     return module.register_forward_pre_hook(hook)
+
+
+def _check_fence_args(ckpt: object, target: object, method: str, what: str) -> None:
+    """A wrong argument is refused when the hook is installed, not at the next step."""
+    if not callable(getattr(ckpt, "fence", None)):
+        raise ConfigError(f"expected a checkpointer (with a fence() method), got {ckpt!r}")
+    if not callable(getattr(target, method, None)):
+        raise ConfigError(f"expected {what} (with {method}), got {target!r}")
 
 
 # --- buffers -------------------------------------------------------------------------------------

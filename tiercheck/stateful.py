@@ -36,15 +36,17 @@ them on restore (as before).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tiercheck.codec.dtensor import materialize
-from tiercheck.codec.flatten import ReplicaRef
-from tiercheck.errors import StatefulError
+from tiercheck.codec.flatten import MAX_DEPTH, ReplicaRef
+from tiercheck.errors import StatefulError, UnsupportedObject
 from tiercheck.statetree import Lenient
 
 if TYPE_CHECKING:
@@ -158,6 +160,66 @@ def _rebuild(obj: Any, convert: Any) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _refusing_cycles(state: Any, verb: str) -> Iterator[None]:
+    """Turn the :class:`RecursionError` of a walk over ``state`` that met a reference cycle or
+    an absurd nesting into an :class:`~tiercheck.errors.UnsupportedObject` naming the path.
+
+    The walks check nothing per container (they run at every save, over every optimizer
+    state's dict): a cycle makes them recurse until Python stops them, and only then is the
+    state examined. A :class:`RecursionError` with another cause (a ``state_dict()`` of the
+    caller's that recursed) is raised as it was.
+    """
+    try:
+        yield
+    except RecursionError as exc:
+        problem = _nesting_error(state, verb)
+        if problem is None:
+            raise
+        raise problem from exc
+
+
+def _nesting_error(state: Any, verb: str) -> UnsupportedObject | None:
+    """The path of the first reference cycle in ``state``'s containers, else of the first
+    container nested deeper than :data:`MAX_DEPTH`, as an error; ``None`` when neither is.
+
+    Iterative: the recursive walks are what just went too deep.
+    """
+    on_path: dict[int, str] = {}
+    stack: list[tuple[bool, Any, str]] = [(False, state, "")]
+    deepest = ""
+    while stack:
+        leaving, obj, path = stack.pop()
+        if leaving:
+            del on_path[id(obj)]
+            continue
+        t = type(obj)
+        if t not in _CONTAINERS and t is not Replicated:
+            continue
+        if id(obj) in on_path:
+            return UnsupportedObject(
+                f"cannot {verb} state{path}: it is state{on_path[id(obj)]} itself (a reference "
+                "cycle); a checkpoint holds a tree of values: break the cycle"
+            )
+        if len(on_path) >= MAX_DEPTH:
+            deepest = deepest or path
+            continue
+        on_path[id(obj)] = path
+        stack.append((True, obj, path))
+        if t is Replicated:
+            stack.append((False, obj.value, path))
+            continue
+        items = list(obj.items() if t is dict or t is collections.OrderedDict else enumerate(obj))
+        for key, value in reversed(items):
+            stack.append((False, value, f"{path}[{key!r}]"))
+    if not deepest:
+        return None
+    return UnsupportedObject(
+        f"cannot {verb} state{deepest}: containers nested more than {MAX_DEPTH} deep; flatten "
+        "the structure"
+    )
+
+
 def for_save(
     state: Any, replica: ReplicaRef | None = None, held: list[tuple[Any, ...]] | None = None
 ) -> Any:
@@ -202,7 +264,8 @@ def for_save(
         finally:
             steps.pop()
 
-    return convert(state)
+    with _refusing_cycles(state, "store"):
+        return convert(state)
 
 
 @dataclasses.dataclass
@@ -241,7 +304,8 @@ def for_restore(state: Any) -> Prepared:
             return lenient
         return obj
 
-    return Prepared(convert(state), lenients, copies)
+    with _refusing_cycles(state, "restore into"):
+        return Prepared(convert(state), lenients, copies)
 
 
 def _write_back(orig: Any, filled: Any, prepared: Prepared) -> Any:

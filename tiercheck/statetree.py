@@ -127,6 +127,16 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _IS_CPU = operator.attrgetter("is_cpu")
 
 
+def _meta_target(path: _Path, target: Any) -> str:
+    # Copying into a tensor on the meta device does nothing: a restore would seem to work and
+    # leave the model without its values.
+    return (
+        f"{_where(path)}: the target is a tensor on the meta device {_typed_shape(target)}, "
+        "which holds no data and cannot receive the version's; materialize it first "
+        "(module.to_empty(device=...))"
+    )
+
+
 def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) -> None:
     if type(source) is torch.Tensor and type(target) in _PLAIN_TENSORS:
         # The common case, first (a restored tensor into a live one): same test as below.
@@ -135,6 +145,8 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
                 f"{_where(path)}: the target holds {_typed_shape(target)}, "
                 f"the version {_typed_shape(source)}"
             )
+        elif target.is_meta:
+            out.append(_meta_target(path, target))
         elif target.is_inference() and not torch.is_inference_mode_enabled():
             out.append(
                 f"{_where(path)}: the target holds an inference tensor "
@@ -165,6 +177,8 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
                 f"{_where(path)}: the target holds {_typed_shape(target)}, "
                 f"the version {_typed_shape(source)}"
             )
+        elif target.is_meta:
+            out.append(_meta_target(path, target))
         elif target.is_inference() and not torch.is_inference_mode_enabled():
             out.append(
                 f"{_where(path)}: the target holds an inference tensor "
@@ -185,6 +199,8 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
                 + "; ".join(differences)
                 + " (the target's value first)"
             )
+        elif target.device.type == "meta":
+            out.append(_meta_target(path, target))
     elif tk == "array":
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
@@ -233,8 +249,9 @@ def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
     holds, e.g. ``state['model']['0.weight']: the target holds float32(8, 8), the version
     float32(4, 4)``. Modelled on ``torch.nn.Module.load_state_dict(strict=...)``; a mismatch is:
 
-    * two tensors of different shape or dtype (the device may differ: the copy crosses it), or
-      a target that is an inference tensor outside ``torch.inference_mode()``;
+    * two tensors of different shape or dtype (the device may differ: the copy crosses it), a
+      target on the ``meta`` device (it holds no data: the copy would do nothing), or a target
+      that is an inference tensor outside ``torch.inference_mode()``;
     * two numpy arrays of different shape or dtype, or a target array that is read-only;
     * a tensor, numpy array or container on one side and anything else on the other, or
       containers of different types. ``dict`` and ``OrderedDict`` are both mappings and match

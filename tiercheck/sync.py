@@ -45,6 +45,7 @@ class SyncCheckpointer(CheckpointerCore):
     def save(self, version: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` as ``version``; returns once training may modify it again
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
+        self._check_save_args(version)
         marks = caller_marks()
         loop, engine = self.open()._start()
         held: list[tuple[Any, ...]] | None = [] if engine.leans else None
@@ -55,6 +56,7 @@ class SyncCheckpointer(CheckpointerCore):
         self, state: Any = None, *, version: int | None = None, strict: bool = True
     ) -> Restored | None:
         """Restore the newest version every rank can rebuild; see :meth:`Checkpointer.restore`."""
+        self._check_restore_args(version, strict)
         loop, engine = self.open()._start()
         result: Restored | None = drive(restore_steps(engine, state, version, strict), loop.call)
         return result
@@ -78,6 +80,7 @@ class SyncCheckpointer(CheckpointerCore):
         """Finish the saves in flight, then release everything; see
         :meth:`Checkpointer.aclose` (collective; ``flush=False`` waits for nothing;
         ``failed=True`` for a rank leaving on an error: bounded, no agreement)."""
+        self._check_close_args(flush, failed)
         self._close("now" if not flush else "bounded" if failed else "collective")
 
     def _close(self, how: CloseMode) -> None:

@@ -40,6 +40,10 @@ class Topology:
     ranks_per_node: int
 
     def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(
                 "rank must be in [0, world_size); "
@@ -68,6 +72,13 @@ class Topology:
         world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
         if ranks_per_node is None:
             ranks_per_node = _env_int("TIERCHECK_RANKS_PER_NODE", "LOCAL_WORLD_SIZE") or world_size
+        for name, value in (
+            ("rank", rank),
+            ("world_size", world_size),
+            ("ranks_per_node", ranks_per_node),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
         return cls(rank, world_size, min(ranks_per_node, world_size))
 
     @property

@@ -23,6 +23,7 @@ from tiercheck.codec import (
     unflatten,
     write_payload,
 )
+from tiercheck.codec.flatten import MAX_DEPTH, without_data
 from tiercheck.errors import StateMismatch, UnsupportedObject
 from tiercheck.statetree import check_into, load_into, own_copy
 
@@ -252,6 +253,72 @@ def test_reference_cycle_raises() -> None:
     loop.append(loop)
     with pytest.raises(UnsupportedObject):
         flatten({"loop": loop})
+
+
+def _cycles() -> list[tuple[Any, str]]:
+    looped: list[Any] = [1]
+    looped.append(looped)
+    mapping: dict[str, Any] = {"t": torch.ones(2)}
+    mapping["me"] = {"again": mapping}
+    through_tuple: list[Any] = []
+    through_tuple.append((0, through_tuple))
+    ordered = collections.OrderedDict(w=torch.ones(1))
+    ordered._metadata = {"": {"owner": ordered}}  # type: ignore[attr-defined]
+    return [
+        ({"x": looped}, r"state\['x'\]\[1\]: it is state\['x'\] itself"),
+        (mapping, r"state\['me'\]\['again'\]: it is state itself"),
+        ({"x": through_tuple}, r"state\['x'\]\[0\]\[1\]: it is state\['x'\] itself"),
+        ({"o": ordered}, r"_metadata\[''\]\['owner'\]: it is state\['o'\] itself"),
+    ]
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_a_reference_cycle_is_refused_whatever_allow_pickle_says(allow_pickle: bool) -> None:
+    # Pickled, the inner reference would restore as a copy holding itself: not the state.
+    for state, where in _cycles():
+        with pytest.raises(UnsupportedObject, match=where):
+            flatten(state, allow_pickle=allow_pickle)
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_nesting_deeper_than_the_limit_is_refused(allow_pickle: bool) -> None:
+    def nested(depth: int) -> Any:
+        state: Any = torch.ones(1)
+        for i in range(depth):
+            state = {"d": state} if i % 2 else [state]
+        return state
+
+    layout, tensors = flatten(nested(MAX_DEPTH), allow_pickle=allow_pickle)
+    assert len(tensors) == 1
+    assert layout.specs[0].path.count("[") == MAX_DEPTH
+    for depth in (MAX_DEPTH + 1, 5000):
+        with pytest.raises(UnsupportedObject, match=f"nested more than {MAX_DEPTH} deep"):
+            flatten(nested(depth), allow_pickle=allow_pickle)
+
+
+def _dataless() -> list[tuple[Any, str]]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(3)
+    return [
+        (torch.empty(3, device="meta"), "a tensor on the meta device has a shape but no data"),
+        (torch.empty(0, device="meta"), "meta device"),
+        (torch.nn.Linear(2, 2, device="meta").weight, "meta device"),
+        (torch.empty(2, 2, device="meta").t(), "meta device"),
+        (fake, "storage on the meta device"),
+    ]
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_a_tensor_without_data_is_refused_whatever_allow_pickle_says(allow_pickle: bool) -> None:
+    """Pickled, a meta or fake tensor would restore as something that was never data."""
+    for tensor, why in _dataless():
+        assert without_data(tensor)
+        with pytest.raises(UnsupportedObject, match=why):
+            flatten({"opt": [tensor]}, allow_pickle=allow_pickle)
+    for real in (torch.ones(2), torch.ones(4)[1:].view(3, 1), torch.nn.Parameter(torch.ones(1))):
+        assert without_data(real) == ""
 
 
 def test_allow_pickle_admits_objects_and_loading_needs_it_too() -> None:
@@ -644,8 +711,19 @@ def test_the_device_is_not_compared() -> None:
     target = {"w": torch.zeros(2, device="cpu")}
     source = {"w": torch.ones(2, device="cpu")}
     assert check_into(target, source) == []
-    # Only dtype and shape describe a tensor in a mismatch; the device never makes one.
-    assert check_into({"w": torch.zeros(2, device="meta")}, source) == []
+    assert check_into({"w": torch.zeros(2, dtype=torch.float64)}, source) != []
+
+
+def test_a_target_on_the_meta_device_cannot_receive_a_version() -> None:
+    """Copying into a meta tensor does nothing: such a restore would leave the model empty."""
+    source = {"w": torch.ones(2), "m": {"b": torch.ones(3)}}
+    target = {
+        "w": torch.zeros(2, device="meta"),
+        "m": {"b": torch.nn.Linear(3, 3, device="meta").bias},
+    }
+    problems = check_into(target, source)
+    assert len(problems) == 2
+    assert all("meta device" in p for p in problems)
 
 
 @pytest.mark.cuda

@@ -311,14 +311,36 @@ def test_states_a_plan_does_not_model_are_flattened_every_time() -> None:
             assert flat.layout == layout
 
 
-def test_a_cycle_is_refused_and_with_pickle_flattened_in_full() -> None:
+def test_a_cycle_is_refused_with_or_without_pickle() -> None:
+    # Pickled, the inner reference would come back as a copy holding itself: not the state.
     state: dict[str, Any] = {"t": torch.ones(2)}
     state["self"] = state
-    with pytest.raises(UnsupportedObject):
-        Planner().flatten(state)
-    planner = Planner(allow_pickle=True)
-    for _ in range(2):
-        assert not planner.flatten(state).reused
+    for allow_pickle in (False, True):
+        with pytest.raises(UnsupportedObject, match=r"state\['self'\]: it is state itself"):
+            Planner(allow_pickle=allow_pickle).flatten(state)
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_a_cached_plan_meeting_a_cycle_or_a_dataless_tensor_refuses_it(allow_pickle: bool) -> None:
+    """The cached path checks nothing per tensor: a state of the plan's shape that now holds
+    itself, or a tensor on the meta device, fails the match (the plan's walk is as deep as
+    the plan) and the full flatten refuses it; the next good state is stored exactly."""
+    planner = Planner(allow_pickle=allow_pickle)
+    for step in range(2):
+        _assert_like_flatten(planner, {"w": [torch.ones(3), [step]], "b": torch.zeros(2)})
+    cyclic: dict[str, Any] = {"w": [torch.ones(3), None], "b": torch.zeros(2)}
+    cyclic["w"][1] = cyclic["w"]
+    with pytest.raises(UnsupportedObject, match="reference cycle"):
+        planner.flatten(cyclic)
+    deeper: dict[str, Any] = {"w": [torch.ones(3), None], "b": torch.zeros(2)}
+    deeper["w"][1] = cyclic  # the plan's depth, then a cycle below it
+    with pytest.raises(UnsupportedObject, match="reference cycle"):
+        planner.flatten(deeper)
+    for step in range(2):
+        _assert_like_flatten(planner, {"w": [torch.ones(3), [step]], "b": torch.zeros(2)})
+    with pytest.raises(UnsupportedObject, match="meta device"):
+        planner.flatten({"w": [torch.ones(3), [0]], "b": torch.zeros(2, device="meta")})
+    assert _assert_like_flatten(planner, {"w": [torch.ones(3), [5]], "b": torch.zeros(2)}) is False
 
 
 def test_a_stale_plan_is_not_reused_after_an_unsupported_state() -> None:

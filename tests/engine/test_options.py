@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,124 @@ def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict[str, object], ma
 def test_a_job_id_must_name_a_folder(tmp_path: Path, job_id: object) -> None:
     with pytest.raises(ConfigError, match="job_id"):
         resolve_options(job_id, local_root=tmp_path, rank=0, world_size=1)  # type: ignore[arg-type]
+
+
+class _NotATier:
+    name = "persistent"
+
+
+# Every option of resolve_options (and so of both checkpointers) with values of the wrong type
+# or out of range: each is a ConfigError saying what was expected, never a TypeError from deep
+# inside, and never accepted.
+BAD_OPTIONS: list[tuple[str, object]] = [
+    *[("keep", v) for v in (1.5, True, 0, -1, "3", [2], {"local": 1.5}, {"local": True},
+                            {"local": 0}, {"nope": 2})],
+    *[("base_every", v) for v in (0, -1, 1.5, True, "10", None)],
+    *[("max_pending", v) for v in (0, 1.5, True, "1", None)],
+    *[("tier_queue", v) for v in (0, 2.0, False, "4")],
+    *[("peer_replicas", v) for v in (0, True, 1.5, "1")],
+    *[("peer_timeout", v) for v in (0, -1.0, "300", True, float("nan"), None)],
+    *[("close_timeout", v) for v in (-1, True, float("nan"), "30", None)],
+    *[("threads", v) for v in (-1, 1.5, True, "4", None)],
+    *[("local_capacity", v) for v in (-1, 1.5, True, "1GB")],
+    *[("rank", v) for v in (-1, 1.5, True, "0")],
+    *[("world_size", v) for v in (0, 1.5, True, "1")],
+    *[("ranks_per_node", v) for v in (0, 1.5, True, "1")],
+    *[("node", v) for v in ("a/b", "", "x::y", 3)],
+    *[("tiers", v) for v in ("local", b"local", ["local", "local"], [""], [None], 3, {"local": 1},
+                             [_NotATier()])],
+    *[("encodings", v) for v in ({"local": "zip"}, {"nope": "full"}, ["full"], "full")],
+    *[("policies", v) for v in ({"local": {"keep": 1}}, {"nope": TierPolicy()}, "x")],
+    *[("persist", v) for v in ("some", 3, True)],
+    *[("on_busy", v) for v in ("drop", 3, None)],
+    *[("overlap", v) for v in (1, "yes", None)],
+    *[("allow_pickle", v) for v in (1, "no", None)],
+    *[("elastic", v) for v in (0, "yes", None)],
+    *[("stale_memory", v) for v in ("keep", 3, None)],
+    *[("per_rank", v) for v in ("share", None)],
+    *[("storage_options", v) for v in ("key=1", ["key"])],
+    *[("codec", v) for v in ("zstd", 3)],
+    *[("coordinator", v) for v in (object(), "gloo")],
+    *[("persistent", v) for v in (3, "", "  ", Path("/tmp/x"))],
+    *[("local_root", v) for v in (3, "")],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_OPTIONS, ids=lambda x: repr(x)[:30])
+def test_every_bad_option_is_a_config_error_at_construction(
+    tmp_path: Path, option: str, value: object
+) -> None:
+    from tiercheck import SyncCheckpointer
+
+    kwargs: dict[str, object] = {
+        "local_root": tmp_path / "shm",
+        "persistent": (tmp_path / "durable").as_uri(),
+        "rank": 0,
+        "world_size": 1,
+    }
+    kwargs[option] = value
+    if option in ("rank", "world_size"):
+        kwargs.pop("world_size" if option == "rank" else "rank")
+    with pytest.raises(
+        ConfigError, match=option.replace("_", "[_ ]?") if option != "tiers" else "tier"
+    ):
+        SyncCheckpointer("job", **kwargs)  # type: ignore[arg-type]
+    assert not (tmp_path / "shm").exists()
+    assert not (tmp_path / "durable").exists()
+
+
+@pytest.mark.parametrize("keep", [True, 1.5, 0])
+def test_a_tier_policy_refuses_a_keep_that_is_not_a_count(keep: object) -> None:
+    with pytest.raises(ConfigError, match="keep"):
+        TierPolicy(keep=keep)  # type: ignore[arg-type]
+
+
+def test_durable_tiers_alone_take_every_version_by_default(tmp_path: Path) -> None:
+    from tiercheck.tiers.persistent import PersistentTier
+
+    def versions(**kw: object) -> dict[str, object]:
+        options = resolve_options("job", local_root=tmp_path, rank=0, world_size=1, **kw)  # type: ignore[arg-type]
+        return {name: p.versions for name, p in options.tiers.policies.items()}
+
+    assert versions() == {"local": "all", "persistent": "base"}
+    assert versions(tiers=["persistent"]) == {"persistent": "all"}
+    durable = PersistentTier((tmp_path / "d").as_uri())
+    assert versions(tiers=[durable]) == {"persistent": "all"}
+    assert versions(tiers=["local", durable]) == {"local": "all", "persistent": "base"}
+    assert versions(tiers=["persistent"], persist="all") == {"persistent": "all"}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"tiers": ["persistent"], "persist": "base"},
+        {"tiers": ["persistent"], "persist": lambda v: v % 3 == 0},
+        {"policies": {"local": TierPolicy(versions="base")}},
+    ],
+    ids=["base", "predicate", "memory-tier-on-bases"],
+)
+def test_versions_stored_in_no_tier_are_warned_about_once_at_construction(
+    tmp_path: Path, kw: dict[str, object]
+) -> None:
+    from tiercheck import SyncCheckpointer
+
+    with pytest.warns(UserWarning, match="stored in no tier") as caught:
+        SyncCheckpointer("job", local_root=tmp_path, rank=0, world_size=1, **kw)  # type: ignore[arg-type]
+    assert len(caught) == 1
+    assert caught[0].filename == __file__  # points at the caller's line
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"tiers": ["persistent"]},
+        {"tiers": ["persistent"], "persist": "base", "base_every": 1},
+        {"persist": "base"},
+        {"persist": lambda v: False},
+    ],
+)
+def test_no_warning_where_every_version_has_a_tier(tmp_path: Path, kw: dict[str, object]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_options("job", local_root=tmp_path, rank=0, world_size=1, **kw)  # type: ignore[arg-type]

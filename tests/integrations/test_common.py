@@ -39,13 +39,25 @@ def test_names() -> None:
     assert parse_name(None) is None
 
 
-@pytest.mark.parametrize("name", ["tiercheck:", "tiercheck:last", "tiercheck:-1", "tiercheck:1.5"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiercheck:",
+        "tiercheck:last",
+        "tiercheck:-1",
+        "tiercheck:1.5",
+        "tiercheck:\u0661\u0662",  # Arabic-Indic digits: int() reads them, a step is ASCII
+        "tiercheck:12\n",
+        "tiercheck: 12",
+        "tiercheck:" + "9" * 13,  # beyond any version's key
+    ],
+)
 def test_malformed_tiercheck_names_are_refused(name: str) -> None:
     with pytest.raises(ConfigError):
         parse_name(name)
 
 
-@pytest.mark.parametrize("version", [-1, True, 1.0, "3"])
+@pytest.mark.parametrize("version", [-1, True, 1.0, "3", 10**12])
 def test_version_name_refuses_non_versions(version: object) -> None:
     with pytest.raises(ConfigError):
         version_name(version)  # type: ignore[arg-type]
@@ -117,9 +129,12 @@ def test_restoring_an_older_version_drops_nothing_until_the_run_saves(tmp_path: 
     last.close()
 
 
-def test_session_needs_a_job_id() -> None:
-    with pytest.raises(ConfigError):
-        Session("", {})
+@pytest.mark.parametrize("job_id", ["", "victim::x", "a/b", " ", "..\\escape", "x" * 129, 3])
+def test_session_needs_a_job_id_in_the_grammar(job_id: object) -> None:
+    """Both integrations (Lightning's plugin, HF's tiercheck_job) build a Session when they
+    are configured: a bad id fails there, not at the first checkpoint."""
+    with pytest.raises(ConfigError, match="job_id must be"):
+        Session(job_id, {})  # type: ignore[arg-type]
 
 
 def test_resume_name() -> None:

@@ -122,6 +122,12 @@ def test_resume_on_a_fresh_job_starts_fresh(tmp_path: Path) -> None:
         assert start.steps == [0]
 
 
+def test_a_job_id_outside_the_grammar_is_refused_when_the_trainer_is_built(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="job_id must be"):
+        _trainer(tmp_path, job="victim::x")
+    assert not (tmp_path / "durable").exists()
+
+
 def test_resume_from_a_version_that_is_not_stored_fails(tmp_path: Path) -> None:
     first, _ = _trainer(tmp_path, max_steps=6)
     first.train()
@@ -130,7 +136,17 @@ def test_resume_from_a_version_that_is_not_stored_fails(tmp_path: Path) -> None:
         again.train(resume_from_checkpoint="tiercheck:4")
 
 
-@pytest.mark.parametrize("value", ["somewhere/else", "tiercheck:newest", 3])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "somewhere/else",
+        "tiercheck:newest",
+        3,
+        "out/checkpoint-\u0661\u0662",  # Arabic-Indic digits are not a step
+        "out/checkpoint-12\n",
+        "tiercheck:12\n",
+    ],
+)
 def test_resume_values_that_name_no_version_are_refused(tmp_path: Path, value: Any) -> None:
     trainer, _ = _trainer(tmp_path)
     with pytest.raises(ConfigError):

@@ -250,6 +250,15 @@ def test_a_name_must_match_the_step(tmp_path: Path) -> None:
         trainer.save_checkpoint(LATEST)
 
 
+@pytest.mark.parametrize("job", ["victim::x", "a/b", " ", ""])
+def test_a_job_id_outside_the_grammar_is_refused_when_the_plugin_is_built(
+    tmp_path: Path, job: str
+) -> None:
+    with pytest.raises(ConfigError, match="job_id must be"):
+        _io(tmp_path, job)
+    assert not (tmp_path / "durable").exists()
+
+
 def test_a_pointer_of_another_job_is_refused(tmp_path: Path) -> None:
     trainer = _trainer(2, [_io(tmp_path, "one")], [TiercheckCallback()])
     trainer.fit(Net(), train_dataloaders=Batches())

@@ -260,7 +260,15 @@ def test_job_id_and_node_must_be_folder_names(bad: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"capacity": -1}, {"capacity": 1.5}, {"spare_files": -1}, {"spare_files": True}]
+    "kwargs",
+    [
+        {"capacity": -1},
+        {"capacity": 1.5},
+        {"spare_files": -1},
+        {"spare_files": True},
+        {"fsync": "no"},
+        {"populate": 1},
+    ],
 )
 def test_bad_options_raise_config_error(root: Path, kwargs: dict[str, object]) -> None:
     """Negative or non-integer capacity and spare_files are rejected at construction."""

@@ -276,14 +276,17 @@ def test_missing_backend_is_a_config_error() -> None:
 @pytest.mark.parametrize("bad", ["", 42, None])
 def test_url_must_be_a_non_empty_path(bad: object) -> None:
     """The URL must be a non-empty str or path-like."""
-    with pytest.raises((ConfigError, TypeError)):
+    with pytest.raises(ConfigError):
         PersistentTier(bad)  # type: ignore[arg-type]
 
 
-def test_retry_must_be_a_policy() -> None:
-    """retry= takes a RetryPolicy."""
+@pytest.mark.parametrize(
+    "kwargs", [{"retry": 3}, {"storage_options": 3}, {"storage_options": ["anon"]}, {"fsync": 1}]
+)
+def test_bad_options_are_config_errors(kwargs: dict[str, object]) -> None:
+    """retry= takes a RetryPolicy, storage_options= a mapping, fsync= a bool."""
     with pytest.raises(ConfigError):
-        PersistentTier("memory://x", retry=3)  # type: ignore[arg-type]
+        PersistentTier("memory://x", **kwargs)  # type: ignore[arg-type]
 
 
 # --- threads -----------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ only where ``tqdm`` is installed.
 
 Exit codes: ``0`` success (``verify``: no problem, warnings allowed), ``1`` problems found or the
 operation failed, ``2`` usage errors (bad arguments, a location or job that does not exist, an
-unknown protocol), ``130`` interrupted. Errors are one line on stderr, never a traceback (set
-``TIERCHECK_DEBUG=1`` to see one).
+unknown protocol), ``130`` interrupted, ``141`` the output pipe was closed (``| head``; nothing
+is printed, as for a coreutils tool killed by SIGPIPE). Errors are one line on stderr, never a
+traceback (set ``TIERCHECK_DEBUG=1`` to see one).
 
 Commands are registered in one table, :data:`COMMANDS`, each implemented in a module of its own
 (:mod:`~tiercheck.cli.show` for ``ls`` and ``inspect``, :mod:`~tiercheck.cli.verify`,
@@ -44,7 +45,7 @@ import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn, cast
 
 import tiercheck
 from tiercheck.catalog import LocationError
@@ -59,6 +60,7 @@ from tiercheck.cli.base import (
 )
 from tiercheck.cli.export import configure_export, run_export
 from tiercheck.cli.gc import configure_gc, run_gc
+from tiercheck.cli.pipe import EXIT_PIPE, GuardedStream, OutputClosed, end_quietly
 from tiercheck.cli.remove import configure_rm_job, run_rm_job
 from tiercheck.cli.repair import configure_repair_job, run_repair_job
 from tiercheck.cli.show import configure_inspect, configure_ls, run_inspect, run_ls
@@ -69,6 +71,7 @@ __all__ = [
     "COMMANDS",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_PIPE",
     "EXIT_PROBLEMS",
     "EXIT_USAGE",
     "Command",
@@ -208,7 +211,23 @@ def _error(console: Console, exc: BaseException, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    When the reader of the output goes away (``tiercheck ls | head``) the command ends at
+    once, with no message, and returns 141, as a coreutils tool killed by SIGPIPE reports
+    (see :mod:`tiercheck.cli.pipe`).
+    """
+    try:
+        code = _main(argv)
+        # The interpreter's own flush at exit is outside any handler: flush here.
+        GuardedStream(sys.stdout).flush()
+        GuardedStream(sys.stderr).flush()
+    except OutputClosed as exc:
+        return end_quietly(exc.stream)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     for cmd in COMMANDS:
         if isinstance(cmd, ExternalCommand) and args_list[:1] == [cmd.name]:
@@ -225,16 +244,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _BadArguments as exc:
         if json_mode:
             return _error(Console(json_mode=True, progress=False), UsageError(str(exc)), EXIT_USAGE)
-        exc.parser.print_usage(sys.stderr)
-        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        err = GuardedStream(sys.stderr)
+        exc.parser.print_usage(cast("IO[str]", err))
+        print(f"{exc.parser.prog}: error: {exc}", file=err)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # argparse writes --help and --version to stdout itself.
+        raise OutputClosed(sys.stdout) from None
     console = Console(json_mode=args.json, progress=not args.no_progress)
     run: Runner | None = getattr(args, "_run", None)
     if run is None:
         if console.json_mode:
             missing = UsageError("give a command (tiercheck --help lists them)")
             return _error(console, missing, EXIT_USAGE)
-        parser.print_help(sys.stderr)
+        parser.print_help(console.err)
         return EXIT_USAGE
     debug = os.environ.get("TIERCHECK_DEBUG", "") not in ("", "0")
     try:

@@ -8,8 +8,11 @@ from typing import Any
 
 from tiercheck.catalog import Location, LocationError, default_search_paths, find_locations
 from tiercheck.cli.base import UsageError
+from tiercheck.defaults import check_job_id
+from tiercheck.errors import ConfigError
 
 __all__ = [
+    "job_id",
     "location_args",
     "locations_of",
     "nonnegative",
@@ -90,6 +93,15 @@ def nonnegative(text: str) -> int:
     return value
 
 
+def job_id(text: str) -> str:
+    """A ``--job`` value: a job id as the checkpointer takes it (see
+    :func:`tiercheck.defaults.check_job_id`)."""
+    try:
+        return check_job_id(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def positive(text: str) -> int:
     value = nonnegative(text)
     if value < 1:
@@ -109,7 +121,7 @@ def location_args(
             "checkpointer's persistent= URL, or it plus the job id) or a node root"
             + (" (default: the checkpointer's default places)" if optional else ""),
         )
-    p.add_argument("--job", help="the job, where the location holds several")
+    p.add_argument("--job", type=job_id, help="the job, where the location holds several")
     p.add_argument(
         "--tier",
         choices=("local", "persistent"),

@@ -7,9 +7,10 @@ import importlib.util
 import json
 import sys
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from tiercheck.catalog import Catalog, NullProgress, Progress
+from tiercheck.cli.pipe import GuardedStream
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -75,9 +76,10 @@ class Console:
 
     def __init__(self, *, json_mode: bool, progress: bool) -> None:
         self.json_mode = json_mode
-        # Looked up now, not at import: tests and callers may have replaced sys.stdout.
-        self.out: IO[str] = sys.stdout
-        self.err: IO[str] = sys.stderr
+        # Looked up now, not at import: tests and callers may have replaced sys.stdout. A
+        # reader that goes away (`| head`) is OutputClosed, never a failure to report.
+        self.out: IO[str] = cast("IO[str]", GuardedStream(sys.stdout))
+        self.err: IO[str] = cast("IO[str]", GuardedStream(sys.stderr))
         self.inp: IO[str] = sys.stdin
         have_tqdm = importlib.util.find_spec("tqdm") is not None
         self._progress = progress and have_tqdm and self.err.isatty()

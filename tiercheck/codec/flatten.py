@@ -10,7 +10,10 @@ Restoring a rebuilt state into live objects in place is not the codec's job: see
 :func:`tiercheck.statetree.load_into`.
 
 What the skeleton holds (everything else raises :class:`~tiercheck.errors.UnsupportedObject`
-naming the path of the object, unless ``allow_pickle=True``):
+naming the path of the object, unless ``allow_pickle=True``; a container that holds itself, a
+nesting deeper than :data:`MAX_DEPTH` and a tensor without data -- on the ``meta`` device, a
+fake tensor, a tensor subclass without storage -- are refused whatever ``allow_pickle`` says,
+since no stored form of them would restore the user's data):
 
 * ``dict`` (keys: ``str``, ``int``, ``bool``, ``float``, ``None``, ``bytes`` and tuples of these),
   ``collections.OrderedDict`` (with the ``_metadata`` attribute ``Module.state_dict()`` sets),
@@ -64,18 +67,25 @@ from tiercheck.errors import UnsupportedObject
 
 __all__ = [
     "ALIGNMENT",
+    "MAX_DEPTH",
     "DTensorShard",
     "Layout",
     "ReplicaRef",
     "TensorSpec",
     "align",
     "flatten",
+    "without_data",
     "write_payload",
 ]
 
 #: Every tensor starts at a multiple of this many bytes in the raw payload (a cache line, and a
 #: multiple of every element size, so typed views into the payload are always legal).
 ALIGNMENT = 64
+
+#: Containers nested deeper than this are refused (:class:`~tiercheck.errors.UnsupportedObject`):
+#: real training states nest a few levels, and every walker over a state (this one, the
+#: restore's, msgpack's own, limited to 512) recurses once per level.
+MAX_DEPTH = 100
 
 # msgpack extension codes of the skeleton. Part of the ``tiercheck.flatten`` format: never
 # renumber; add new codes only together with a new stage version.
@@ -380,8 +390,9 @@ class _Flattener:
         self.entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self.seen_paths: set[str] = set()
         self.dtensors = 0
-        # ids of the containers on the current path: a container inside itself is a cycle.
-        self.active: set[int] = set()
+        # The containers on the current path (id -> path): a container inside itself is a
+        # cycle, and their number is the depth.
+        self.active: dict[int, str] = {}
 
     def refuse(self, obj: object, path: str, why: str = "") -> Any:
         if self.allow_pickle:
@@ -394,6 +405,11 @@ class _Flattener:
             "allow_pickle=True to store it with pickle (only load such checkpoints from trusted "
             "sources)."
         )
+
+    @staticmethod
+    def never(path: str, why: str) -> UnsupportedObject:
+        """What no ``allow_pickle`` can store faithfully: the error to raise."""
+        return UnsupportedObject(f"cannot store state{path}: {why}")
 
     def add_tensor(self, tensor: torch.Tensor, path: str) -> int:
         unique = path
@@ -432,13 +448,24 @@ class _Flattener:
         if t is int:
             return self.integer(obj)
         if t is dict or t is list or t is tuple or t is collections.OrderedDict:
-            if id(obj) in self.active:
-                return self.refuse(obj, path, "the container holds itself (a reference cycle)")
-            self.active.add(id(obj))
+            active = self.active
+            key = id(obj)
+            if key in active:
+                # Pickled, it would come back as a copy holding itself, not the same object.
+                raise self.never(
+                    path,
+                    f"it is state{active[key]} itself (a reference cycle); a checkpoint "
+                    "holds a tree of values: break the cycle",
+                )
+            if len(active) >= MAX_DEPTH:
+                raise self.never(
+                    path, f"containers nested more than {MAX_DEPTH} deep; flatten the structure"
+                )
+            active[key] = path
             try:
                 return self.container(obj, path)
             finally:
-                self.active.discard(id(obj))
+                del active[key]
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if t is np.ndarray or isinstance(obj, np.generic):
@@ -480,9 +507,12 @@ class _Flattener:
     def tensor(self, obj: torch.Tensor, path: str) -> Any:
         if type(obj) not in _TENSOR_TYPES and is_dtensor(obj):
             return self.dtensor(obj, path)
+        dataless = without_data(obj)
+        if dataless:
+            raise self.never(path, dataless)
         if type(obj) not in _TENSOR_TYPES:
             return self.refuse(obj, path, f"tensor subclass {type(obj).__qualname__}")
-        if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
+        if obj.layout != torch.strided or obj.is_quantized:
             return self.refuse(obj, path, f"tensor layout {obj.layout} on {obj.device}")
         if not is_supported_dtype(obj.dtype):
             return self.refuse(obj, path, f"tensor dtype {obj.dtype}")
@@ -496,9 +526,12 @@ class _Flattener:
         return self.shard(obj.to_local(), record, path)
 
     def shard(self, local: torch.Tensor, record: dict[str, Any], path: str) -> Any:
+        dataless = without_data(local)
+        if dataless:
+            raise self.never(path, f"the DTensor's local shard: {dataless}")
         if type(local) not in _TENSOR_TYPES:
             return self.refuse(local, path, f"DTensor local tensor {type(local).__qualname__}")
-        if local.layout != torch.strided or local.is_quantized or local.device.type == "meta":
+        if local.layout != torch.strided or local.is_quantized:
             return self.refuse(local, path, f"tensor layout {local.layout} on {local.device}")
         if not is_supported_dtype(local.dtype):
             return self.refuse(local, path, f"tensor dtype {local.dtype}")
@@ -515,6 +548,33 @@ class _Flattener:
         tensor, dtype_str, shape, scalar = parts
         index = self.add_tensor(tensor, path)
         return msgpack.ExtType(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
+
+
+def without_data(tensor: torch.Tensor) -> str:
+    """Why ``tensor`` holds no data that could be stored, or ``""`` when it holds some.
+
+    A tensor on the ``meta`` device has a shape and no values; a fake tensor
+    (``torch._subclasses.FakeTensor``) reports a real device over storage on ``meta``; a tensor
+    subclass may have no storage at all. Stored by pickle, any of them would come back as
+    something that never was the user's data.
+    """
+    if tensor.device.type == "meta":
+        return (
+            "a tensor on the meta device has a shape but no data; materialize it first "
+            "(module.to_empty(device=...) and load or initialize its values)"
+        )
+    if type(tensor) in _TENSOR_TYPES:
+        return ""  # a plain tensor off the meta device always has storage with its values
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return f"tensor subclass {type(tensor).__qualname__} has no storage of its own ({exc})"
+    if storage.device.type == "meta":
+        return (
+            f"tensor subclass {type(tensor).__qualname__} has its storage on the meta device "
+            "(a fake tensor): it holds no data"
+        )
+    return ""
 
 
 def ndarray_parts(obj: Any) -> tuple[torch.Tensor, str | None, list[int], bool] | str:

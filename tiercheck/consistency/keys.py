@@ -13,9 +13,12 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from tiercheck.errors import VersionError
+
 __all__ = [
     "BlobKey",
     "blob_key",
+    "check_version",
     "commit_key",
     "parse_blob_key",
     "parse_commit_key",
@@ -29,6 +32,23 @@ _COMMIT = re.compile(r"^v(\d{12})/COMMIT$")
 _FOLDER = re.compile(r"^v(\d{12})$")
 MAX_VERSION = 10**12 - 1
 MAX_RANK = 10**5 - 1
+
+
+def check_version(version: object) -> int:
+    """``version`` if it can name a version, else a :class:`~tiercheck.errors.VersionError`.
+
+    A version is the training step: an ``int`` (not a ``bool``, not a string or a float, not
+    a numpy integer) in ``[0, MAX_VERSION]``, the range its fixed-width key holds. Every
+    place a version enters (``save``, ``restore(version=...)``, the trainer integrations'
+    ``tiercheck:<step>`` names) checks it here, before anything is read or exchanged.
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise VersionError(
+            f"a version must be an int in [0, {MAX_VERSION}] (the training step), got "
+            f"{version!r} of type {type(version).__name__}; for example save(12, state) or "
+            "restore(version=12)"
+        )
+    return version
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiercheck.cli.pipe import end_quietly
 from tiercheck.defaults import SHM_DIR
 from tiercheck.demo.worker import parse_plan
 
@@ -100,7 +101,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; 0 when every restore was bit-exact, 1 otherwise, 2 on bad options."""
+    """Run the demo; 0 when every restore was bit-exact, 1 otherwise, 2 on bad options, 130
+    when interrupted, 141 (quietly, the job stopped) when the reader of its output goes away."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        return end_quietly(sys.stdout)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(list(argv) if argv is not None else None)
     try:
         plan = parse_plan(args.plan)
@@ -190,11 +199,11 @@ def _launch(
     started = time.monotonic()
     with log.open("w") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(run, args.steps, stop), daemon=True)
+        stop, closed = threading.Event(), threading.Event()
+        watcher = threading.Thread(target=_watch, args=(run, args.steps, stop, closed), daemon=True)
         watcher.start()
         try:
-            code = proc.wait()
+            code = _wait(proc, closed)
         except KeyboardInterrupt:
             _stop(proc)
             raise
@@ -211,14 +220,28 @@ def _launch(
     return run
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _wait(proc: subprocess.Popen[bytes], closed: threading.Event) -> int:
+    """The job's exit code; when the reader of the output goes away meanwhile (``closed``),
+    the job is stopped and :class:`BrokenPipeError` raised."""
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            if closed.is_set():
+                _stop(proc, signalled=False)
+                raise BrokenPipeError("the demo's output was closed") from None
+
+
+def _stop(proc: subprocess.Popen[bytes], *, signalled: bool = True) -> None:
     """Stop the torchrun job after an interrupt, bounded; torchrun stops its workers itself.
 
     A Ctrl-C at a terminal reached torchrun too (same process group), so it is given a moment
     to stop on its own; an interrupt of the demo alone needs a SIGTERM; SIGKILL is the last
-    resort. Another Ctrl-C meanwhile moves on to the next, stronger step.
+    resort. Another Ctrl-C meanwhile moves on to the next, stronger step. Without
+    ``signalled`` (the demo stops on its own account) the SIGTERM comes at once.
     """
-    for sig, seconds in ((None, 5.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+    steps = ((None, 5.0),) if signalled else ()
+    for sig, seconds in (*steps, (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
         if sig is not None and proc.poll() is None:
             proc.send_signal(sig)
         try:
@@ -302,13 +325,18 @@ class ProgressLines:
         return f"    step {version + 1:>4}/{self.steps}{loss}{stall}"
 
 
-def _watch(run: Run, steps: int, stop: threading.Event) -> None:
-    """Print the run's progress as its ranks write their events, until ``stop``."""
+def _watch(run: Run, steps: int, stop: threading.Event, closed: threading.Event) -> None:
+    """Print the run's progress as its ranks write their events, until ``stop``; set
+    ``closed`` and return if the reader of the output goes away."""
     feed, progress = EventFeed(run.out), ProgressLines(steps)
     while True:
         finished = stop.is_set()
-        for line in progress.lines(feed.new()):
-            print(line, flush=True)
+        try:
+            for line in progress.lines(feed.new()):
+                print(line, flush=True)
+        except BrokenPipeError:
+            closed.set()  # the main thread stops the job and ends quietly
+            return
         if finished:
             return
         time.sleep(0.2)

@@ -21,6 +21,7 @@ from tiercheck import stateful
 from tiercheck._loop import LoopThread
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
+from tiercheck.consistency.keys import check_version
 from tiercheck.defaults import persistent_job_url
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import (
@@ -32,8 +33,8 @@ from tiercheck.engine.options import (
     VersionSelector,
     resolve_options,
 )
-from tiercheck.engine.results import CheckpointerStats, Restored
-from tiercheck.errors import StatefulError, TierClosed
+from tiercheck.engine.results import CheckpointerStats, Restored, check_timeout
+from tiercheck.errors import ConfigError, StatefulError, TierClosed
 from tiercheck.tiers.base import Tier
 from tiercheck.topology import Topology
 
@@ -133,9 +134,7 @@ def restore_steps(engine: Engine, state: Any, version: int | None, strict: bool)
         prepared = None if state is None else stateful.for_restore(state)
     except Exception as exc:
         # Collective: the other ranks are about to read; they must refuse too, not wait.
-        yield engine.restore_read(
-            agreement, None, strict, started, failed=f"{type(exc).__name__}: {exc}"
-        )
+        yield engine.restore_read(agreement, None, strict, started, failed=exc)
         raise  # restore_read raised already on every rank; this is only for the type checker
     target = None if prepared is None else prepared.target
     restored: Restored = yield engine.restore_read(agreement, target, strict, started)
@@ -162,7 +161,7 @@ class CheckpointerCore:
         tiers: Sequence[str | Tier] | None = None,
         base_every: int = 10,
         keep: int | Mapping[str, int] | None = None,
-        persist: VersionSelector = "base",
+        persist: VersionSelector | None = None,
         encodings: Mapping[str, TierEncoding] | None = None,
         policies: Mapping[str, TierPolicy] | None = None,
         on_busy: BusyPolicy = "wait",
@@ -189,7 +188,10 @@ class CheckpointerCore:
         """Configure; nothing is opened or written until first use (or ``open``).
 
         Args:
-            job_id: names the job; everything it stores sits under this name.
+            job_id: names the job; everything it stores sits under this name: 1 to 128 ASCII
+                letters, digits, ``.``, ``_`` and ``-``, not starting with ``.`` or ``-``
+                (``"run-1"``; see :func:`~tiercheck.defaults.check_job_id`). Anything else is
+                a :class:`~tiercheck.errors.ConfigError` here, before anything is opened.
             persistent: an fsspec URL for durable storage (``file://``, ``s3://``, ``memory://``,
                 ...), or ``None`` for ``./tiercheck-checkpoints``.
             local_root: this node's shared-memory folder (default
@@ -200,8 +202,12 @@ class CheckpointerCore:
             base_every: every ``base_every``-th save is a base, the others deltas against it.
             keep: versions each tier retains: one number for all tiers or a mapping by tier name
                 (defaults: local 2, peer 2, persistent 3).
-            persist: which versions go to tiers that outlive the cluster: ``"base"`` (default),
-                ``"all"``, or a predicate on the version (bases always go).
+            persist: which versions go to tiers that outlive the cluster: ``None`` (default)
+                sends bases there when a memory tier takes every version, and every version
+                when the job has durable tiers only (so that no save is stored nowhere);
+                ``"base"``, ``"all"``, or a predicate on the version (bases always go). With
+                ``"base"`` or a predicate and no memory tier, the other saves are stored in no
+                tier: a :class:`UserWarning` says so at construction.
             encodings: ``"full"`` or ``"packed"`` per tier name (default: ``full`` for the local
                 tier, ``packed`` elsewhere).
             policies: full :class:`TierPolicy` objects by tier name (override the three above).
@@ -222,7 +228,7 @@ class CheckpointerCore:
                 checkpoint from a stranger must not be able to run code).
             rank, world_size, ranks_per_node: placement; detected from torch.distributed and the
                 launcher's environment when not given.
-            node: the node's name (default ``node<index>``).
+            node: the node's name (default ``node<index>``; the grammar of ``job_id``).
             coordinator: how ranks agree (default: none for one rank, dedicated gloo groups
                 for more).
             local_capacity: bytes the local tier may use.
@@ -361,9 +367,33 @@ class CheckpointerCore:
         including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
         failure, only :class:`TimeoutError` when ``timeout`` passes first.
         """
+        timeout = check_timeout(timeout)
         engine = self._engine
         if engine is not None:
             engine.fence(timeout)
+
+    # --- arguments of save and restore ---------------------------------------------------------
+
+    @staticmethod
+    def _check_save_args(version: object) -> None:
+        """A bad version is refused before anything is opened, walked or exchanged."""
+        check_version(version)
+
+    @staticmethod
+    def _check_restore_args(version: object, strict: object) -> None:
+        """Refuse bad ``restore`` arguments on this rank before anything is opened or
+        exchanged with the other ranks (which would otherwise wait on it)."""
+        if version is not None:
+            check_version(version)
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict must be True or False, got {strict!r}")
+
+    @staticmethod
+    def _check_close_args(flush: object, failed: object) -> None:
+        """``close(flush="no")`` must not read as ``flush=True``."""
+        for name, value in (("flush", flush), ("failed", failed)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
 
     # --- lifecycle ----------------------------------------------------------------------------
 

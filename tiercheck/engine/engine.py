@@ -297,11 +297,12 @@ class Engine:
         state: Any,
         strict: bool,
         started: float,
-        failed: str | None = None,
+        failed: Exception | None = None,
     ) -> Restored:
         """The second step (collective): read, check and copy in the agreed version; see
         :meth:`Restorer.restore`. ``failed``: this rank could not make its target (the
-        caller's ``state_dict()`` raised), so every rank refuses."""
+        caller's ``state_dict()`` raised, or the state cannot be a target), so every rank
+        refuses."""
         self._check_open()
         return await self.restorer.restore(agreement, state, strict, started, failed=failed)
 

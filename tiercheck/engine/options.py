@@ -8,7 +8,9 @@ for each tier). The engine reads nothing else; each part of it reads the group i
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,13 @@ from typing import Any, Literal
 
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
-from tiercheck.defaults import DEFAULT_KEEP, default_persistent_url, default_root
+from tiercheck.defaults import (
+    DEFAULT_KEEP,
+    check_job_id,
+    check_node_name,
+    default_persistent_url,
+    default_root,
+)
 from tiercheck.errors import ConfigError
 from tiercheck.tiers.base import FailureScope, Tier
 from tiercheck.topology import Topology
@@ -72,8 +80,10 @@ class TierPolicy:
     versions: VersionSelector = "all"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or self.keep < 1:
-            raise ConfigError(f"a tier must keep at least 1 version, got keep={self.keep!r}")
+        if not _is_int(self.keep) or self.keep < 1:
+            raise ConfigError(
+                f"keep must be an int >= 1 (versions a tier retains), got keep={self.keep!r}"
+            )
         if self.encoding not in ("full", "packed"):
             raise ConfigError(f"encoding must be 'full' or 'packed', got {self.encoding!r}")
         if not (self.versions in ("all", "base") or callable(self.versions)):
@@ -174,14 +184,57 @@ class Options:
         return [t.name if isinstance(t, Tier) else t for t in self.tiers.specs]
 
 
-def check_job_id(job_id: object) -> str:
-    """``job_id`` if it can name the job's folders, else a :class:`ConfigError`."""
-    if not isinstance(job_id, str) or not job_id or "/" in job_id or job_id in (".", ".."):
+def _is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` proper (``True`` and ``False`` are not counts)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(name: str, value: object, minimum: int, what: str) -> int:
+    """``value`` if it is an int >= ``minimum``, else a :class:`ConfigError` naming ``name``."""
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ConfigError(f"{name} must be an int >= {minimum} ({what}), got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _seconds(name: str, value: object, *, zero: bool) -> float:
+    """``value`` as seconds: a real number > 0 (or >= 0 with ``zero``), not NaN, not a bool."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or math.isnan(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        bound = ">= 0" if zero else "> 0"
+        raise ConfigError(f"{name} must be a number of seconds {bound}, got {value!r}")
+    return float(value)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        listed = " or ".join(repr(c) for c in choices)
+        raise ConfigError(f"{name} must be {listed}, got {value!r}")
+
+
+def _tier_map(name: str, value: object, names: Sequence[str], what: str) -> Mapping[str, Any]:
+    """``value`` as a mapping keyed by tiers in use (``{}`` for ``None``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a mapping of tier name to {what}, got {value!r}")
+    unknown = [k for k in value if k not in names]
+    if unknown:
         raise ConfigError(
-            f"job_id must be a non-empty name without '/', got {job_id!r}; "
-            "it names the job's folders in every tier"
+            f"{name} names tiers that are not in use: {sorted(map(repr, unknown))}; "
+            f"the tiers are {list(names)}"
         )
-    return job_id
+    return value
 
 
 def resolve_options(
@@ -192,7 +245,7 @@ def resolve_options(
     tiers: Sequence[str | Tier] | None = None,
     base_every: int = 10,
     keep: int | Mapping[str, int] | None = None,
-    persist: VersionSelector = "base",
+    persist: VersionSelector | None = None,
     encodings: Mapping[str, TierEncoding] | None = None,
     policies: Mapping[str, TierPolicy] | None = None,
     on_busy: BusyPolicy = "wait",
@@ -222,28 +275,55 @@ def resolve_options(
     does not hold; detects the placement (:meth:`Topology.detect`) when not given.
     """
     job_id = check_job_id(job_id)
-    if not isinstance(base_every, int) or base_every < 1:
-        raise ConfigError(f"base_every must be a positive int, got {base_every!r}")
-    if on_busy not in ("wait", "skip"):
-        raise ConfigError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
-    if not isinstance(overlap, bool):
-        raise ConfigError(f"overlap must be True or False, got {overlap!r}")
-    if max_pending < 1 or tier_queue < 1:
-        raise ConfigError("max_pending and tier_queue must be at least 1")
-    if stale_memory not in ("error", "discard", "adopt"):
+    if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
         raise ConfigError(
-            f"stale_memory must be 'error', 'discard' or 'adopt', got {stale_memory!r}"
+            "persistent must be an fsspec URL string (file:///data/ckpt, s3://bucket/ckpt, "
+            f"memory://ckpt) or None, got {persistent!r}; for a folder, pass "
+            "pathlib.Path(folder).resolve().as_uri()"
         )
-    if not isinstance(elastic, bool):
-        raise ConfigError(f"elastic must be True or False, got {elastic!r}")
-    if per_rank not in ("refuse", "wrap"):
-        raise ConfigError(f"per_rank must be 'refuse' or 'wrap', got {per_rank!r}")
+    if local_root is not None and not isinstance(local_root, (str, os.PathLike)):
+        raise ConfigError(
+            f"local_root must be a folder (a str or a path) or None, got {local_root!r}"
+        )
+    if isinstance(local_root, str) and not local_root:
+        raise ConfigError("local_root must name a folder, got an empty string")
+    _count("base_every", base_every, 1, "every base_every-th save is a base")
+    _choice("on_busy", on_busy, ("wait", "skip"))
+    _flag("overlap", overlap)
+    _count("max_pending", max_pending, 1, "saves that may be encoding at once")
+    _count("tier_queue", tier_queue, 1, "encoded versions that may wait for one tier")
+    if codec is not None and not isinstance(codec, CodecOptions):
+        raise ConfigError(f"codec must be a tiercheck.codec.CodecOptions or None, got {codec!r}")
+    _flag("allow_pickle", allow_pickle)
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None:
+            _count(name, value, 0 if name == "rank" else 1, "or None to detect it")
+    if ranks_per_node is not None:
+        _count("ranks_per_node", ranks_per_node, 1, "or None to detect it")
+    if node is not None:
+        check_node_name(node)
+    if coordinator is not None and not isinstance(coordinator, Coordinator):
+        raise ConfigError(
+            f"coordinator must be a tiercheck Coordinator or None, got {coordinator!r}"
+        )
+    if local_capacity is not None:
+        _count("local_capacity", local_capacity, 0, "bytes the local tier may use, or None")
+    _count("peer_replicas", peer_replicas, 1, "peer nodes that hold a replica of each blob")
+    peer_timeout = _seconds("peer_timeout", peer_timeout, zero=False)
+    _count("threads", threads, 0, "worker threads for hashing and compression; 0: every core")
+    _choice("stale_memory", stale_memory, ("error", "discard", "adopt"))
+    _flag("elastic", elastic)
+    _choice("per_rank", per_rank, ("refuse", "wrap"))
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise ConfigError(
             f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
         )
-    if not isinstance(close_timeout, (int, float)) or not close_timeout >= 0:
-        raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}")
+    close_timeout = _seconds("close_timeout", close_timeout, zero=True)
+    if persist is not None and persist not in ("all", "base") and not callable(persist):
+        raise ConfigError(
+            "persist must be 'all', 'base', a callable(version) -> bool, or None (every "
+            f"version where no memory tier takes them, else bases), got {persist!r}"
+        )
     topology = Topology.detect(rank, world_size, ranks_per_node)
     if coordinator is not None and (
         coordinator.rank != topology.rank or coordinator.world_size != topology.world_size
@@ -256,14 +336,37 @@ def resolve_options(
         tiers = (
             ("local", "peer", "persistent") if topology.num_nodes > 1 else ("local", "persistent")
         )
+    if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence):
+        raise ConfigError(
+            f"tiers must be a list of tier names or Tier instances, got {tiers!r}; "
+            'for example tiers=["local", "persistent"]'
+        )
     if not tiers:
         raise ConfigError("a checkpointer needs at least one tier")
-    tier_names = [t.name if isinstance(t, Tier) else t for t in tiers]
     for t in tiers:
-        if not isinstance(t, (str, Tier)):
+        if not isinstance(t, Tier) and (not isinstance(t, str) or not t):
             raise ConfigError(f"a tier is a name or a Tier instance, got {t!r}")
+    tier_names = [t.name if isinstance(t, Tier) else t for t in tiers]
+    if len(set(tier_names)) != len(tier_names):
+        raise ConfigError(f"tier names must be unique, got {tier_names}")
+    if _is_int(keep):
+        _count("keep", keep, 1, "versions each tier retains")
+    elif keep is not None and not isinstance(keep, Mapping):
+        raise ConfigError(
+            f"keep must be an int >= 1 or a mapping of tier name to an int >= 1, got {keep!r}"
+        )
+    elif keep is not None:
+        for name, value in _tier_map("keep", keep, tier_names, "versions it retains").items():
+            _count(f"keep[{name!r}]", value, 1, "versions the tier retains")
+    for name, value in _tier_map("encodings", encodings, tier_names, "an encoding").items():
+        _choice(f"encodings[{name!r}]", value, ("full", "packed"))
+    overrides = _tier_map("policies", policies, tier_names, "a TierPolicy")
+    for name, value in overrides.items():
+        if not isinstance(value, TierPolicy):
+            raise ConfigError(f"policies[{name!r}] must be a TierPolicy, got {value!r}")
     resolved = _policies(tiers, tier_names, keep, persist, encodings)
-    resolved.update(policies or {})
+    resolved.update(overrides)
+    _warn_unstored(resolved, persist, base_every)
     if persistent is None:
         persistent = default_persistent_url()
     root = (
@@ -300,8 +403,29 @@ def resolve_options(
         coordination=CoordinationOptions(
             coordinator=coordinator,
             peer_timeout=peer_timeout,
-            close_timeout=float(close_timeout),
+            close_timeout=close_timeout,
         ),
+    )
+
+
+def _warn_unstored(
+    resolved: Mapping[str, TierPolicy],
+    persist: VersionSelector | None,
+    base_every: int,
+) -> None:
+    """Warn (once per call site) when no tier takes every version: the saves that are neither
+    bases nor chosen by a predicate would then be stored nowhere."""
+    selectors = [p.versions for p in resolved.values()]
+    if "all" in selectors or (base_every == 1 and all(v == "base" for v in selectors)):
+        return
+    given = f"persist={persist!r}" if persist is not None else "the policies given"
+    warnings.warn(
+        f"no tier takes every version ({given}, tiers {sorted(resolved)}): saves that are not "
+        f"bases (one save in {base_every} is) are stored in no tier, and their handles target "
+        "none. Add a memory tier (tiers=['local', ...]) or pass persist='all' to store every "
+        "save durably",
+        UserWarning,
+        stacklevel=4,
     )
 
 
@@ -309,10 +433,11 @@ def _policies(
     specs: Sequence[str | Tier],
     names: Sequence[str],
     keep: int | Mapping[str, int] | None,
-    persist: VersionSelector,
+    persist: VersionSelector | None,
     encodings: Mapping[str, TierEncoding] | None,
 ) -> dict[str, TierPolicy]:
-    """A policy per tier from the shorthand arguments (``keep``, ``persist``, ``encodings``)."""
+    """A policy per tier from the shorthand arguments (``keep``, ``persist``, ``encodings``),
+    already checked."""
     keep_map: dict[str, int] = {}
     for name in names:
         if isinstance(keep, int):
@@ -321,21 +446,24 @@ def _policies(
             keep_map[name] = keep[name]
         else:
             keep_map[name] = DEFAULT_KEEP.get(name, 2)
-    if isinstance(keep, Mapping):
-        unknown = set(keep) - set(names)
-        if unknown:
-            raise ConfigError(f"keep names tiers that are not in use: {sorted(unknown)}")
-    resolved: dict[str, TierPolicy] = {}
-    for spec, name in zip(specs, names, strict=True):
-        durable = (
+    durable = {
+        name: (
             spec.survives >= FailureScope.CLUSTER
             if isinstance(spec, Tier)
             else name == "persistent"
         )
+        for spec, name in zip(specs, names, strict=True)
+    }
+    if persist is None:
+        # Bases only where a memory tier takes every version; a job stored only in durable
+        # tiers stores every version there, or the saves between bases would go nowhere.
+        persist = "base" if not all(durable.values()) else "all"
+    resolved: dict[str, TierPolicy] = {}
+    for name in names:
         encoding: TierEncoding = (encodings or {}).get(
             name, "full" if name == "local" else "packed"
         )
         resolved[name] = TierPolicy(
-            keep=keep_map[name], encoding=encoding, versions=persist if durable else "all"
+            keep=keep_map[name], encoding=encoding, versions=persist if durable[name] else "all"
         )
     return resolved

@@ -170,12 +170,14 @@ class Restorer:
         strict: bool,
         started: float,
         *,
-        failed: str | None = None,
+        failed: Exception | None = None,
     ) -> Restored:
         """Restore the version ``agreement`` leads to (see
         :meth:`tiercheck.Checkpointer.restore`). The saves in flight are done already.
-        ``failed``: this rank has no target (making it raised); every rank raises
-        :class:`~tiercheck.errors.StatefulError` at the first exchange."""
+        ``failed``: this rank has no target (making it raised that); every rank raises at the
+        first exchange: the same error where it is a refusal of the state
+        (:class:`~tiercheck.errors.UnsupportedObject`, ...), else
+        :class:`~tiercheck.errors.StatefulError`."""
         mine, everyone, unlisted = agreement.mine, agreement.everyone, list(agreement.unlisted)
         version = agreement.version
         rejected: dict[int, list[str]] = {}
@@ -204,7 +206,15 @@ class Restorer:
                     refusal = ("ReshardError", str(exc))
             rebuilt: Any = None
             if failed is not None:
-                refusal = ("StatefulError", f"building the state to restore into failed: {failed}")
+                kind = type(failed).__name__
+                refusal = (
+                    (kind, str(failed))
+                    if kind in _REFUSALS
+                    else (
+                        "StatefulError",
+                        f"building the state to restore into failed: {kind}: {failed}",
+                    )
+                )
                 raw = None
             if raw is not None:
                 try:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tiercheck.errors import TierNotTargeted
+from tiercheck.errors import ConfigError, TierNotTargeted
 
 __all__ = [
     "OWN_STORAGE_BYTES",
@@ -18,7 +19,23 @@ __all__ = [
     "SaveHandle",
     "SaveStats",
     "TierSaveStats",
+    "check_timeout",
 ]
+
+
+def check_timeout(timeout: object) -> float | None:
+    """``timeout`` as seconds to wait (``None``: no limit); a
+    :class:`~tiercheck.errors.ConfigError` for anything but a number >= 0 or ``None``."""
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or math.isnan(timeout)
+        or timeout < 0
+    ):
+        raise ConfigError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return float(timeout)
 
 
 @dataclass
@@ -146,7 +163,7 @@ class SaveHandle:
         :class:`~tiercheck.errors.StateChanged`, is raised by :meth:`done` for every tier); only
         :class:`TimeoutError` when ``timeout`` passes first -- the state must then not change.
         """
-        concurrent.futures.wait([self._staged], timeout)
+        concurrent.futures.wait([self._staged], check_timeout(timeout))
         if not self._staged.done():
             raise TimeoutError(f"version {self.version} was not staged within {timeout} s")
 
@@ -182,6 +199,7 @@ class SaveHandle:
 
     def result(self, tier: str | None = None, timeout: float | None = None) -> None:
         """Blocking form of :meth:`done`."""
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         for fut in self._futures_for(tier):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Literal
 
-from tiercheck.consistency.keys import MAX_VERSION
+from tiercheck.consistency.keys import check_version
 from tiercheck.engine.jobs import Job
 from tiercheck.engine.options import TierEncoding
 from tiercheck.errors import VersionError
@@ -47,12 +47,7 @@ class Schedule:
 
     def check_version(self, version: int) -> None:
         """A :class:`VersionError` unless ``version`` may be saved next."""
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or not 0 <= version <= MAX_VERSION
-        ):
-            raise VersionError(f"a version must be an int in [0, {MAX_VERSION}], got {version!r}")
+        check_version(version)
         if self.last_version is not None and version <= self.last_version:
             raise VersionError(
                 f"versions must increase: version {version} after {self.last_version}; "

@@ -165,7 +165,8 @@ class Timeline:
                 error = f"{type(exc).__name__}: {exc}"
         said = await ctx.exchange("control", {"committed": committed, "error": error})
         committed = [int(v) for v in said[0]["committed"]]
-        if self._failed(pipe, c, [e["error"] for e in said], "listing it"):
+        errors = [e["error"] for e in said]
+        if self._failed(pipe, c, errors, "listing it", "nothing was removed"):
             return
         tag = set_tag(first, ctx.session)
         if committed:
@@ -179,7 +180,8 @@ class Timeline:
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
             said = await ctx.exchange("control", {"error": error})
-            if self._failed(pipe, c, [e["error"] for e in said], "copying blobs"):
+            errors = [e["error"] for e in said]
+            if self._failed(pipe, c, errors, "copying blobs", "nothing was removed"):
                 return
             # 2. Rank 0 completes the set (COMMIT records, then SET) and only then takes the
             #    versions off the timeline by removing their COMMIT records.
@@ -193,7 +195,9 @@ class Timeline:
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
             said = await ctx.exchange("control", {"error": error})
-            if self._failed(pipe, c, [e["error"] for e in said], "completing the set"):
+            errors = [e["error"] for e in said]
+            kept = f"each of versions {committed} is whole where it was or in abandoned/{tag}/"
+            if self._failed(pipe, c, errors, "completing the set", kept):
                 return
             logger.warning(
                 "tiercheck: versions %s of job %r left its timeline (%s); they are kept in the %r "
@@ -238,7 +242,12 @@ class Timeline:
         await tier.put(set_record_key(tag), record.to_bytes())
 
     def _failed(
-        self, pipe: TierPipeline, c: Continuation, errors: list[str | None], step: str
+        self,
+        pipe: TierPipeline,
+        c: Continuation,
+        errors: list[str | None],
+        step: str,
+        kept: str,
     ) -> bool:
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not failed:
@@ -248,7 +257,7 @@ class Timeline:
         self._saves_since_failure = 0
         reason = (
             f"the versions after {c.version} could not be set aside in it ({step}: rank {rank}: "
-            f"{error}); nothing was removed, and it takes no new versions until they are "
+            f"{error}); {kept}, and the tier takes no new versions until they are set aside "
             f"(retried every {RETRY_EVERY} saves)"
         )
         logger.error("tiercheck: the %r tier of job %r: %s", pipe.name, self.ctx.job_id, reason)

@@ -23,7 +23,9 @@ import torch
 
 from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.consistency.identity import JOB_KEY
-from tiercheck.errors import ConfigError
+from tiercheck.consistency.keys import MAX_VERSION, check_version
+from tiercheck.defaults import check_job_id
+from tiercheck.errors import ConfigError, VersionError
 from tiercheck.guard import node_holds_data
 from tiercheck.sync import SyncCheckpointer
 
@@ -50,7 +52,9 @@ LATEST = "tiercheck:latest"
 #: loaded, by every rank together, so it can be handed out before the process group exists.
 RESUME = "tiercheck:resume"
 
-_VERSION = re.compile(r"^tiercheck:(\d+)$")
+# ASCII digits only (``\d`` takes other scripts' digits too), the whole name (``$`` would let a
+# trailing newline through).
+_VERSION = re.compile(r"tiercheck:([0-9]+)")
 
 #: What a checkpoint name asks for: one version, the newest restorable one, or that or nothing.
 Target = int | Literal["latest", "resume"]
@@ -58,9 +62,10 @@ Target = int | Literal["latest", "resume"]
 
 def version_name(version: int) -> str:
     """The name that addresses ``version`` (a global step) directly: ``"tiercheck:<version>"``."""
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ConfigError(f"a version is a non-negative int, got {version!r}")
-    return f"{PREFIX}{version}"
+    try:
+        return f"{PREFIX}{check_version(version)}"
+    except VersionError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def parse_name(name: object) -> Target | None:
@@ -79,8 +84,8 @@ def parse_name(name: object) -> Target | None:
         return "latest"
     if name == RESUME:
         return "resume"
-    match = _VERSION.match(name)
-    if match is None:
+    match = _VERSION.fullmatch(name)
+    if match is None or int(match.group(1)) > MAX_VERSION:
         raise ConfigError(
             f"{name!r} is not a tiercheck checkpoint name; use {LATEST!r}, {RESUME!r} or "
             "'tiercheck:<step>'"
@@ -139,9 +144,8 @@ class Session:
     """
 
     def __init__(self, job_id: str, options: Mapping[str, Any]) -> None:
-        if not isinstance(job_id, str) or not job_id:
-            raise ConfigError(f"job_id must be a non-empty str, got {job_id!r}")
-        self.job_id = job_id
+        # Refused here, when the trainer is configured, not at its first checkpoint.
+        self.job_id = check_job_id(job_id)
         self.options = dict(options)
         self._ckpt: SyncCheckpointer | None = None
         #: Set when the trainer failed: the next :meth:`close` is the bounded one of an error.

@@ -65,6 +65,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.consistency.keys import MAX_VERSION
 from tiercheck.errors import ConfigError, FormatError
 from tiercheck.integrations._common import (
     LATEST,
@@ -92,7 +93,7 @@ logger = logging.getLogger("tiercheck")
 
 # The file stock Trainer.train reads the TrainerState from on resume.
 _TRAINER_STATE_NAME = "trainer_state.json"
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_DIR = re.compile(r"checkpoint-([0-9]+)")  # whole name, ASCII digits
 _NO_HP_SEARCH = "tiercheck's Trainer integration does not cover hyperparameter search"
 _STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_state")
 # accelerate's DistributedType values for one process (NO) and plain DDP on CPUs or CUDA GPUs.
@@ -372,8 +373,8 @@ def _resolve(value: str | os.PathLike[str] | bool | None) -> Target | _StockFold
         return named
     if os.path.isfile(os.path.join(path, _TRAINER_STATE_NAME)):
         return _StockFolder(path)
-    match = _CHECKPOINT_DIR.match(os.path.basename(os.path.normpath(path)))
-    if match is None:
+    match = _CHECKPOINT_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+    if match is None or int(match.group(1)) > MAX_VERSION:
         raise ConfigError(
             f"resume_from_checkpoint={path!r} names no version: use True, {LATEST!r}, "
             "'tiercheck:<step>' or a path ending in 'checkpoint-<step>'"

@@ -92,6 +92,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.consistency.keys import MAX_VERSION
 from tiercheck.errors import ConfigError, FormatError, RestoreError
 from tiercheck.integrations._common import (
     LATEST,
@@ -357,7 +358,11 @@ class TiercheckCheckpointIO(CheckpointIO):
                 f"{self.job_id!r}"
             )
         version = pointer.get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= MAX_VERSION
+        ):
             raise FormatError(f"pointer {path!r} names no valid version: {version!r}")
         return version
 

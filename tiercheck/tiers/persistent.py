@@ -203,6 +203,14 @@ class PersistentTier(Tier):
     ) -> None:
         if not isinstance(retry, RetryPolicy):
             raise ConfigError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
+        if not isinstance(url, (str, os.PathLike)):
+            raise ConfigError(f"the persistent tier needs a URL or path, got {url!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(
+                f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
+            )
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"fsync must be True or False, got {fsync!r}")
         self._url = os.fspath(url)
         if not isinstance(self._url, str) or not self._url:
             raise ConfigError(f"the persistent tier needs a non-empty URL or path, got {url!r}")

@@ -140,6 +140,11 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
             raise ConfigError(f"capacity must be a number of bytes >= 0 or None, got {capacity!r}")
         if not isinstance(spare_files, int) or isinstance(spare_files, bool) or spare_files < 0:
             raise ConfigError(f"spare_files must be an int >= 0, got {spare_files!r}")
+        for flag, value in (("fsync", fsync), ("populate", populate)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} must be True or False, got {value!r}")
+        if root is not None and not isinstance(root, (str, os.PathLike)):
+            raise ConfigError(f"root must be a folder (a str or a path) or None, got {root!r}")
         self._default_root = root is None
         resolved = default_root(job_id, node) if root is None else Path(root)
         self._root = os.path.abspath(os.fspath(resolved))
