@@ -2,8 +2,9 @@
 
 A catalog lists versions (each rank's blob and what records say of it: size, base, whether it is
 committed), the records beside them (job record, writer generations, quarantined blobs, probes
-in a persistent job folder; manifest and identity in a node root) and, in a node root, the
-replicas the node keeps for ranks of other nodes. Scanning reads no blob, only small records;
+in a persistent job folder; manifest and identity in a node root), what killed writers left
+(temporary files, unfinished uploads: :mod:`tiercheck.catalog.leftovers`) and, in a node root,
+the replicas the node keeps for ranks of other nodes. Scanning reads no blob, only small records;
 :func:`tiercheck.catalog.read.inspect_blobs` reads blob headers into a catalog's entries.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tiercheck.catalog.base import LOCAL_TIER, REQUESTS, Location, LocationError
+from tiercheck.catalog.leftovers import find_leftovers
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import (
@@ -34,6 +36,7 @@ from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.worlds import world_of
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, FormatError, ManifestError, StorageError, TiercheckError
+from tiercheck.tiers.base import Leftover
 from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
@@ -247,6 +250,10 @@ class Catalog:
     identity_error: str | None = None
     #: The replicas the node keeps for ranks of other nodes (node roots), by job and rank.
     replicas: list[HeldReplicas] = field(default_factory=list)
+    #: What killed writers left (temporary files, unfinished uploads), each judged.
+    leftovers: list[Leftover] = field(default_factory=list)
+    #: Why the leftovers could not be listed.
+    leftovers_error: str | None = None
 
     @property
     def newest_commit(self) -> CommitRecord | None:
@@ -296,6 +303,8 @@ class Catalog:
             "identity": _record_json(self.identity),
             "identity_error": self.identity_error,
             "replicas": [r.to_json() for r in self.replicas],
+            "leftovers": [item.to_json() for item in self.leftovers],
+            "leftovers_error": self.leftovers_error,
         }
 
 
@@ -304,7 +313,7 @@ async def scan_location(opened: OpenLocation) -> Catalog:
 
     What every key is (:func:`_sort_keys`), then the records that describe the keys: ``COMMIT``
     records, the job record and newest writer generation (persistent job folders); the manifest,
-    identity and held replicas (node roots); and the blobs' sizes.
+    identity and held replicas (node roots); the blobs' sizes; and what killed writers left.
     """
     loc = opened.location
     try:
@@ -325,6 +334,10 @@ async def scan_location(opened: OpenLocation) -> Catalog:
         _apply_worlds(catalog)
         await _read_replicas(opened, catalog)
     await _fill_sizes(opened, catalog)
+    try:
+        catalog.leftovers = await find_leftovers(loc, opened.tier, catalog.newest_writer)
+    except (TiercheckError, OSError) as exc:
+        catalog.leftovers_error = f"{type(exc).__name__}: {exc}"
     return catalog
 
 

@@ -74,6 +74,12 @@ FINDING_CODES: Mapping[str, str] = {
     "not restored from it (warning)",
     "probe-leftover": "a probe object of an opening that did not finish (a crash while the job "
     "was opening, or one opening now; warning)",
+    "leftover": "a temporary file or unfinished upload whose writer is gone (a process killed "
+    "mid-write); never read, removed at the job's next opening or by `tiercheck gc` (warning)",
+    "leftover-kept": "a temporary file or unfinished upload whose writer may still be writing it "
+    "(it runs on this host, or cannot be judged from here yet); kept (warning)",
+    "leftovers-unlisted": "the location's temporary files or unfinished uploads could not be "
+    "listed (warning)",
 }
 
 
@@ -131,9 +137,10 @@ async def verify(
 
     The location's own records are checked too, whatever ``versions`` says: a job record, the
     newest writer generation or a node's identity that cannot be read, and a job record that
-    disagrees with the newest ``COMMIT`` record, are problems; a leftover probe object is a
-    warning. Every quarantined blob (of ``versions``, when given) is a warning; its copy is read
-    and checked to say why it was set aside.
+    disagrees with the newest ``COMMIT`` record, are problems; a leftover probe object, and
+    each temporary file or unfinished upload a killed writer left (with its size, age and
+    whether its writer is gone), are warnings. Every quarantined blob (of ``versions``, when
+    given) is a warning; its copy is read and checked to say why it was set aside.
     """
     progress = progress or NullProgress()
     chosen = sorted(catalog.versions) if versions is None else sorted(set(versions))
@@ -396,6 +403,26 @@ def _record_findings(catalog: Catalog) -> list[Finding]:
                     commit.version,
                 )
             )
+    for item in catalog.leftovers:
+        size = "?" if item.size is None else f"{item.size} bytes"
+        if item.removable:
+            message = (
+                f"{item.name} ({size}) was left by a writer that is gone: {item.why}. Never "
+                "read; the job's next opening or `tiercheck gc` removes it"
+            )
+        else:
+            message = f"{item.name} ({size}) may still be being written: {item.why}"
+        code = "leftover" if item.removable else "leftover-kept"
+        out.append(Finding("warning", code, message, item.name))
+    if catalog.leftovers_error is not None:
+        out.append(
+            Finding(
+                "warning",
+                "leftovers-unlisted",
+                f"temporary files and unfinished uploads cannot be listed: "
+                f"{catalog.leftovers_error}",
+            )
+        )
     for key in catalog.probes:
         out.append(
             Finding(

@@ -15,6 +15,7 @@ from tiercheck.cli.base import (
     UsageError,
     fmt_ratio,
     fmt_size,
+    leftover_line,
     plural,
     print_location_header,
     ranks_of,
@@ -68,6 +69,10 @@ async def run_ls(args: argparse.Namespace, console: Console) -> int:
                 f"{short(held.versions) or 'none'} "
                 f"({plural(held.blobs, 'blob')}, {fmt_size(held.size)})"
             )
+        for item in cat.leftovers:
+            console.line("  leftover " + leftover_line(item))
+        if cat.leftovers_error is not None:
+            console.line(f"  leftovers of killed writers cannot be listed: {cat.leftovers_error}")
     return EXIT_OK
 
 

@@ -25,6 +25,7 @@ from tiercheck.defaults import NodeRoot, persistent_job_url
 from tiercheck.engine.context import Context
 from tiercheck.engine.encode import Encoder
 from tiercheck.engine.jobs import Job, LaneResult
+from tiercheck.engine.leftovers import sweep_leftovers
 from tiercheck.engine.options import CloseMode, Options, TierEncoding
 from tiercheck.engine.read import Reader
 from tiercheck.engine.restore import Restorer
@@ -127,6 +128,9 @@ class Engine:
                 self.tiers.append(await asyncio.to_thread(build_tier, spec, setup))
         ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
         await ctx.claim.guard()
+        if ctx.topo.local_rank == 0:
+            # This opening now holds the job: what killed writers left can go.
+            await sweep_leftovers(ctx.claim.durable, ctx.session)
         if "peer" in cfg.tiers.specs:
             self.tiers.append(await asyncio.to_thread(build_tier, "peer", setup))
         names = [t.name for t in self.tiers]
