@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tiercheck import SyncCheckpointer
-from tiercheck.cli import EXIT_OK, main
+from tiercheck.cli import EXIT_OK, EXIT_PROBLEMS, main
 from tiercheck.tiers import atomic
 
 from .helpers import assert_state_equal
@@ -198,6 +198,12 @@ def test_a_writer_killed_mid_put_leaves_a_temporary_that_is_shown_then_removed(
         assert code == EXIT_OK
         assert doc["leftovers_removed"] == []
         assert _temps(job) == {live}  # its writer still runs
+        # A process of this host writing the job right now: rm-job refuses, deleting nothing.
+        before = sorted(p.name for p in job.rglob("*"))
+        code, doc = _cli("rm-job", job, "--job", JOB, "--yes")
+        assert code == EXIT_PROBLEMS
+        assert doc["error"]["type"] == "JobLocked"
+        assert sorted(p.name for p in job.rglob("*")) == before
     finally:
         holder.kill()
         holder.wait(timeout=60)

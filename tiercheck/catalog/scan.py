@@ -23,8 +23,10 @@ from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import (
     JOB_KEY,
     PROBE_PREFIX,
+    TOMBSTONE_KEY,
     JobRecord,
     NodeIdentity,
+    Tombstone,
     WriterRecord,
     parse_quarantine_key,
     parse_writer_key,
@@ -212,7 +214,9 @@ class HeldReplicas:
         }
 
 
-def _record_json(record: JobRecord | WriterRecord | NodeIdentity | None) -> dict[str, Any] | None:
+def _record_json(
+    record: JobRecord | WriterRecord | NodeIdentity | Tombstone | None,
+) -> dict[str, Any] | None:
     return None if record is None else json.loads(record.to_bytes())
 
 
@@ -244,6 +248,10 @@ class Catalog:
     quarantined: list[QuarantinedBlob] = field(default_factory=list)
     #: Probe objects left by an opening that did not finish (persistent job folders).
     probes: list[str] = field(default_factory=list)
+    #: What ``tiercheck rm-job`` deleted here (persistent job folders), when present and readable.
+    tombstone: Tombstone | None = None
+    #: Why a present tombstone could not be read.
+    tombstone_error: str | None = None
     #: The node's identity (node roots), when present and readable.
     identity: NodeIdentity | None = None
     #: Why a present identity file could not be read.
@@ -254,6 +262,10 @@ class Catalog:
     leftovers: list[Leftover] = field(default_factory=list)
     #: Why the leftovers could not be listed.
     leftovers_error: str | None = None
+    #: A node root's own records, relative to it (``manifest``, ``identity.json``,
+    #: ``locks/r<rank>.lock``), and whether it has a ``blobs/`` folder.
+    node_records: list[str] = field(default_factory=list)
+    has_blobs: bool = True
 
     @property
     def newest_commit(self) -> CommitRecord | None:
@@ -300,11 +312,14 @@ class Catalog:
             },
             "quarantined": [q.to_json() for q in self.quarantined],
             "probes": self.probes,
+            "tombstone": _record_json(self.tombstone),
+            "tombstone_error": self.tombstone_error,
             "identity": _record_json(self.identity),
             "identity_error": self.identity_error,
             "replicas": [r.to_json() for r in self.replicas],
             "leftovers": [item.to_json() for item in self.leftovers],
             "leftovers_error": self.leftovers_error,
+            "node_records": self.node_records,
         }
 
 
@@ -316,8 +331,12 @@ async def scan_location(opened: OpenLocation) -> Catalog:
     identity and held replicas (node roots); the blobs' sizes; and what killed writers left.
     """
     loc = opened.location
+    root = opened.node_root
     try:
-        keys = [key async for key in opened.tier.list("")]
+        if root is not None and not await asyncio.to_thread(root.blobs.is_dir):
+            keys = []  # only what an opening left (listing would make the folder)
+        else:
+            keys = [key async for key in opened.tier.list("")]
     except TiercheckError as exc:
         raise LocationError(f"cannot list the {loc.describe()}: {exc}") from exc
     catalog, commit_keys, has_job = _sort_keys(loc, keys)
@@ -326,9 +345,15 @@ async def scan_location(opened: OpenLocation) -> Catalog:
         await _read_commits(opened, catalog, commit_keys)
         if has_job:
             await _read_job_record(opened, catalog)
+        if TOMBSTONE_KEY in keys:
+            await _read_tombstone(opened, catalog)
         if catalog.writer_generations:
             await _read_newest_writer(opened, catalog)
     else:
+        assert root is not None
+        catalog.has_blobs = await asyncio.to_thread(root.blobs.is_dir)
+        records = await asyncio.to_thread(root.records)
+        catalog.node_records = [str(p.relative_to(root.path)) for p in records]
         await _read_manifest(opened, catalog)
         await _read_identity(opened, catalog)
         _apply_worlds(catalog)
@@ -377,6 +402,8 @@ def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[
         if persistent and key == JOB_KEY:
             has_job = True
             continue
+        if persistent and key == TOMBSTONE_KEY:
+            continue  # read by scan_location
         if persistent and (generation := parse_writer_key(key)) is not None:
             catalog.writer_generations.append(generation)
             continue
@@ -414,6 +441,13 @@ async def _read_job_record(opened: OpenLocation, catalog: Catalog) -> None:
         catalog.job_record = JobRecord.from_bytes(await _read_record(opened, JOB_KEY))
     except (FormatError, BlobNotFound, StorageError) as exc:
         catalog.job_record_error = f"{type(exc).__name__}: {exc}"
+
+
+async def _read_tombstone(opened: OpenLocation, catalog: Catalog) -> None:
+    try:
+        catalog.tombstone = Tombstone.from_bytes(await _read_record(opened, TOMBSTONE_KEY))
+    except (FormatError, BlobNotFound, StorageError) as exc:
+        catalog.tombstone_error = f"{type(exc).__name__}: {exc}"
 
 
 async def _read_newest_writer(opened: OpenLocation, catalog: Catalog) -> None:
@@ -543,7 +577,7 @@ async def _read_replicas(opened: OpenLocation, catalog: Catalog) -> None:
     if not await asyncio.to_thread(folder.is_dir):
         return
     held: dict[tuple[str, int], dict[str, int]] = {}  # (job, rank) -> key -> version
-    async with LocalTier(folder, spare_files=0, name="replicas") as tier:
+    async with LocalTier(folder, spare_files=0, name="replicas", sweep=False) as tier:
         try:
             keys = [key async for key in tier.list("")]
         except TiercheckError as exc:

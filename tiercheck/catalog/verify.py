@@ -14,7 +14,7 @@ from tiercheck.catalog.read import decode_blob
 from tiercheck.catalog.scan import BlobEntry, Catalog, QuarantinedBlob, VersionEntry
 from tiercheck.codec import BlobMeta
 from tiercheck.codec import verify as verify_blob
-from tiercheck.consistency.identity import JOB_KEY, writer_key
+from tiercheck.consistency.identity import JOB_KEY, TOMBSTONE_KEY, writer_key
 from tiercheck.consistency.keys import blob_key, commit_key, parse_blob_key
 from tiercheck.defaults import IDENTITY_FILE
 from tiercheck.errors import TiercheckError
@@ -70,6 +70,8 @@ FINDING_CODES: Mapping[str, str] = {
     "is not a valid record",
     "job-record-mismatch": "the job record disagrees with the newest COMMIT record (world size "
     "or job id)",
+    "deletion-unfinished": "the tombstone `tiercheck rm-job` left names the incarnation the job "
+    "record is of: the deletion did not finish (the job refuses to open: run rm-job again)",
     "quarantined": "a restore set a blob aside after it failed verification; the version was "
     "not restored from it (warning)",
     "probe-leftover": "a probe object of an opening that did not finish (a crash while the job "
@@ -380,11 +382,25 @@ def _record_findings(catalog: Catalog) -> list[Finding]:
             catalog.writer_error,
         ),
         (IDENTITY_FILE, catalog.identity_error),
+        (TOMBSTONE_KEY, catalog.tombstone_error),
     ]
     for key, error in unreadable:
         if error is not None:
             out.append(Finding("problem", "record-unreadable", f"{key}: {error}", key))
     job, commit = catalog.job_record, catalog.newest_commit
+    tombstone = catalog.tombstone
+    if job is not None and tombstone is not None and job.token in tombstone.tokens:
+        out.append(
+            Finding(
+                "problem",
+                "deletion-unfinished",
+                f"{TOMBSTONE_KEY} says `tiercheck rm-job` deleted incarnation {job.token[:8]}, yet "
+                f"{JOB_KEY} and what else is left here are of it: the deletion did not finish "
+                "(the job refuses to open here until it does). Run `tiercheck rm-job` on this "
+                "location again",
+                TOMBSTONE_KEY,
+            )
+        )
     if job is not None and commit is not None:
         diffs = []
         if job.world_size != commit.world_size:

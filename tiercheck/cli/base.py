@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -216,4 +217,15 @@ def print_location_header(console: Console, cat: Catalog) -> None:
         extra += ", " + plural(len(cat.probes), "leftover probe")
     if cat.leftovers:
         extra += ", " + plural(len(cat.leftovers), "killed writer's leftover")
+    if cat.tombstone_error is not None:
+        extra += ", tombstone unreadable"
     console.line(f"{loc.describe()}{extra}")
+    tomb = cat.tombstone
+    if tomb is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.time))
+        tokens = ", ".join(short_token(t) for t in tomb.tokens) or "unknown"
+        now = "" if cat.job_record is not None else "; nothing of it is stored here now"
+        console.line(
+            f"  deleted by `tiercheck rm-job` on {when} (incarnation {tokens}){now}: memory "
+            "of it that any node still holds is discarded, never restored, when the job opens"
+        )

@@ -63,6 +63,12 @@ async def run_ls(args: argparse.Namespace, console: Console) -> int:
                 console.line("  " + text)
         else:
             console.line("  (no versions)")
+        if cat.location.kind == "node" and not cat.has_blobs:
+            console.line(
+                "  no blobs/ folder: only what an opening of the job made before it failed or "
+                f"was killed ({', '.join(cat.node_records) or 'nothing'}); harmless, and "
+                "`tiercheck rm-job` removes it"
+            )
         for held in cat.replicas:
             console.line(
                 f"  peer replicas held for rank {held.rank} of job {held.job!r}: versions "

@@ -31,7 +31,9 @@ from tiercheck.errors import (
 from tiercheck.guard import (
     Fence,
     RankLock,
+    deletion_facts,
     discard_node_memory,
+    forget_deleted,
     node_holds_data,
     probe,
     read_identity,
@@ -67,6 +69,9 @@ class Claim:
         #: tiercheck.consistency.worlds); set by :meth:`judge`.
         self.stored_world = ctx.topo.world_size
         self.worlds: Spans = ()
+        #: Nodes whose memory belongs to an incarnation `tiercheck rm-job` deleted (set by
+        #: :meth:`judge`; discarded by :meth:`guard` whatever ``stale_memory`` says).
+        self.deleted_nodes: dict[int, str] = {}
 
     @property
     def world_changed(self) -> bool:
@@ -136,6 +141,8 @@ class Claim:
                 mine["job"] = await self._read_job_record(durable)
             except (TiercheckError, OSError) as exc:
                 mine["job_error"] = f"{type(exc).__name__}: {exc}"
+            if "job_error" not in mine:
+                mine.update(await deletion_facts(durable))  # what `tiercheck rm-job` deleted
         try:
             identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
             mine["identity"] = None if identity is None else identity.to_bytes().decode()
@@ -152,9 +159,10 @@ class Claim:
         # Past this point every rank may open: only now is anything written.
         if stale and topo.local_rank == 0 and topo.node_index in stale:
             logger.warning(
-                "tiercheck: discarding the memory of node %s at %s (stale_memory='discard'): %s",
+                "tiercheck: discarding the memory of node %s at %s%s: %s",
                 topo.node_index,
                 cfg.job.node_root,
+                "" if topo.node_index in self.deleted_nodes else " (stale_memory='discard')",
                 stale[topo.node_index],
             )
             await asyncio.to_thread(discard_node_memory, cfg.job.node_root)
@@ -270,6 +278,8 @@ class Claim:
         job = first.get("job")
         durable = self.durable
         here = location(durable[0]) if durable else None
+        # Memory of an incarnation `tiercheck rm-job` deleted is nobody's: out of the judging.
+        self.deleted_nodes = forget_deleted(identities, first, cfg.job.job_id, here)
         # Identities of nodes whose memory says it belongs to this job at this location.
         ours = {
             i.token: i
@@ -329,7 +339,7 @@ class Claim:
         self.stored_world = world_size
         self.worlds = worlds
         for n, identity in identities.items():
-            if n in stale:
+            if n in stale or n in self.deleted_nodes:
                 continue
             if identity is None:
                 if absent and nodes[n]["has_data"]:
@@ -353,6 +363,7 @@ class Claim:
                 "that memory, pass stale_memory='discard' (or delete the folder). Or use "
                 "another job_id. Nothing was changed."
             )
+        stale.update(self.deleted_nodes)
         return stale
 
     async def check(self, tier: Tier) -> None:

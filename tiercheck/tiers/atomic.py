@@ -79,6 +79,7 @@ __all__ = [
     "as_byte_view",
     "atomic_write",
     "create_temp",
+    "current_owner",
     "discard",
     "find_temps",
     "fsync_dir",
@@ -227,6 +228,11 @@ class TempOwner:
     def describe(self) -> str:
         """``pid 123 on host-a``, for messages."""
         return f"pid {self.pid} on {self.host}"
+
+
+def current_owner() -> TempOwner:
+    """This process, as :func:`temp_name` names it (for records that must say who wrote them)."""
+    return TempOwner(_HOST, os.getpid(), _own_start(), _KERNEL)
 
 
 def parse_temp_owner(name: str) -> TempOwner | None:

@@ -262,6 +262,11 @@ class PersistentTier(Tier):
         return self._url
 
     @property
+    def local_folder(self) -> str | None:
+        """The folder the blobs live in, on a local (or mounted) filesystem; else ``None``."""
+        return (self._base or "/") if self._local else None
+
+    @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The fsspec filesystem the blobs live in."""
         return self._fs
