@@ -123,10 +123,15 @@ def test_rm_job_removes_the_memory_on_this_node_and_the_job_starts_afresh(
         ckpt.save(0, state_of(100))
         ckpt.wait()
     assert "`tiercheck rm-job` deleted" in caplog.text
-    (deleted,) = Tombstone.from_bytes((durable / job_id / TOMBSTONE_KEY).read_bytes()).tokens
+    tombstone = Tombstone.from_bytes((durable / job_id / TOMBSTONE_KEY).read_bytes())
+    (deleted,) = tombstone.tokens
     code, doc = _cli("ls", durable / job_id)
     (loc,) = doc["locations"]
     assert loc["job_record"]["token"] != deleted
+    # Writer generations go on above the deleted ones: a writer of the deleted incarnation
+    # that still ran would see itself superseded, not take the new one over.
+    assert tombstone.generation == 1
+    assert loc["writers"]["newest"]["generation"] == 2
     assert [v["version"] for v in loc["versions"]] == [0]
     with SyncCheckpointer(job_id, persistent=durable.as_uri(), local_root=tmp_path / "n3") as ckpt:
         restored = ckpt.restore()
