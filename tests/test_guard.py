@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import JobLocked, StorageError, SyncCheckpointer
+from tiercheck import JobDeleted, JobLocked, StorageError, SyncCheckpointer
 from tiercheck.cli import EXIT_OK, main
-from tiercheck.guard import RankLock
+from tiercheck.consistency.identity import NodeIdentity
+from tiercheck.guard import RankLock, forget_deleted
 from tiercheck.testing import LocalGroup
 from tiercheck.tiers import atomic
 
@@ -188,3 +189,37 @@ def test_dead_writers_files_in_a_node_root_are_shown_and_removed(tmp_path: Path)
     code, doc = _cli("gc", node, "--keep", 5)
     assert [Path(i["name"]).name for i in doc["leftovers_removed"]] == [live.name]
     assert atomic.find_temps(str(node)) == []
+
+
+def test_which_memory_a_deletion_forgets() -> None:
+    """The opening's rule (tiercheck.guard.forget_deleted), case by case."""
+    here = "file:///d/job"
+
+    def ident(token: str, where: str = here, job: str = "job") -> NodeIdentity:
+        return NodeIdentity(job, token, 1, where)
+
+    def forgotten(facts: dict[str, Any], **nodes: NodeIdentity | None) -> set[str]:
+        identities = dict(enumerate(nodes.values()))
+        names = dict(enumerate(nodes))
+        gone = forget_deleted(identities, facts, "job", here)
+        assert all(identities[i] is None for i in gone)
+        return {names[i] for i in gone}
+
+    absent = {"state": "absent"}
+    tomb = {"deleted": ["old"], "tombstone": True}
+    assert forgotten({"deleted": [], "tombstone": False, "job": absent}, a=ident("old")) == set()
+    assert forgotten(
+        {**tomb, "job": absent},
+        deleted=ident("old"),
+        tokenless=ident("unknown"),  # names this location: deleted with it
+        elsewhere=ident("other", "file:///e/job"),
+        other_job=ident("old", job="other"),
+        empty=None,
+    ) == {"deleted", "tokenless"}
+    # A new incarnation started after the deletion: only the deleted tokens are forgotten.
+    new = {"state": "found", "token": "new"}
+    assert forgotten({**tomb, "job": new}, deleted=ident("old"), ours=ident("new")) == {"deleted"}
+    with pytest.raises(JobDeleted, match="did not finish"):
+        forgotten({**tomb, "job": {"state": "found", "token": "old"}}, a=ident("old"))
+    with pytest.raises(JobDeleted, match="without a job record"):
+        forgotten({**tomb, "job": {"state": "legacy", "world_size": 1}}, a=ident("old"))

@@ -441,19 +441,22 @@ async def write_tombstone(tier: Tier, record: Tombstone) -> None:
 async def deletion_facts(tiers: Sequence[Tier]) -> dict[str, Any]:
     """Rank 0, at opening: what the durable tiers' tombstones say, for :func:`forget_deleted`.
 
-    ``{"deleted": [tokens...]}`` -- the incarnations ``tiercheck rm-job`` deleted -- or, when a
-    tombstone cannot be read, ``{"job_error": why}`` (the opening then fails as for a job record
-    that cannot be read: whether memory may be restored cannot be told).
+    ``{"deleted": [tokens...], "tombstone": bool}`` -- the incarnations ``tiercheck rm-job``
+    deleted, and whether a tombstone is there at all -- or, when a tombstone cannot be read,
+    ``{"job_error": why}`` (the opening then fails as for a job record that cannot be read:
+    whether memory may be restored cannot be told).
     """
     tokens: list[str] = []
+    found = False
     for tier in tiers:
         try:
             tombstone = await read_tombstone(tier)
         except (TiercheckError, OSError) as exc:
             return {"job_error": f"its tombstone ({TOMBSTONE_KEY}) cannot be read: {exc}"}
         if tombstone is not None:
+            found = True
             tokens += [t for t in tombstone.tokens if t not in tokens]
-    return {"deleted": tokens}
+    return {"deleted": tokens, "tombstone": found}
 
 
 def forget_deleted(
@@ -465,17 +468,32 @@ def forget_deleted(
     """At opening: the nodes whose memory belongs to an incarnation ``tiercheck rm-job`` deleted.
 
     ``facts`` is rank 0's exchange (:func:`deletion_facts` and the job record's state, key
-    ``"job"``). Those nodes' identities are set to ``None`` in ``identities`` (their memory is
-    not this run's, nor anyone's: the user deleted it) and returned with the reason; the caller
-    discards that memory whatever ``stale_memory`` says, and starts the job afresh. A job record
-    that names a deleted incarnation means the deletion did not finish:
-    :class:`~tiercheck.errors.JobDeleted`, before anything is changed.
+    ``"job"``); ``where`` the durable location, as identities record it. A node's memory is of
+    a deleted incarnation when its identity names one of the tombstone's tokens -- or, while no
+    new incarnation has started there since (a tombstone, no job record), when it names this
+    job at ``where`` at all (a job record that was unreadable or missing when ``rm-job`` ran
+    left no token to name). Those nodes' identities are set to ``None`` in ``identities``
+    (their memory is not this run's, nor anyone's: the user deleted it) and returned with the
+    reason; the caller discards that memory whatever ``stale_memory`` says, and starts the job
+    afresh. A job record that names a deleted incarnation means the deletion did not finish, and
+    ``COMMIT`` records without a job record mean a run of the deleted job wrote after it:
+    :class:`~tiercheck.errors.JobDeleted` for both, before anything is changed.
     """
     tokens = set(facts.get("deleted") or ())
-    if not tokens:
+    if not facts.get("tombstone"):
         return {}
     job = facts.get("job") or {}
-    if job.get("state") == "found" and job.get("token") in tokens:
+    since_deleted = job.get("state") != "found"
+    if job.get("state") == "legacy":
+        # COMMIT records without a job record, after a deletion: written by a run of the
+        # deleted incarnation that was still writing (or a deletion cut short): not this run's.
+        raise JobDeleted(
+            f"job {job_id!r} at {where} was deleted by `tiercheck rm-job`, but versions were "
+            "stored there since without a job record (a run of the deleted job still writing "
+            f"when it was deleted?). Run `tiercheck rm-job {where} --job {job_id} --yes` again "
+            "to remove them, then start the job. Nothing was changed."
+        )
+    if not since_deleted and job.get("token") in tokens:
         raise JobDeleted(
             f"job {job_id!r} at {where} was deleted by `tiercheck rm-job` (incarnation "
             f"{str(job['token'])[:8]}), but its job record is still there: the deletion did not "
@@ -484,7 +502,9 @@ def forget_deleted(
         )
     gone: dict[int, str] = {}
     for node, identity in identities.items():
-        if identity is not None and identity.job_id == job_id and identity.token in tokens:
+        if identity is None or identity.job_id != job_id:
+            continue
+        if identity.token in tokens or (since_deleted and identity.persistent == where):
             identities[node] = None
             gone[node] = (
                 f"it holds incarnation {identity.token[:8]} of job {job_id!r}, which "
