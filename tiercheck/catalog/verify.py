@@ -421,6 +421,9 @@ def _record_findings(catalog: Catalog) -> list[Finding]:
             )
     for item in catalog.leftovers:
         size = "?" if item.size is None else f"{item.size} bytes"
+        if item.age is not None:
+            when = "last changed" if item.kind == "temporary" else "started"
+            size += f", {when} {item.age:.0f} s ago"
         if item.removable:
             message = (
                 f"{item.name} ({size}) was left by a writer that is gone: {item.why}. Never "
