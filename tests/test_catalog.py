@@ -22,7 +22,9 @@ from tiercheck.catalog import (
 )
 from tiercheck.consistency.identity import (
     JOB_KEY,
+    TOMBSTONE_KEY,
     JobRecord,
+    Tombstone,
     WriterRecord,
     probe_key,
     quarantine_key,
@@ -140,3 +142,40 @@ async def test_apply_gc_refuses_a_plan_naming_other_keys(
             await apply_gc(opened, plan)
     assert (job / key).is_file()
     assert (job / doomed).is_file()  # refused whole, before any removal
+
+
+async def test_a_deleted_jobs_folder_is_still_a_location_and_says_so(tmp_path: Path) -> None:
+    """rm-job leaves a tombstone: the folder is listed (as deleted), never forgotten, and one
+    whose job record names a deleted incarnation is a problem (the deletion did not finish)."""
+    job = tmp_path / "job"
+    tomb = Tombstone("job").deleting(["t0k3n"], 4, when=1.0, host="h", pid=7)
+    _touch(job / TOMBSTONE_KEY, tomb.to_bytes())
+    (loc,) = await find_locations(str(tmp_path))
+    assert (loc.kind, loc.job) == ("persistent", "job")
+    async with OpenLocation(loc) as opened:
+        catalog = await opened.scan()
+        report = await verify(opened, catalog)
+    assert catalog.tombstone == tomb
+    assert catalog.foreign == []
+    assert report.findings == []
+    _touch(job / JOB_KEY, JobRecord("job", "t0k3n", 1).to_bytes())
+    async with OpenLocation(loc) as opened:
+        report = await verify(opened, await opened.scan())
+    assert [(f.code, f.key) for f in report.problems] == [("deletion-unfinished", TOMBSTONE_KEY)]
+    _touch(job / TOMBSTONE_KEY, b"not json")
+    async with OpenLocation(loc) as opened:
+        catalog = await opened.scan()
+        report = await verify(opened, catalog)
+    assert catalog.tombstone is None
+    assert [(f.code, f.key) for f in report.problems] == [("record-unreadable", TOMBSTONE_KEY)]
+
+
+def test_a_tombstone_remembers_every_deletion() -> None:
+    first = Tombstone("job").deleting(["a", "b", "a"], 3, when=1.0, host="h", pid=1)
+    assert (first.tokens, first.generation) == (("a", "b"), 3)
+    second = first.deleting(["c", "b"], None, when=2.0, host="h", pid=2)
+    assert (second.tokens, second.generation, second.time) == (("a", "b", "c"), 3, 2.0)
+    assert Tombstone.from_bytes(second.to_bytes()) == second
+    many = Tombstone("job").deleting([f"t{i}" for i in range(100)], 1, when=0, host="", pid=0)
+    assert many.tokens[-1] == "t99"
+    assert len(many.tokens) == 64

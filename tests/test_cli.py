@@ -51,6 +51,7 @@ from tiercheck.consistency.identity import (
     IDENTITY_FILE,
     JOB_KEY,
     LOCKS_DIR,
+    TOMBSTONE_KEY,
     JobRecord,
     NodeIdentity,
     WriterRecord,
@@ -1119,12 +1120,24 @@ def test_rm_job_deletes_the_job_everywhere_and_nothing_else(stored: Stored, run:
     assert ran.code == EXIT_OK
     assert ran.json()["deleted"] is True
     assert not stored.node.exists()
-    assert _files(stored.job) == {"notes.txt"}
+    # The tombstone stays: memory of the deleted incarnation is never restored.
+    assert _files(stored.job) == {"notes.txt", TOMBSTONE_KEY}
     assert _files(stored.durable / "other") == others
     left = run("ls", stored.root, "--json")
-    assert [(loc["tier"], loc["job"]) for loc in left.json()["locations"]] == [
-        ("persistent", "other")
-    ]
+    listed = {(loc["tier"], loc["job"]): loc for loc in left.json()["locations"]}
+    assert sorted(listed) == [("persistent", "job"), ("persistent", "other")]
+    deleted = listed[("persistent", "job")]
+    assert deleted["versions"] == []
+    assert deleted["job_record"] is None
+    assert deleted["tombstone"]["tokens"] == [plans_token(ran)]
+    assert "deleted by `tiercheck rm-job`" in run("ls", stored.job).out
+
+
+def plans_token(ran: Ran) -> str:
+    """The incarnation an rm-job run deleted (from its persistent plan)."""
+    (plan,) = [p for p in ran.json()["locations"] if p["tier"] == "persistent"]
+    (token,) = plan["incarnations"]
+    return str(token)
 
 
 def test_rm_job_refuses_while_a_writer_holds_the_lock(stored: Stored, run: Any) -> None:
@@ -1139,7 +1152,7 @@ def test_rm_job_refuses_while_a_writer_holds_the_lock(stored: Stored, run: Any) 
         assert _files(stored.root) == before  # neither the node root nor the persistent job
     assert run("rm-job", stored.root, "--job", JOB, "--yes").code == EXIT_OK
     assert not stored.node.exists()
-    assert not stored.job.exists()
+    assert _files(stored.job) == {TOMBSTONE_KEY}
 
 
 def test_rm_job_asks_on_a_terminal(stored: Stored) -> None:
@@ -1167,7 +1180,7 @@ def test_rm_job_asks_on_a_terminal(stored: Stored) -> None:
     assert stored.job.is_dir()
     deleted = answer(JOB)
     assert deleted.returncode == EXIT_OK, deleted.stderr
-    assert not stored.job.exists()
+    assert _files(stored.job) == {TOMBSTONE_KEY}
     assert stored.node.is_dir()  # the location named was the job folder only
 
 
@@ -1193,7 +1206,8 @@ def test_rm_job_of_a_remote_location(run: Any, tmp_path: Path) -> None:
         ran = run("rm-job", url, "--job", JOB, "--yes")
         assert ran.code == EXIT_OK, ran.err
         assert "cannot tell whether a run is writing there" in ran.out
-        assert fsspec.filesystem("memory").find(f"/tiercheck-rm-job-test/{JOB}") == []
+        left = fsspec.filesystem("memory").find(f"/tiercheck-rm-job-test/{JOB}")
+        assert left == [f"/tiercheck-rm-job-test/{JOB}/{TOMBSTONE_KEY}"]
     finally:
         memory = fsspec.filesystem("memory")
         if memory.exists("/tiercheck-rm-job-test"):

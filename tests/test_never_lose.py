@@ -468,13 +468,17 @@ def test_a_damaged_job_record_names_the_repair_and_the_repair_loses_no_version(
     assert stored_files(tmp_path) == before
     assert cli(["repair-job", (tmp_path / "durable").as_uri(), "--job", "job"]) == 0
     assert "set aside as quarantine/JOB." in capsys.readouterr().out
-    assert not record.exists()
+    repaired = JobRecord.from_bytes(record.read_bytes())
+    assert repaired.repaired
+    assert (repaired.world_size, repaired.worlds) == (2, ())
     assert stored_files(tmp_path) == before  # no version, no COMMIT record touched
     (kept,) = list((tmp_path / "durable" / "job" / "quarantine").glob("JOB.*"))
     assert kept.read_bytes().endswith(b'"tok')
     # The next opening writes the record anew, with the token the nodes' memory names.
     assert_restores(tmp_path, 2, 4)
-    assert JobRecord.from_bytes(record.read_bytes()).token == token
+    rewritten = JobRecord.from_bytes(record.read_bytes())
+    assert rewritten.token == token
+    assert not rewritten.repaired
     assert cli(["repair-job", (tmp_path / "durable").as_uri(), "--job", "job"]) == 0
     assert "is fine" in capsys.readouterr().out
     # Damaged again, and this time the cluster's memory is gone too.

@@ -228,6 +228,22 @@ class TimelineMachine(RuleBasedStateMachine):
         # A version commits in a tier for every rank at once: rank 0's handles say.
         self.durable.update((me, h.version) for h in handles if h.committed("persistent"))
 
+    @rule(wipe=st.booleans())
+    def damage_the_job_record_and_repair_it(self, wipe: bool) -> None:
+        """An operator's slip tears the job record; `tiercheck repair-job` rebuilds it from the
+        COMMIT records (the next run's checks then hold as before), maybe with the memory gone
+        too."""
+        from tiercheck.cli import main as cli
+
+        record = self.root / "durable" / "job" / "JOB"
+        if not record.exists():
+            return
+        record.write_bytes(record.read_bytes()[:17])
+        if wipe:
+            shutil.rmtree(self.root / "node", ignore_errors=True)
+        assert cli(["repair-job", (self.root / "durable").as_uri(), "--job", "job"]) == 0
+        self._note(f"job record torn and repaired (memory wiped: {wipe})")
+
     @invariant()
     def abandoned_sets_are_whole(self) -> None:
         """Every set a going-back left, with its SET record, holds a COMMIT record and every
@@ -246,7 +262,7 @@ class TimelineMachine(RuleBasedStateMachine):
 
 
 TestTimelines = TimelineMachine.TestCase
-TestTimelines.settings = settings(max_examples=12, stateful_step_count=7, deadline=None)
+TestTimelines.settings = settings(max_examples=50, stateful_step_count=8, deadline=None)
 
 
 REPORTED = textwrap.dedent(

@@ -237,3 +237,17 @@ class NodeRoot:
     def looks_like_one(self) -> bool:
         """Whether the folder holds ``blobs/`` and ``manifest/``, as every node root does."""
         return self.blobs.is_dir() and self.manifest.is_dir()
+
+    def records(self) -> list[Path]:
+        """What of a node root's own records the folder holds: ``manifest/``, ``identity.json``
+        and writer lock files (an opening makes them before any blob; one that was killed, or
+        an older release's that failed, may have left nothing else)."""
+        found = [p for p in (self.manifest, self.identity) if p.exists()]
+        if self.locks.is_dir():
+            found += sorted(p for p in self.locks.iterdir() if self.lock_rank(p.name) is not None)
+        return found
+
+    def is_one(self) -> bool:
+        """Whether the folder is a node root: it looks like one, or holds ``blobs/`` or any of
+        its :meth:`records` (what a failed or killed opening leaves)."""
+        return self.looks_like_one() or self.blobs.is_dir() or bool(self.records())

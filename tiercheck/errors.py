@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "FormatError",
     "InvalidKey",
+    "JobDeleted",
     "JobLocked",
     "ManifestError",
     "PeerUnavailable",
@@ -166,6 +167,11 @@ class WorldSizeMismatch(ConfigError):
 
 class JobLocked(ConfigError):
     """Another live process already writes this job as this rank on this node."""
+
+
+class JobDeleted(ConfigError):
+    """The job's durable location says ``tiercheck rm-job`` deleted this incarnation, yet its
+    job record is still there: the deletion did not finish (run it again)."""
 
 
 class StaleMemory(ConfigError):

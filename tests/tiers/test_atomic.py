@@ -139,3 +139,54 @@ def test_as_byte_view_flattens_without_copying() -> None:
         atomic.as_byte_view(memoryview(data)[::2])
     with pytest.raises(TypeError):
         atomic.as_byte_view(3)
+
+
+def test_temp_names_record_the_writer_its_start_and_a_tag() -> None:
+    """A name says who wrote it well enough to survive pid reuse and pid namespaces; names of
+    earlier releases (host and pid only) are still read."""
+    name = atomic.temp_name("sess-1")
+    owner = atomic.parse_temp_owner(name)
+    assert owner is not None
+    me = atomic.current_owner()
+    assert (owner.host, owner.pid, owner.start, owner.kernel, owner.tag) == (
+        me.host,
+        os.getpid(),
+        atomic.process_start(os.getpid()),
+        me.kernel,
+        "sess-1",
+    )
+    assert atomic.process_verdict(owner)[0] == "live"
+    assert atomic.parse_temp_owner(atomic.temp_name()).tag is None  # type: ignore[union-attr]
+    assert atomic.parse_temp_owner(".tiercheck#tmp#h#123#abcdef") == atomic.TempOwner("h", 123)
+    for bad in (".tiercheck#tmp#h#1-2-zz#t", ".tiercheck#tmp#h#1#t#bad tag", ".tiercheck#tmp##1#t"):
+        assert atomic.parse_temp_owner(bad) is None
+    with pytest.raises(ValueError, match="tag"):
+        atomic.temp_name("not a tag")
+
+
+def test_a_reused_pid_does_not_keep_a_dead_writers_file_alive() -> None:
+    """Same host and kernel, the pid runs, but it started at another time: another process."""
+    me = atomic.current_owner()
+    assert me.start
+    reused = atomic.TempOwner(me.host, me.pid, me.start + 1, me.kernel)
+    assert atomic.process_verdict(reused)[0] == "dead"
+    elsewhere = atomic.TempOwner(me.host, me.pid, me.start, "ffffffff")
+    assert atomic.process_verdict(elsewhere)[0] == "unknown"  # another pid namespace or boot
+    assert atomic.process_verdict(atomic.TempOwner("other-host", me.pid))[0] == "unknown"
+    assert not atomic.owned_by_dead_process(atomic.temp_name())
+
+
+def test_find_temps_lists_temporary_files_at_any_depth(tmp_path: Path) -> None:
+    (tmp_path / "v1" / ".tiercheck#spares").mkdir(parents=True)
+    names = [
+        tmp_path / "v1" / atomic.temp_name(),
+        tmp_path / "v1" / ".tiercheck#spares" / atomic.temp_name(),
+        tmp_path / atomic.temp_name("t"),
+    ]
+    for path in names:
+        path.write_bytes(b"abc")
+    (tmp_path / "v1" / "r00000.full").write_bytes(b"blob")
+    found = atomic.find_temps(str(tmp_path))
+    assert sorted(t.path for t in found) == sorted(str(p) for p in names)
+    assert all(t.size == 3 for t in found)
+    assert atomic.find_temps(str(tmp_path / "missing")) == []

@@ -8,7 +8,12 @@ import errno
 import importlib.util
 import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +21,14 @@ from typing import Any, ClassVar
 
 import fsspec
 import pytest
+import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import settings
 
 from tiercheck.errors import BlobNotFound, ConfigError, StorageError
 from tiercheck.testing import TierStateMachine
 from tiercheck.tiers import PersistentTier, RetryPolicy, Tier, atomic, persistent
+from tiercheck.tiers.base import WriterClaim
 from tiercheck.tiers.persistent import is_transient
 
 from .conftest import S3Server
@@ -489,3 +496,245 @@ FileURLMachine.TestCase.settings = settings(stateful_step_count=25)
 MemoryURLMachine.TestCase.settings = settings(stateful_step_count=25)
 TestFileURLMachine = FileURLMachine.TestCase
 TestMemoryURLMachine = MemoryURLMachine.TestCase
+
+
+# --- leftovers of killed writers ----------------------------------------------------------------
+
+
+def _temp_named(folder: Path, name: str, *, age: float, size: int = 64) -> Path:
+    """A temporary file named ``name``, last changed ``age`` seconds ago (what a writer left)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_bytes(b"x" * size)
+    then = time.time() - age
+    os.utime(path, (then, then))
+    return path
+
+
+def _pid_of(done: subprocess.CompletedProcess[bytes]) -> int:
+    """The pid a finished process had (gone now: nothing runs under it in this test's time)."""
+    pid = int(done.stdout) if done.stdout else 0
+    assert pid > 0
+    return pid
+
+
+def _name(host: str, pid: int, start: int, kernel: str, tag: str | None = None) -> str:
+    name = f".tiercheck#tmp#{host}#{pid}-{start}-{kernel}#{uuid.uuid4().hex[:16]}"
+    return name if tag is None else f"{name}#{tag}"
+
+
+async def test_leftovers_of_writers_this_host_cannot_judge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another host's files go only once their writer is superseded *and* they stopped changing
+    an hour ago; the current writer's files and recently changed ones are always kept."""
+    stale = persistent.STALE_AFTER
+    folder = tmp_path / "job" / "v000000000003"
+    other = "another-host"
+    current = WriterClaim("cur", time.time() - 2 * stale)
+    files = {
+        # tag == the current writer's session: kept, however old.
+        "current": _temp_named(folder, _name(other, 11, 5, "ab", "cur"), age=3 * stale),
+        # a superseded writer's, unchanged for two hours: dead.
+        "superseded-old": _temp_named(folder, _name(other, 12, 5, "ab", "old"), age=2 * stale),
+        # a superseded writer's that changed ten minutes ago: kept (it may still be writing).
+        "superseded-recent": _temp_named(folder, _name(other, 13, 5, "ab", "old"), age=600),
+        # an untagged name of an earlier release, last written before the current writer came.
+        "untagged-before": _temp_named(
+            folder, f".tiercheck#tmp#{other}#14#{uuid.uuid4().hex[:16]}", age=3 * stale
+        ),
+        # one written after the current writer opened the job: it may be the current writer's.
+        "untagged-after": _temp_named(
+            folder, f".tiercheck#tmp#{other}#15#{uuid.uuid4().hex[:16]}", age=1.5 * stale
+        ),
+        # this host's name, another pid namespace or boot: a pid means nothing; by the rule.
+        "other-kernel": _temp_named(
+            folder, _name(socket.gethostname(), os.getpid(), 5, "ffffffff", "old"), age=2 * stale
+        ),
+    }
+    tier = PersistentTier(tmp_path / "job")
+    found = {Path(item.name).name: item for item in await tier.leftovers(current)}
+    verdicts = {what: found[path.name].verdict for what, path in files.items()}
+    assert verdicts == {
+        "current": "unknown",
+        "superseded-old": "dead",
+        "superseded-recent": "unknown",
+        "untagged-before": "dead",
+        "untagged-after": "unknown",
+        "other-kernel": "dead",
+    }
+    assert all(found[p.name].size == 64 for p in files.values())
+    assert (
+        found[files["superseded-old"].name].name == f"v000000000003/{files['superseded-old'].name}"
+    )
+
+    # Judged again at removal: a file that changed meanwhile stays.
+    os.utime(files["untagged-before"])
+    removed = await tier.remove_leftovers(list(found.values()), current)
+    assert {Path(item.name).name for item in removed} == {
+        files["superseded-old"].name,
+        files["other-kernel"].name,
+    }
+    left = {p.name for p in folder.iterdir()}
+    assert left == {
+        p.name for what, p in files.items() if what not in ("superseded-old", "other-kernel")
+    }
+
+    # Without a known writer (no writer generation), age alone decides.
+    orphans = {Path(i.name).name: i.verdict for i in await tier.leftovers(None)}
+    assert orphans[files["current"].name] == "dead"
+    assert orphans[files["superseded-recent"].name] == "unknown"
+    await tier.aclose()
+
+
+async def test_leftovers_of_this_hosts_writers_are_judged_by_their_process(tmp_path: Path) -> None:
+    """A running process's file is never removed, however old and superseded; a dead one's
+    goes at once; a reused pid (same pid, another start time) does not keep a file alive."""
+    folder = tmp_path / "job" / "v000000000001"
+    host = socket.gethostname()
+    me = os.getpid()
+    start = atomic.process_start(me)
+    assert start is not None
+    kernel = atomic.parse_temp_owner(atomic.temp_name()).kernel  # type: ignore[union-attr]
+    assert kernel is not None
+    gone = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+    )
+    files = {
+        "live": _temp_named(folder, _name(host, me, start, kernel, "old"), age=10**6),
+        "dead": _temp_named(folder, _name(host, _pid_of(gone), 1, kernel, "cur"), age=0),
+        "reused": _temp_named(folder, _name(host, me, start + 1, kernel, "cur"), age=0),
+    }
+    tier = PersistentTier(tmp_path / "job", stale_after=0)
+    writer = WriterClaim("cur", time.time())
+    found = {Path(i.name).name: i for i in await tier.leftovers(writer)}
+    assert {w: found[p.name].verdict for w, p in files.items()} == {
+        "live": "live",
+        "dead": "dead",
+        "reused": "dead",
+    }
+    assert f"pid {me}" in found[files["live"].name].why
+    removed = await tier.remove_leftovers(list(found.values()), writer)
+    assert len(removed) == 2
+    assert [p.name for p in folder.iterdir()] == [files["live"].name]
+    await tier.aclose()
+
+
+async def test_puts_name_their_temporary_files_after_the_writer(tmp_path: Path) -> None:
+    """A tier built with a writer tag writes it into its temporary names (and refuses a bad one)."""
+    seen: list[str] = []
+    real = atomic.create_temp
+
+    def spy(directory: str, **kwargs: Any) -> tuple[int, str]:
+        fd, path = real(directory, **kwargs)
+        seen.append(os.path.basename(path))
+        return fd, path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(atomic, "create_temp", spy)
+        async with PersistentTier(tmp_path, writer_tag="sess-1") as tier:
+            await tier.put("v000000000000/r00000.packed", b"blob")
+    (name,) = seen
+    owner = atomic.parse_temp_owner(name)
+    assert owner is not None
+    assert (owner.tag, owner.pid) == ("sess-1", os.getpid())
+    with pytest.raises(ConfigError):
+        PersistentTier(tmp_path, writer_tag="not a tag!")
+
+
+S3_KILLED = r"""
+import os, signal, sys
+import s3fs, torch
+import tiercheck
+
+url, local_root, options = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+real = s3fs.S3FileSystem._call_s3
+
+async def dies_after_one_part(self, method, *args, **kwargs):
+    out = await real(self, method, *args, **kwargs)
+    if method == "upload_part":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+s3fs.S3FileSystem._call_s3 = dies_after_one_part
+g = torch.Generator().manual_seed(1)
+state = {"b": torch.randint(0, 256, (101 << 20,), dtype=torch.uint8, generator=g)}
+with tiercheck.SyncCheckpointer(
+    "up", local_root=local_root, persistent=url, storage_options=options
+) as ckpt:
+    ckpt.restore()
+    ckpt.save(1, state)
+    ckpt.wait()
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+async def test_s3_upload_killed_midway_is_listed_and_aborted_once_superseded(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """s3fs uploads a blob of 100 MiB or more in parts; a process SIGKILLed between parts leaves
+    an unfinished upload: unlisted, yet stored. The tier lists it, keeps it while its writer
+    may be the current one, and aborts it once a newer opening superseded that writer."""
+    boto3 = pytest.importorskip("boto3")
+    url = s3_server.url()
+    options = s3_server.storage_options
+    from tiercheck import SyncCheckpointer
+
+    with SyncCheckpointer(
+        "up", local_root=tmp_path / "a", persistent=url, storage_options=options
+    ) as c:
+        c.save(0, {"b": torch.zeros(16)})
+        c.wait()
+    killed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", S3_KILLED, url, str(tmp_path / "b"), repr(options)],
+        check=False,
+        capture_output=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1")
+    prefix = url.removeprefix(f"s3://{s3_server.bucket}/") + "/up/"
+    (upload,) = client.list_multipart_uploads(Bucket=s3_server.bucket, Prefix=prefix)["Uploads"]
+    assert upload["Key"] == f"{prefix}v000000000001/r00000.packed"
+
+    tier = PersistentTier(f"{url}/up", storage_options=options, stale_after=0)
+    monkeypatch.setattr(persistent, "CLOCK_SKEW", 0.0)
+    # The writer that started it is (as far as anyone can tell) the current one: kept. (The
+    # times are relative to the upload's start as the server states it; moto states a fixed
+    # date.)
+    started = upload["Initiated"].timestamp()
+    (item,) = await tier.leftovers(WriterClaim("the-killed-one", started - 5))
+    assert (item.kind, item.name, item.verdict) == (
+        "upload",
+        "v000000000001/r00000.packed",
+        "unknown",
+    )
+    # Stored, yet listed nowhere: the parts uploaded before the kill (the smallest, the last
+    # one, finishes first).
+    assert item.size is not None
+    assert 0 < item.size < 101 << 20
+    assert await tier.remove_leftovers([item], WriterClaim("the-killed-one", started - 5)) == []
+    # A newer opening claimed the job after it started: its writer is superseded.
+    newer = WriterClaim("newer", started + 5)
+    (item,) = await tier.leftovers(newer)
+    assert item.verdict == "dead"
+    assert len(await tier.remove_leftovers([item], newer)) == 1
+    assert (
+        client.list_multipart_uploads(Bucket=s3_server.bucket, Prefix=prefix).get("Uploads", [])
+        == []
+    )
+    await tier.aclose()
+    client.close()
+    # The job restores its newest version whole.
+    with SyncCheckpointer(
+        "up", local_root=tmp_path / "c", persistent=url, storage_options=options
+    ) as c:
+        restored = c.restore()
+        assert restored is not None
+        assert restored.version == 0

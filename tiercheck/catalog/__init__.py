@@ -6,8 +6,9 @@ for training code. It works on *locations*, each one tier's view of one job:
 * a **persistent job folder** -- ``<url>/<job_id>/`` of a :class:`~tiercheck.tiers.PersistentTier`
   (``file://``, a plain path, ``s3://``, ``memory://``...): ``packed`` blobs and ``COMMIT``
   records, and beside them the job record (``JOB``), the writer generations (``writers/g...``),
-  blobs a restore set aside (``quarantine/<original key>``) and, after a crash while the job was
-  opening, leftover probe objects (``probe/...``) -- see :mod:`tiercheck.consistency.identity`;
+  blobs a restore set aside (``quarantine/<original key>``), after a crash while the job was
+  opening, leftover probe objects (``probe/...``), and once ``tiercheck rm-job`` deleted the job,
+  its tombstone (``DELETED``) -- see :mod:`tiercheck.consistency.identity`;
 * a **node root** -- ``/dev/shm/tiercheck/<job>/<node>/`` (any folder holding ``blobs/`` and
   ``manifest/``; the layout is :class:`tiercheck.defaults.NodeRoot`): the node's
   :class:`~tiercheck.tiers.LocalTier` (``blobs/``, usually ``full`` blobs, possibly
@@ -33,7 +34,12 @@ One module per step, in the order a command takes them:
 * :mod:`~tiercheck.catalog.gc` -- :func:`plan_gc` / :func:`apply_gc` apply retention, which never
   removes the job record, a writer generation, a probe object or the identity file;
 * :mod:`~tiercheck.catalog.remove` -- :func:`plan_job_removal` / :func:`remove_job` delete a
-  whole job, records included, refusing while a writer holds the job's lock in a node root.
+  whole job, records included (leaving a tombstone in a persistent job folder), refusing while a
+  writer holds the job's lock in a node root; :func:`job_memory` finds the job's memory on this
+  node;
+* :mod:`~tiercheck.catalog.leftovers` -- what killed writers left (temporary files, unfinished
+  uploads), listed with every location and removed by ``gc`` and ``rm-job`` once its writer is
+  gone.
 
 :mod:`~tiercheck.catalog.base` holds what they share (:class:`Location`, :class:`Progress`).
 All tier I/O goes through the async :class:`~tiercheck.tiers.Tier` API; hashing, decoding, the
@@ -53,7 +59,13 @@ from tiercheck.catalog.export import EXPORT_MODE, ExportResult, export, safetens
 from tiercheck.catalog.gc import GcPlan, apply_gc, plan_gc
 from tiercheck.catalog.locate import OpenLocation, default_search_paths, find_locations
 from tiercheck.catalog.read import inspect_blobs
-from tiercheck.catalog.remove import JobRemoval, check_no_writer, plan_job_removal, remove_job
+from tiercheck.catalog.remove import (
+    JobRemoval,
+    check_no_writer,
+    job_memory,
+    plan_job_removal,
+    remove_job,
+)
 from tiercheck.catalog.scan import (
     BlobEntry,
     BlobKindName,
@@ -90,6 +102,7 @@ __all__ = [
     "export",
     "find_locations",
     "inspect_blobs",
+    "job_memory",
     "plan_gc",
     "plan_job_removal",
     "remove_job",

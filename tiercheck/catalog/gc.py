@@ -2,7 +2,8 @@
 
 The rule is the checkpointer's own (:func:`tiercheck.consistency.retention.evictable`): keep the
 newest committed versions and the bases their deltas need. Only versions' blobs, ``COMMIT``
-records and (when asked) quarantined blobs are ever removed.
+records, (when asked) quarantined blobs, and what killed writers left whose writer is gone
+(temporary files, unfinished uploads: :mod:`tiercheck.catalog.leftovers`) are ever removed.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercheck.catalog.base import LOCAL_TIER, REQUESTS, Location, NullProgress, Progress
+from tiercheck.catalog.leftovers import remove_leftovers
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.read import inspect_blobs
 from tiercheck.catalog.scan import Catalog
-from tiercheck.consistency.identity import parse_quarantine_key
+from tiercheck.consistency.identity import WriterRecord, parse_quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, parse_commit_key
 from tiercheck.consistency.manifest import Evict
 from tiercheck.consistency.retention import evictable
 from tiercheck.errors import ConfigError, StorageError
+from tiercheck.tiers.base import Leftover
 
 __all__ = ["GcPlan", "apply_gc", "plan_gc"]
 
@@ -46,6 +49,14 @@ class GcPlan:
     quarantine_keys: list[str] = field(default_factory=list)
     #: Quarantined blobs kept (all of them without ``purge_quarantine``).
     quarantine_kept: list[str] = field(default_factory=list)
+    #: What killed writers left whose writer is gone: removed (judged again first).
+    leftovers: list[Leftover] = field(default_factory=list)
+    #: What writers left that may still be being written: kept.
+    leftovers_kept: list[Leftover] = field(default_factory=list)
+    #: The leftovers actually removed by :func:`apply_gc` (judged again right before).
+    leftovers_removed: list[Leftover] = field(default_factory=list)
+    #: The job's current writer, against which the leftovers are judged.
+    writer: WriterRecord | None = field(default=None, compare=False)
 
     @property
     def removed_versions(self) -> list[int]:
@@ -68,6 +79,9 @@ class GcPlan:
             "purge_quarantine": self.purge_quarantine,
             "quarantine_keys": self.quarantine_keys,
             "quarantine_kept": self.quarantine_kept,
+            "leftovers": [item.to_json() for item in self.leftovers],
+            "leftovers_kept": [item.to_json() for item in self.leftovers_kept],
+            "leftovers_removed": [item.to_json() for item in self.leftovers_removed],
         }
 
 
@@ -84,8 +98,9 @@ async def plan_gc(
     means "has every rank's blob".
 
     Quarantined blobs stay for inspection unless ``purge_quarantine`` (then all of them go).
-    The job record, writer generations, probe objects and a node's ``identity.json`` are never
-    part of a plan.
+    What killed writers left goes when its writer is gone (``Leftover.removable``); the rest of
+    it stays. The job record, writer generations, probe objects and a node's ``identity.json``
+    are never part of a plan.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -134,6 +149,9 @@ async def plan_gc(
         purge_quarantine=purge_quarantine,
         quarantine_keys=[q.key for q in catalog.quarantined] if purge_quarantine else [],
         quarantine_kept=[] if purge_quarantine else [q.key for q in catalog.quarantined],
+        leftovers=[item for item in catalog.leftovers if item.removable],
+        leftovers_kept=[item for item in catalog.leftovers if not item.removable],
+        writer=catalog.newest_writer,
     )
 
 
@@ -151,7 +169,9 @@ def _check_plan(plan: GcPlan) -> None:
 
 async def apply_gc(opened: OpenLocation, plan: GcPlan, progress: Progress | None = None) -> None:
     """Remove what ``plan`` lists: every ``COMMIT`` record first, then the blobs, then the
-    quarantined blobs it lists.
+    quarantined blobs it lists, then the leftovers of killed writers (each judged again right
+    before it goes: one whose writer turns out to be running stays; see
+    :attr:`GcPlan.leftovers_removed`).
 
     The order keeps a crash half-way harmless: a version loses its proof of being whole before
     any of its blobs, so no ``COMMIT`` ever points at a deleted blob. In a node root, each
@@ -180,3 +200,6 @@ async def apply_gc(opened: OpenLocation, plan: GcPlan, progress: Progress | None
     if opened.manifest is not None and plan.blob_keys:
         records = [Evict(v, r, LOCAL_TIER, reason="gc") for _, v, r in plan.blob_keys]
         await opened.in_manifest_thread(opened.manifest.append, *records)
+    plan.leftovers_removed = await remove_leftovers(
+        plan.location, opened.tier, plan.leftovers, plan.writer
+    )

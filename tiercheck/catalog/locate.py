@@ -12,11 +12,13 @@ from typing import Any, TypeVar
 
 from tiercheck.catalog.base import Location, LocationError, local_path
 from tiercheck.catalog.scan import Catalog, scan_location
-from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX
+from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX, TOMBSTONE_KEY
 from tiercheck.consistency.manifest import Manifest
 from tiercheck.defaults import (
     BLOBS_DIR,
     DEFAULT_PERSISTENT_DIR,
+    IDENTITY_FILE,
+    LOCKS_DIR,
     MANIFEST_DIR,
     REPLICAS_DIR,
     NodeRoot,
@@ -42,6 +44,11 @@ _WRITER_TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)writers/g\d{12}$")
 _REPLICA_DIR = re.compile(rf"^(?P<root>.*?)/?{re.escape(REPLICAS_DIR)}/[^/]+/r\d{{5}}/$")
 _BLOBS = BLOBS_DIR + "/"
 _MANIFEST_DATA = f"{MANIFEST_DIR}/data.mdb"
+# A node root's own records, as keys of a listing: what an opening makes before any blob.
+_NODE_RECORD = re.compile(
+    rf"^(?P<root>(?:.*/)?)(?:{re.escape(MANIFEST_DIR)}/data\.mdb|{re.escape(IDENTITY_FILE)}"
+    rf"|{re.escape(LOCKS_DIR)}/r\d{{5}}\.lock)$"
+)
 
 
 def _node_location(path: Path) -> Location:
@@ -82,9 +89,9 @@ def _probe_folder(target: str, folder: Path, job: str | None, local_root: bool) 
         )
     if not folder.is_dir():
         raise LocationError(f"{target!r} is a file; expected a folder of checkpoints")
-    if local_root or NodeRoot(folder).looks_like_one():
+    if local_root or NodeRoot(folder).is_one():
         return _node_location(folder)
-    if job is not None and NodeRoot(folder / job).looks_like_one():
+    if job is not None and NodeRoot(folder / job).is_one():
         return _node_location(folder / job)
     return None
 
@@ -137,6 +144,9 @@ def _classify(
         m = _WRITER_TAIL.match(key)
         if m is not None and m.group("prefix") + JOB_KEY in keyset:
             matches.append((m.group("prefix"), key))
+        # A deleted job's folder: its tombstone (and maybe what killed writers left) stays.
+        if key == TOMBSTONE_KEY or key.endswith("/" + TOMBSTONE_KEY):
+            matches.append((key[: -len(TOMBSTONE_KEY)], key))
     for prefix, _key in matches:
         if prefix in found or prefix in out.replicas:
             continue
@@ -148,7 +158,9 @@ def _classify(
         full = str(Path(path) / prefix) if path is not None else _join(target, prefix)
         # A node's replicas of a peer rank hold neither COMMIT records nor a job record; they
         # belong to the node root (its catalog lists them), never to a job of their own.
-        own_records = prefix in committing or prefix + JOB_KEY in keyset
+        own_records = (
+            prefix in committing or prefix + JOB_KEY in keyset or prefix + TOMBSTONE_KEY in keyset
+        )
         replicas, holder = (False, None) if own_records else _replica_holder(full, path)
         if replicas:
             out.replicas.add(prefix)
@@ -160,12 +172,15 @@ def _classify(
         url = _join(target, prefix)
         found[prefix] = Location("persistent", url, _last_segment(url), None, options)
     if path is not None:
-        # Node roots whose blobs were all evicted still have their manifest.
+        # Node roots whose blobs were all evicted still have their manifest; one whose opening
+        # failed or was killed may hold only its identity or lock files.
         for key in keys:
-            if key == _MANIFEST_DATA or key.endswith("/" + _MANIFEST_DATA):
-                root = Path(path) / key[: -len(_MANIFEST_DATA)]
-                if NodeRoot(root).looks_like_one():
-                    found.setdefault(str(root.resolve()), _node_location(root))
+            m = _NODE_RECORD.match(key)
+            if m is None or m.group("root") in found:
+                continue
+            root = Path(path) / m.group("root")
+            if NodeRoot(root).is_one():
+                found.setdefault(str(root.resolve()), _node_location(root))
     return out
 
 
@@ -180,8 +195,10 @@ async def find_locations(
 
     ``target`` may be:
 
-    * a node root (a folder holding ``blobs/`` and ``manifest/``; with ``local_root=True`` any
-      folder is taken as one, so a node whose manifest is gone can still be read);
+    * a node root (a folder holding ``blobs/`` and ``manifest/``, or only what an opening
+      that failed or was killed left there: ``identity.json``, ``locks/r<rank>.lock``; with
+      ``local_root=True`` any folder is taken as one, so a node whose manifest is gone can
+      still be read);
     * a persistent job folder: a URL or path whose keys are ``v<version>/r<rank>.<kind>`` and
       ``v<version>/COMMIT`` (the URL given to the checkpointer plus the job id), or that holds
       a ``JOB`` record and ``writers/`` generations (a job opened that has saved nothing yet);
@@ -263,12 +280,18 @@ class OpenLocation:
             except ConfigError as exc:
                 raise LocationError(str(exc)) from exc
         else:
-            blobs = NodeRoot(Path(location.url)).blobs
-            if not blobs.is_dir():
-                raise LocationError(f"{location.url} holds no {_BLOBS} folder; not a node root")
+            layout = NodeRoot(Path(location.url))
+            if not layout.is_one():
+                raise LocationError(
+                    f"{location.url} holds no {_BLOBS} folder nor any record of a node root "
+                    "(manifest/, identity.json, locks/); not a node root"
+                )
+            blobs = layout.blobs
             # No spare files: this process is short-lived, and a spare it kept would be memory
             # the job's own local tier does not know about.
-            self.tier = LocalTier(blobs, spare_files=0)
+            # Nor sweeping: what dead writers left is listed (catalog.leftovers), and only
+            # `gc` removes it.
+            self.tier = LocalTier(blobs, spare_files=0, sweep=False)
         self.manifest: Manifest | None = None
         self.manifest_error: str | None = None
         # LMDB calls are quick but blocking, and transactions belong to a thread: one thread.

@@ -10,22 +10,30 @@ so the one that must be sure nobody is writing the job:
   meanwhile is refused by the lock the removal holds. The whole node root goes: its blobs, the
   replicas it keeps for other nodes, its manifest, its identity, its lock files; then the folder
   itself and its job folder where they are left empty.
-* in a **persistent job folder** nothing tells a live writer apart from a finished one: its lock
-  lives in its node's memory. :attr:`JobRemoval.liveness` says so and names the newest writer
-  generation; the caller decides. Every tiercheck key goes: ``COMMIT`` records first (a removal
-  cut short never leaves a ``COMMIT`` pointing at a removed blob), then blobs, quarantined blobs
-  and probes, then the job record, and the writer generations last (a removal cut short never
-  leaves the job record without its data, which a later run of the job id would take for its
-  own; until the job record goes, a second ``rm-job`` finds the job and finishes). Keys that are
-  not tiercheck's are left alone, and with them the folder.
+* in a **persistent job folder** a writer's lock lives in its node's memory. The job's memory on
+  *this* node (node roots under the memory base whose identity names the location:
+  :func:`job_memory`) is removed with it, under its locks as above; a temporary file that a
+  process of this host is writing right now refuses the removal too. A writer on another host
+  cannot be seen: :attr:`JobRemoval.liveness` says so and names the newest writer generation;
+  the caller decides -- and such a writer, should it still run, stops writing there at its next
+  write (:class:`tiercheck.guard.Fence` finds the tombstone). First a **tombstone** is written
+  (``DELETED``: the incarnation deleted and its newest writer generation), so that memory of the
+  deleted incarnation on any node -- those this command cannot reach -- is discarded, never
+  restored, by the job's next opening. Then every tiercheck key goes: the writer generations
+  first (a writer still running stops at once), ``COMMIT`` records (a removal cut short never
+  leaves a ``COMMIT`` pointing at a removed blob), blobs, quarantined blobs and probes, the job
+  record last (until it goes, a second ``rm-job`` finds the job and finishes it; an opening in
+  between refuses with :class:`~tiercheck.errors.JobDeleted`). Then what killed writers left,
+  where its writer is gone. Keys that are not tiercheck's are left alone, and with them the
+  folder; the tombstone stays, and ``tiercheck ls`` shows the job as deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,16 +44,21 @@ from tiercheck.catalog.scan import Catalog, HeldReplicas
 from tiercheck.consistency.identity import (
     JOB_KEY,
     PROBE_PREFIX,
+    NodeIdentity,
+    Tombstone,
     parse_quarantine_key,
     parse_writer_key,
     writer_key,
 )
 from tiercheck.consistency.keys import parse_blob_key, parse_commit_key
 from tiercheck.defaults import NodeRoot, memory_base
-from tiercheck.errors import JobLocked
+from tiercheck.errors import FormatError, JobLocked, TiercheckError
+from tiercheck.guard import NodeLocks, lock_files, read_tombstone, write_tombstone
+from tiercheck.tiers import atomic
+from tiercheck.tiers.base import Leftover
 from tiercheck.tiers.persistent import PersistentTier
 
-__all__ = ["JobRemoval", "check_no_writer", "plan_job_removal", "remove_job"]
+__all__ = ["JobRemoval", "check_no_writer", "job_memory", "plan_job_removal", "remove_job"]
 
 
 @dataclass
@@ -76,6 +89,19 @@ class JobRemoval:
     liveness: Literal["checked", "unknown"] = "unknown"
     #: The newest writer generation, as a line for people (persistent job folders).
     newest_writer: str | None = None
+    #: Whether that writer's process still runs, on this host (``None``: cannot tell here).
+    newest_writer_running: bool | None = None
+    #: What killed writers left (all of it is listed; only what is removable goes).
+    leftovers: list[Leftover] = field(default_factory=list)
+    #: The incarnations deleted (job record tokens) and their newest writer generation,
+    #: for the tombstone (persistent job folders).
+    tokens: list[str] = field(default_factory=list)
+    generation: int | None = None
+    #: What an earlier ``rm-job`` deleted here (persistent job folders).
+    tombstone: Tombstone | None = None
+    #: Why this location is part of the removal, when it was not named: a node root holding
+    #: the job's memory on this node, found under the memory base.
+    found_as: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json`` output."""
@@ -91,14 +117,12 @@ class JobRemoval:
             "left_alone": self.left_alone,
             "liveness": self.liveness,
             "newest_writer": self.newest_writer,
+            "newest_writer_running": self.newest_writer_running,
+            "leftovers": [item.to_json() for item in self.leftovers],
+            "incarnations": self.tokens,
+            "already_deleted": None if self.tombstone is None else list(self.tombstone.tokens),
+            "found_as": self.found_as,
         }
-
-
-def _lock_files(root: NodeRoot) -> list[tuple[int, Path]]:
-    if not root.locks.is_dir():
-        return []
-    found = [(NodeRoot.lock_rank(p.name), p) for p in sorted(root.locks.iterdir())]
-    return [(rank, p) for rank, p in found if rank is not None]
 
 
 async def plan_job_removal(catalog: Catalog) -> JobRemoval:
@@ -118,10 +142,11 @@ async def plan_job_removal(catalog: Catalog) -> JobRemoval:
         quarantined=len(catalog.quarantined),
         size=size,
         records=records,
+        leftovers=list(catalog.leftovers),
     )
     if loc.kind == "node":
         root = NodeRoot(Path(loc.url))
-        locks = await asyncio.to_thread(_lock_files, root)
+        locks = await asyncio.to_thread(lock_files, root)
         for path, present in (
             (root.manifest, await asyncio.to_thread(root.manifest.is_dir)),
             (root.identity, await asyncio.to_thread(root.identity.exists)),
@@ -137,6 +162,11 @@ async def plan_job_removal(catalog: Catalog) -> JobRemoval:
     records.extend(writer_key(g) for g in catalog.writer_generations)
     records.extend(catalog.probes)
     plan.left_alone = list(catalog.foreign)
+    plan.tombstone = catalog.tombstone
+    if catalog.job_record is not None:
+        plan.tokens.append(catalog.job_record.token)
+    if catalog.writer_generations:
+        plan.generation = catalog.writer_generations[-1]
     writer = catalog.newest_writer
     if writer is not None:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(writer.time))
@@ -144,53 +174,77 @@ async def plan_job_removal(catalog: Catalog) -> JobRemoval:
             f"generation {writer.generation}: pid {writer.pid} on {writer.host or '?'}, "
             f"opened {since}"
         )
+        owner = atomic.TempOwner(
+            writer.host, writer.pid, writer.start or None, writer.kernel or None
+        )
+        verdict = atomic.process_verdict(owner)[0] if writer.pid > 0 else "unknown"
+        plan.newest_writer_running = None if verdict == "unknown" else verdict == "live"
     elif catalog.writer_generations:
         plan.newest_writer = f"generation {catalog.writer_generations[-1]} (record unreadable)"
     return plan
 
 
-class _HeldLocks:
-    """Every writer lock of a node root, held by this process (the protocol of
-    :class:`tiercheck.guard.RankLock`: an exclusive ``flock`` on the lock file). Nothing is
-    written into the files."""
+def _same_location(recorded: str | None, url: str) -> bool:
+    """Whether a node identity's ``persistent`` names the job folder at ``url``."""
+    if recorded is None:
+        return False
+    a, b = local_path(recorded), local_path(url)
+    if a is not None and b is not None:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return recorded.rstrip("/") == url.rstrip("/")
 
-    def __init__(self, root: NodeRoot, job: str) -> None:
-        self.paths: list[Path] = []
-        self._fds: list[int] = []
+
+def _memory_of(job: str, url: str) -> list[tuple[Path, NodeIdentity]]:
+    base = memory_base() / job
+    if not base.is_dir():
+        return []
+    found = []
+    for folder in sorted(base.iterdir()):
         try:
-            for rank, path in _lock_files(root):
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
-                    os.close(fd)
-                    raise JobLocked(
-                        f"rank {rank} of job {job!r} is being written in {root.path} "
-                        f"({holder or 'holder unknown'}; lock {path}); nothing was deleted: "
-                        "stop the run first"
-                    ) from None
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._fds.append(fd)
-                self.paths.append(path)
-        except BaseException:
-            self.release()
-            raise
+            identity = NodeIdentity.from_bytes(NodeRoot(folder).identity.read_bytes())
+        except (OSError, FormatError):
+            continue  # no identity, or unreadable: whose memory it is cannot be told
+        if identity.job_id == job and _same_location(identity.persistent, url):
+            found.append((folder, identity))
+    return found
 
-    def release(self) -> None:
-        """Let go of every lock."""
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            os.close(fd)
+
+async def job_memory(plan: JobRemoval) -> list[Location]:
+    """This node's memory of the persistent job ``plan`` removes: node roots under the memory
+    base (``/dev/shm/tiercheck/<job>/<node>``) whose identity names the job and its location.
+
+    Their incarnations join ``plan.tokens`` (so the tombstone names them even where the job
+    record is gone). Node roots elsewhere (``local_root=``) cannot be found from the location;
+    the tombstone makes their next opening discard them.
+    """
+    loc = plan.location
+    if loc.kind != "persistent":
+        return []
+    found = await asyncio.to_thread(_memory_of, loc.job, loc.url)
+    for _folder, identity in found:
+        if identity.token not in plan.tokens:
+            plan.tokens.append(identity.token)
+    return [
+        Location("node", str(folder.resolve()), job=loc.job, node=folder.name)
+        for folder, _identity in found
+    ]
 
 
 def check_no_writer(plan: JobRemoval) -> None:
-    """Raise :class:`~tiercheck.errors.JobLocked` if a writer holds a lock in the plan's node
-    root now (a blocking call: run it in a thread). Persistent job folders cannot tell."""
+    """Raise :class:`~tiercheck.errors.JobLocked` if a writer is seen writing the plan's
+    location now (a blocking call: run it in a thread): a lock held in a node root, or a
+    temporary file a running process of this host is writing in a persistent job folder.
+    Writers on other hosts cannot be seen (see :attr:`JobRemoval.liveness`)."""
     if plan.location.kind == "node":
-        _HeldLocks(NodeRoot(Path(plan.location.url)), plan.location.job).release()
+        NodeLocks(NodeRoot(Path(plan.location.url)), plan.location.job).release()
+        return
+    live = [item for item in plan.leftovers if item.verdict == "live"]
+    if live:
+        raise JobLocked(
+            f"job {plan.location.job!r} is being written at {plan.location.url} now: "
+            f"{live[0].name} is being written ({live[0].why}); nothing was deleted: stop the "
+            "run first"
+        )
 
 
 def _rmdir_if_empty(folder: Path) -> bool:
@@ -201,16 +255,19 @@ def _rmdir_if_empty(folder: Path) -> bool:
 
 
 def _remove_node_root(root: NodeRoot, job: str) -> None:
-    locks = _HeldLocks(root, job)
+    locks = NodeLocks(root, job)
     try:
         for folder in (root.blobs, root.replicas, root.manifest):
             if folder.exists():
                 shutil.rmtree(folder)
         root.identity.unlink(missing_ok=True)
-        # Unlinked while held: a writer that opened one before now fails on our lock, and one
-        # starting later creates a fresh file in a fresh node root.
-        for path in locks.paths:
-            path.unlink(missing_ok=True)
+        # Dead writers' temporary files beside them (an identity being written when killed).
+        for temp in atomic.find_temps(str(root.path)):
+            if atomic.process_verdict(temp.owner)[0] == "dead":
+                atomic.discard(temp.path)
+        # Unlinked while held: a writer that opened one before finds, once it gets the lock,
+        # that the file is gone and takes a fresh one (see tiercheck.guard.RankLock).
+        locks.remove_files()
     finally:
         locks.release()
     # Folders left empty go too (something written meanwhile keeps them); the job's folder
@@ -221,24 +278,41 @@ def _remove_node_root(root: NodeRoot, job: str) -> None:
 
 
 def _persistent_order(key: str) -> int | None:
-    """When a tiercheck key goes (``None``: not tiercheck's, left alone)."""
-    if parse_commit_key(key) is not None:
-        return 0
-    if parse_blob_key(key) is not None:
-        return 1
-    if parse_quarantine_key(key) is not None or key.startswith(PROBE_PREFIX):
-        return 2
-    if key == JOB_KEY:
-        return 3
+    """When a tiercheck key goes (``None``: not tiercheck's, left alone; so is the tombstone)."""
     if parse_writer_key(key) is not None:
+        return 0
+    if parse_commit_key(key) is not None:
+        return 1
+    if parse_blob_key(key) is not None:
+        return 2
+    if parse_quarantine_key(key) is not None or key.startswith(PROBE_PREFIX):
+        return 3
+    if key == JOB_KEY:
         return 4
     return None
 
 
-async def _remove_persistent(loc: Location, progress: Progress) -> None:
-    async with PersistentTier(loc.url, storage_options=loc.storage_options) as tier:
+async def _write_tombstone(tier: PersistentTier, plan: JobRemoval) -> None:
+    try:
+        old = await read_tombstone(tier)
+    except (TiercheckError, OSError):
+        old = None  # unreadable: replaced by one that names at least this deletion
+    base = old or Tombstone(plan.location.job)
+    record = base.deleting(
+        plan.tokens, plan.generation, when=time.time(), host=socket.gethostname(), pid=os.getpid()
+    )
+    await write_tombstone(tier, record)
+
+
+async def _remove_persistent(plan: JobRemoval, progress: Progress) -> None:
+    loc = plan.location
+    tier = PersistentTier(loc.url, storage_options=loc.storage_options)
+    async with tier:
+        # First: from now on, no opening restores memory of this incarnation, and a writer
+        # of it that still runs stops writing here.
+        await _write_tombstone(tier, plan)
         keys = [key async for key in tier.list("")]
-        stages: list[list[str]] = [[] for _ in range(5)]
+        stages: list[list[str]] = [[] for _ in range(5)]  # see _persistent_order
         for key in keys:
             stage = _persistent_order(key)
             if stage is not None:
@@ -256,6 +330,13 @@ async def _remove_persistent(loc: Location, progress: Progress) -> None:
                 await asyncio.gather(*(delete(k) for k in stage_keys))
         finally:
             progress.finish()
+        # No writer owns the location now: what is left goes by the age rule (and at once
+        # where its writer's process, on this host, is gone).
+        doomed = [item for item in plan.leftovers if item.verdict != "live"]
+        if doomed:
+            fresh = {item.name: item for item in await tier.leftovers(None)}
+            doomed = [fresh[i.name] for i in doomed if i.name in fresh and fresh[i.name].removable]
+            await tier.remove_leftovers(doomed, None)
     path = local_path(loc.url)
     if path is not None:
         # The tier prunes the folders it empties, up to the job folder itself.
@@ -267,11 +348,12 @@ async def remove_job(plan: JobRemoval, progress: Progress | None = None) -> None
 
     A node root is removed under every writer lock it holds (:class:`~tiercheck.errors.JobLocked`
     before anything is deleted when a writer holds one); a persistent job folder key by key,
-    ``COMMIT`` records first and writer generations last, leaving keys that are not tiercheck's.
+    after its tombstone is written (see the module docstring for the order), leaving keys that
+    are not tiercheck's, and the tombstone.
     """
     progress = progress or NullProgress()
     loc = plan.location
     if loc.kind == "node":
         await asyncio.to_thread(_remove_node_root, NodeRoot(Path(loc.url)), loc.job)
     else:
-        await _remove_persistent(loc, progress)
+        await _remove_persistent(plan, progress)

@@ -2,8 +2,9 @@
 
 A catalog lists versions (each rank's blob and what records say of it: size, base, whether it is
 committed), the records beside them (job record, writer generations, quarantined blobs, probes
-in a persistent job folder; manifest and identity in a node root) and, in a node root, the
-replicas the node keeps for ranks of other nodes. Scanning reads no blob, only small records;
+in a persistent job folder; manifest and identity in a node root), what killed writers left
+(temporary files, unfinished uploads: :mod:`tiercheck.catalog.leftovers`) and, in a node root,
+the replicas the node keeps for ranks of other nodes. Scanning reads no blob, only small records;
 :func:`tiercheck.catalog.read.inspect_blobs` reads blob headers into a catalog's entries.
 """
 
@@ -16,13 +17,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tiercheck.catalog.base import LOCAL_TIER, REQUESTS, Location, LocationError
+from tiercheck.catalog.leftovers import find_leftovers
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import (
     JOB_KEY,
     PROBE_PREFIX,
+    TOMBSTONE_KEY,
     JobRecord,
     NodeIdentity,
+    Tombstone,
     WriterRecord,
     parse_quarantine_key,
     parse_writer_key,
@@ -34,6 +38,7 @@ from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.worlds import world_of
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, FormatError, ManifestError, StorageError, TiercheckError
+from tiercheck.tiers.base import Leftover
 from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
@@ -209,7 +214,9 @@ class HeldReplicas:
         }
 
 
-def _record_json(record: JobRecord | WriterRecord | NodeIdentity | None) -> dict[str, Any] | None:
+def _record_json(
+    record: JobRecord | WriterRecord | NodeIdentity | Tombstone | None,
+) -> dict[str, Any] | None:
     return None if record is None else json.loads(record.to_bytes())
 
 
@@ -241,12 +248,24 @@ class Catalog:
     quarantined: list[QuarantinedBlob] = field(default_factory=list)
     #: Probe objects left by an opening that did not finish (persistent job folders).
     probes: list[str] = field(default_factory=list)
+    #: What ``tiercheck rm-job`` deleted here (persistent job folders), when present and readable.
+    tombstone: Tombstone | None = None
+    #: Why a present tombstone could not be read.
+    tombstone_error: str | None = None
     #: The node's identity (node roots), when present and readable.
     identity: NodeIdentity | None = None
     #: Why a present identity file could not be read.
     identity_error: str | None = None
     #: The replicas the node keeps for ranks of other nodes (node roots), by job and rank.
     replicas: list[HeldReplicas] = field(default_factory=list)
+    #: What killed writers left (temporary files, unfinished uploads), each judged.
+    leftovers: list[Leftover] = field(default_factory=list)
+    #: Why the leftovers could not be listed.
+    leftovers_error: str | None = None
+    #: A node root's own records, relative to it (``manifest``, ``identity.json``,
+    #: ``locks/r<rank>.lock``), and whether it has a ``blobs/`` folder.
+    node_records: list[str] = field(default_factory=list)
+    has_blobs: bool = True
 
     @property
     def newest_commit(self) -> CommitRecord | None:
@@ -293,9 +312,14 @@ class Catalog:
             },
             "quarantined": [q.to_json() for q in self.quarantined],
             "probes": self.probes,
+            "tombstone": _record_json(self.tombstone),
+            "tombstone_error": self.tombstone_error,
             "identity": _record_json(self.identity),
             "identity_error": self.identity_error,
             "replicas": [r.to_json() for r in self.replicas],
+            "leftovers": [item.to_json() for item in self.leftovers],
+            "leftovers_error": self.leftovers_error,
+            "node_records": self.node_records,
         }
 
 
@@ -304,11 +328,15 @@ async def scan_location(opened: OpenLocation) -> Catalog:
 
     What every key is (:func:`_sort_keys`), then the records that describe the keys: ``COMMIT``
     records, the job record and newest writer generation (persistent job folders); the manifest,
-    identity and held replicas (node roots); and the blobs' sizes.
+    identity and held replicas (node roots); the blobs' sizes; and what killed writers left.
     """
     loc = opened.location
+    root = opened.node_root
     try:
-        keys = [key async for key in opened.tier.list("")]
+        if root is not None and not await asyncio.to_thread(root.blobs.is_dir):
+            keys = []  # only what an opening left (listing would make the folder)
+        else:
+            keys = [key async for key in opened.tier.list("")]
     except TiercheckError as exc:
         raise LocationError(f"cannot list the {loc.describe()}: {exc}") from exc
     catalog, commit_keys, has_job = _sort_keys(loc, keys)
@@ -317,14 +345,24 @@ async def scan_location(opened: OpenLocation) -> Catalog:
         await _read_commits(opened, catalog, commit_keys)
         if has_job:
             await _read_job_record(opened, catalog)
+        if TOMBSTONE_KEY in keys:
+            await _read_tombstone(opened, catalog)
         if catalog.writer_generations:
             await _read_newest_writer(opened, catalog)
     else:
+        assert root is not None
+        catalog.has_blobs = await asyncio.to_thread(root.blobs.is_dir)
+        records = await asyncio.to_thread(root.records)
+        catalog.node_records = [str(p.relative_to(root.path)) for p in records]
         await _read_manifest(opened, catalog)
         await _read_identity(opened, catalog)
         _apply_worlds(catalog)
         await _read_replicas(opened, catalog)
     await _fill_sizes(opened, catalog)
+    try:
+        catalog.leftovers = await find_leftovers(loc, opened.tier, catalog.newest_writer)
+    except (TiercheckError, OSError) as exc:
+        catalog.leftovers_error = f"{type(exc).__name__}: {exc}"
     return catalog
 
 
@@ -364,6 +402,8 @@ def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[
         if persistent and key == JOB_KEY:
             has_job = True
             continue
+        if persistent and key == TOMBSTONE_KEY:
+            continue  # read by scan_location
         if persistent and (generation := parse_writer_key(key)) is not None:
             catalog.writer_generations.append(generation)
             continue
@@ -401,6 +441,13 @@ async def _read_job_record(opened: OpenLocation, catalog: Catalog) -> None:
         catalog.job_record = JobRecord.from_bytes(await _read_record(opened, JOB_KEY))
     except (FormatError, BlobNotFound, StorageError) as exc:
         catalog.job_record_error = f"{type(exc).__name__}: {exc}"
+
+
+async def _read_tombstone(opened: OpenLocation, catalog: Catalog) -> None:
+    try:
+        catalog.tombstone = Tombstone.from_bytes(await _read_record(opened, TOMBSTONE_KEY))
+    except (FormatError, BlobNotFound, StorageError) as exc:
+        catalog.tombstone_error = f"{type(exc).__name__}: {exc}"
 
 
 async def _read_newest_writer(opened: OpenLocation, catalog: Catalog) -> None:
@@ -530,7 +577,7 @@ async def _read_replicas(opened: OpenLocation, catalog: Catalog) -> None:
     if not await asyncio.to_thread(folder.is_dir):
         return
     held: dict[tuple[str, int], dict[str, int]] = {}  # (job, rank) -> key -> version
-    async with LocalTier(folder, spare_files=0, name="replicas") as tier:
+    async with LocalTier(folder, spare_files=0, name="replicas", sweep=False) as tier:
         try:
             keys = [key async for key in tier.list("")]
         except TiercheckError as exc:

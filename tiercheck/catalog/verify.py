@@ -14,7 +14,7 @@ from tiercheck.catalog.read import decode_blob
 from tiercheck.catalog.scan import BlobEntry, Catalog, QuarantinedBlob, VersionEntry
 from tiercheck.codec import BlobMeta
 from tiercheck.codec import verify as verify_blob
-from tiercheck.consistency.identity import JOB_KEY, writer_key
+from tiercheck.consistency.identity import JOB_KEY, TOMBSTONE_KEY, writer_key
 from tiercheck.consistency.keys import blob_key, commit_key, parse_blob_key
 from tiercheck.defaults import IDENTITY_FILE
 from tiercheck.errors import TiercheckError
@@ -70,10 +70,18 @@ FINDING_CODES: Mapping[str, str] = {
     "is not a valid record",
     "job-record-mismatch": "the job record disagrees with the newest COMMIT record (world size "
     "or job id)",
+    "deletion-unfinished": "the tombstone `tiercheck rm-job` left names the incarnation the job "
+    "record is of: the deletion did not finish (the job refuses to open: run rm-job again)",
     "quarantined": "a restore set a blob aside after it failed verification; the version was "
     "not restored from it (warning)",
     "probe-leftover": "a probe object of an opening that did not finish (a crash while the job "
     "was opening, or one opening now; warning)",
+    "leftover": "a temporary file or unfinished upload whose writer is gone (a process killed "
+    "mid-write); never read, removed at the job's next opening or by `tiercheck gc` (warning)",
+    "leftover-kept": "a temporary file or unfinished upload whose writer may still be writing it "
+    "(it runs on this host, or cannot be judged from here yet); kept (warning)",
+    "leftovers-unlisted": "the location's temporary files or unfinished uploads could not be "
+    "listed (warning)",
 }
 
 
@@ -131,9 +139,10 @@ async def verify(
 
     The location's own records are checked too, whatever ``versions`` says: a job record, the
     newest writer generation or a node's identity that cannot be read, and a job record that
-    disagrees with the newest ``COMMIT`` record, are problems; a leftover probe object is a
-    warning. Every quarantined blob (of ``versions``, when given) is a warning; its copy is read
-    and checked to say why it was set aside.
+    disagrees with the newest ``COMMIT`` record, are problems; a leftover probe object, and
+    each temporary file or unfinished upload a killed writer left (with its size, age and
+    whether its writer is gone), are warnings. Every quarantined blob (of ``versions``, when
+    given) is a warning; its copy is read and checked to say why it was set aside.
     """
     progress = progress or NullProgress()
     chosen = sorted(catalog.versions) if versions is None else sorted(set(versions))
@@ -373,11 +382,25 @@ def _record_findings(catalog: Catalog) -> list[Finding]:
             catalog.writer_error,
         ),
         (IDENTITY_FILE, catalog.identity_error),
+        (TOMBSTONE_KEY, catalog.tombstone_error),
     ]
     for key, error in unreadable:
         if error is not None:
             out.append(Finding("problem", "record-unreadable", f"{key}: {error}", key))
     job, commit = catalog.job_record, catalog.newest_commit
+    tombstone = catalog.tombstone
+    if job is not None and tombstone is not None and job.token in tombstone.tokens:
+        out.append(
+            Finding(
+                "problem",
+                "deletion-unfinished",
+                f"{TOMBSTONE_KEY} says `tiercheck rm-job` deleted incarnation {job.token[:8]}, yet "
+                f"{JOB_KEY} and what else is left here are of it: the deletion did not finish "
+                "(the job refuses to open here until it does). Run `tiercheck rm-job` on this "
+                "location again",
+                TOMBSTONE_KEY,
+            )
+        )
     if job is not None and commit is not None:
         diffs = []
         if job.world_size != commit.world_size:
@@ -396,6 +419,29 @@ def _record_findings(catalog: Catalog) -> list[Finding]:
                     commit.version,
                 )
             )
+    for item in catalog.leftovers:
+        size = "?" if item.size is None else f"{item.size} bytes"
+        if item.age is not None:
+            when = "last changed" if item.kind == "temporary" else "started"
+            size += f", {when} {item.age:.0f} s ago"
+        if item.removable:
+            message = (
+                f"{item.name} ({size}) was left by a writer that is gone: {item.why}. Never "
+                "read; the job's next opening or `tiercheck gc` removes it"
+            )
+        else:
+            message = f"{item.name} ({size}) may still be being written: {item.why}"
+        code = "leftover" if item.removable else "leftover-kept"
+        out.append(Finding("warning", code, message, item.name))
+    if catalog.leftovers_error is not None:
+        out.append(
+            Finding(
+                "warning",
+                "leftovers-unlisted",
+                f"temporary files and unfinished uploads cannot be listed: "
+                f"{catalog.leftovers_error}",
+            )
+        )
     for key in catalog.probes:
         out.append(
             Finding(

@@ -6,11 +6,13 @@ import importlib
 import importlib.util
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import IO, Any, cast
 
 from tiercheck.catalog import Catalog, NullProgress, Progress
 from tiercheck.cli.pipe import GuardedStream
+from tiercheck.tiers.base import Leftover
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -20,8 +22,10 @@ __all__ = [
     "Console",
     "ProgressBar",
     "UsageError",
+    "fmt_age",
     "fmt_ratio",
     "fmt_size",
+    "leftover_line",
     "plural",
     "print_location_header",
     "ranks_of",
@@ -122,6 +126,33 @@ def fmt_size(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def leftover_line(item: Leftover) -> str:
+    """One line for people about something a killed writer left (``ls``, ``gc``, ``rm-job``)."""
+    what = "temporary file" if item.kind == "temporary" else "unfinished upload of"
+    when = "last changed" if item.kind == "temporary" else "started"
+    fate = (
+        "removable: the job's next opening or `tiercheck gc` removes it"
+        if item.removable
+        else "kept"
+    )
+    return (
+        f"{what} {item.name}: {fmt_size(item.size)}, {when} {fmt_age(item.age)} ago; "
+        f"{item.why}; {fate}"
+    )
+
+
 def fmt_ratio(raw: int | None, stored: int | None) -> str:
     if not raw or not stored:
         return "-"
@@ -186,4 +217,17 @@ def print_location_header(console: Console, cat: Catalog) -> None:
         extra += ", " + plural(len(cat.quarantined), "quarantined blob")
     if cat.probes:
         extra += ", " + plural(len(cat.probes), "leftover probe")
+    if cat.leftovers:
+        extra += ", " + plural(len(cat.leftovers), "killed writer's leftover")
+    if cat.tombstone_error is not None:
+        extra += ", tombstone unreadable"
     console.line(f"{loc.describe()}{extra}")
+    tomb = cat.tombstone
+    if tomb is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.time))
+        tokens = ", ".join(short_token(t) for t in tomb.tokens) or "unknown"
+        now = "" if cat.job_record is not None else "; nothing of it is stored here now"
+        console.line(
+            f"  deleted by `tiercheck rm-job` on {when} (incarnation {tokens}){now}: memory "
+            "of it that any node still holds is discarded, never restored, when the job opens"
+        )

@@ -6,7 +6,7 @@ import argparse
 
 from tiercheck.catalog import OpenLocation, apply_gc, plan_gc
 from tiercheck.cli.args import location_args, locations_of, positive
-from tiercheck.cli.base import EXIT_OK, Console, plural, short
+from tiercheck.cli.base import EXIT_OK, Console, leftover_line, plural, short
 
 __all__ = ["configure_gc", "run_gc"]
 
@@ -53,7 +53,7 @@ async def run_gc(args: argparse.Namespace, console: Console) -> int:
         )
     removed = plan.removed_versions
     verb = "would remove" if args.dry_run else "removed"
-    if not removed and not plan.quarantine_keys:
+    if not removed and not plan.quarantine_keys and not plan.leftovers:
         console.line("  nothing to remove")
     if removed:
         console.line(
@@ -80,4 +80,14 @@ async def run_gc(args: argparse.Namespace, console: Console) -> int:
         if args.dry_run:
             for key in plan.quarantine_kept:
                 console.line(f"    {key}")
+    gone = plan.leftovers if args.dry_run else plan.leftovers_removed
+    if gone:
+        console.line(f"  {verb} {plural(len(gone), 'leftover')} of killed writers:")
+        for item in gone:
+            console.line(f"    {leftover_line(item).rpartition('; ')[0]}")
+    # Judged dead when listed, alive when judged again right before removal.
+    removed_names = {i.name for i in plan.leftovers_removed}
+    spared = [i for i in plan.leftovers if not args.dry_run and i.name not in removed_names]
+    for item in [*plan.leftovers_kept, *spared]:
+        console.line(f"  keeping leftover {leftover_line(item).rpartition('; ')[0]}")
     return EXIT_OK

@@ -1,9 +1,13 @@
 """``tiercheck rm-job``: delete a whole job, after listing what goes and being told to.
 
 The job is named explicitly (``--job``), everything of it that the location holds is listed
-first, and nothing is deleted without ``--yes`` or the job's name typed at the prompt. A writer
-holding the job's lock in a node root refuses the whole removal before anything is deleted; for
-a persistent location, where no lock can be seen, the listing says so.
+first, and nothing is deleted without ``--yes`` or the job's name typed at the prompt. A
+persistent location takes with it the job's memory on this node (node roots under
+``/dev/shm/tiercheck/<job>/`` whose identity names it), and leaves a tombstone so that memory
+on nodes it cannot reach is discarded, never restored, when the job next opens. A writer
+holding the job's lock in a node root, or writing a file in the persistent location from this
+host, refuses the whole removal before anything is deleted; a writer on another host cannot be
+seen, and the listing says so.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from tiercheck.catalog import (
     JobRemoval,
     OpenLocation,
     check_no_writer,
+    job_memory,
     plan_job_removal,
     remove_job,
 )
@@ -25,8 +30,10 @@ from tiercheck.cli.base import (
     Console,
     UsageError,
     fmt_size,
+    leftover_line,
     plural,
     short,
+    short_token,
 )
 
 __all__ = ["configure_rm_job", "run_rm_job"]
@@ -70,15 +77,30 @@ def _describe(plan: JobRemoval) -> list[str]:
         if probes:
             parts.append(plural(probes, "leftover probe"))
     lines = [f"  {loc.describe()}: " + ", ".join(parts)]
+    if plan.found_as is not None:
+        lines.append(f"    {plan.found_as}")
     if plan.liveness == "checked":
         lines.append("    no writer holds the job's lock on this node now")
     else:
         newest = f"; the newest writer: {plan.newest_writer}" if plan.newest_writer else ""
+        if plan.newest_writer_running:
+            newest += ", whose process still runs on this host"
         lines.append(
             "    cannot tell whether a run is writing there: a writer's lock is in its node's "
             f"memory, not in the persistent tier{newest}. Make sure no run of the job is "
-            "running"
+            "running (one that is stops writing there once the job is deleted)"
         )
+    if loc.kind == "persistent":
+        deleted = ", ".join(short_token(t) for t in plan.tokens) or "unknown"
+        lines.append(
+            f"    leaves a tombstone (DELETED) naming incarnation {deleted}: memory of it "
+            "that other nodes still hold is discarded, never restored, when the job next opens"
+        )
+        if plan.tombstone is not None and not plan.versions and not plan.tokens:
+            lines.append("    (the job was already deleted here)")
+    for item in plan.leftovers:
+        fate = "kept" if item.verdict == "live" else "removed where its writer is gone"
+        lines.append(f"    leftover {leftover_line(item).rpartition('; ')[0]}; {fate}")
     if loc.kind == "persistent" and plan.left_alone:
         lines.append(
             f"    left alone: {plural(len(plan.left_alone), 'key')} that tiercheck did not "
@@ -108,6 +130,20 @@ async def run_rm_job(args: argparse.Namespace, console: Console) -> int:
         async with OpenLocation(loc) as opened:
             catalog = await opened.scan()
         plans.append(await plan_job_removal(catalog))
+    # The job's memory on this node goes with its durable location (found by its identity).
+    named = {(p.location.kind, p.location.url) for p in plans}
+    for plan in list(plans):
+        for loc in await job_memory(plan):
+            if ("node", loc.url) in named:
+                continue
+            named.add(("node", loc.url))
+            async with OpenLocation(loc) as opened:
+                catalog = await opened.scan()
+            memory = await plan_job_removal(catalog)
+            memory.found_as = (
+                f"this job's memory on this node (its identity names {plan.location.url})"
+            )
+            plans.append(memory)
     # A live writer anywhere refuses the whole removal, before anything is deleted.
     for plan in plans:
         await asyncio.to_thread(check_no_writer, plan)

@@ -15,6 +15,7 @@ from tiercheck.cli.base import (
     UsageError,
     fmt_ratio,
     fmt_size,
+    leftover_line,
     plural,
     print_location_header,
     ranks_of,
@@ -62,12 +63,22 @@ async def run_ls(args: argparse.Namespace, console: Console) -> int:
                 console.line("  " + text)
         else:
             console.line("  (no versions)")
+        if cat.location.kind == "node" and not cat.has_blobs:
+            console.line(
+                "  no blobs/ folder: only what an opening of the job made before it failed or "
+                f"was killed ({', '.join(cat.node_records) or 'nothing'}); harmless, and "
+                "`tiercheck rm-job` removes it"
+            )
         for held in cat.replicas:
             console.line(
                 f"  peer replicas held for rank {held.rank} of job {held.job!r}: versions "
                 f"{short(held.versions) or 'none'} "
                 f"({plural(held.blobs, 'blob')}, {fmt_size(held.size)})"
             )
+        for item in cat.leftovers:
+            console.line("  leftover " + leftover_line(item))
+        if cat.leftovers_error is not None:
+            console.line(f"  leftovers of killed writers cannot be listed: {cat.leftovers_error}")
     return EXIT_OK
 
 

@@ -13,6 +13,10 @@ another run that uses the same name:
   once, the older one stops writing durable data instead of overwriting the newer one's.
 * the **node identity** (``identity.json`` in a node's memory root) records which incarnation
   the node's shared memory (its local tier and the replicas it keeps for peers) belongs to.
+* the **tombstone** (key ``DELETED`` beside the job record) is left by ``tiercheck rm-job``: it
+  names the incarnations that were deleted and the newest writer generation they had. An opening
+  discards memory of a deleted incarnation instead of restoring it (a deleted job stays
+  deleted), and a writer of a deleted incarnation that still runs stops writing there.
 
 Records are JSON, like ``COMMIT`` records, so an operator can read them with ``cat``. Each has a
 ``format`` field; an unknown major version is refused with
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -38,9 +43,11 @@ __all__ = [
     "LOCKS_DIR",
     "PROBE_PREFIX",
     "QUARANTINE_PREFIX",
+    "TOMBSTONE_KEY",
     "WRITERS_PREFIX",
     "JobRecord",
     "NodeIdentity",
+    "Tombstone",
     "WriterRecord",
     "parse_quarantine_key",
     "parse_writer_key",
@@ -57,6 +64,10 @@ WRITERS_PREFIX = "writers/"
 QUARANTINE_PREFIX = "quarantine/"
 #: Where the small objects that test a location at open are written (and deleted at once).
 PROBE_PREFIX = "probe/"
+#: The tombstone's key: left by ``tiercheck rm-job`` in place of the deleted job.
+TOMBSTONE_KEY = "DELETED"
+#: How many deleted incarnations a tombstone remembers (the newest ones).
+TOMBSTONE_TOKENS = 64
 
 _WRITER = re.compile(r"^writers/g(\d{12})$")
 
@@ -162,9 +173,15 @@ class JobRecord(_JsonRecord):
     #: How many times the history was changed: where the job record and a node's identity
     #: disagree (one of them could not be written), the higher revision is the newer truth.
     revision: int = 0
+    #: Written by ``tiercheck repair-job`` in place of a damaged record: the token is new and
+    #: the history read off the ``COMMIT`` records; the next opening takes the token (and
+    #: history) the nodes' memory of this location names, where they agree, and rewrites it.
+    repaired: bool = False
 
     def __post_init__(self) -> None:
         _check_revision(self.revision)
+        if not isinstance(self.repaired, bool):
+            raise ValueError(f"repaired must be true or false, got {self.repaired!r}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
         if not isinstance(self.token, str) or not self.token:
@@ -184,6 +201,11 @@ class WriterRecord(_JsonRecord):
     host: str = ""
     pid: int = 0
     time: float = 0.0
+    #: The writer process's start time and kernel instance (see
+    #: :func:`tiercheck.tiers.atomic.process_verdict`): with ``host`` and ``pid``, they tell
+    #: whether the writer still runs, on its host. ``0`` and ``""``: not recorded.
+    start: int = 0
+    kernel: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,3 +228,50 @@ class NodeIdentity(_JsonRecord):
     def __post_init__(self) -> None:
         _check_revision(self.revision)
         _check_worlds(self, self.world_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone(_JsonRecord):
+    """What ``tiercheck rm-job`` deleted at a durable location (key :data:`TOMBSTONE_KEY`).
+
+    It stays after the deletion, and after a new incarnation of the job starts there: memory
+    that names a deleted incarnation is discarded by the next opening of any node that holds it.
+    """
+
+    FORMAT: ClassVar[str] = "tiercheck.deleted/1"
+
+    job_id: str
+    #: The tokens of the deleted incarnations (their job records'), oldest first.
+    tokens: tuple[str, ...] = ()
+    #: The newest writer generation of the deleted incarnations (``-1``: none); a later
+    #: opening claims a generation above it, so that a writer of a deleted incarnation that
+    #: still runs sees itself superseded.
+    generation: int = -1
+    #: When (seconds since the epoch), and who deleted it, for people.
+    time: float = 0.0
+    host: str = ""
+    pid: int = 0
+
+    def __post_init__(self) -> None:
+        tokens = tuple(self.tokens)
+        if not all(isinstance(t, str) and t for t in tokens):
+            raise ValueError("tokens must be non-empty strings")
+        if not isinstance(self.generation, int) or self.generation < -1:
+            raise ValueError(f"generation must be an int >= -1, got {self.generation!r}")
+        object.__setattr__(self, "tokens", tokens)
+
+    def deleting(
+        self,
+        tokens: Iterable[str],
+        generation: int | None,
+        *,
+        when: float,
+        host: str,
+        pid: int,
+    ) -> Tombstone:
+        """This tombstone, extended by one more deletion: of the incarnations ``tokens``, whose
+        newest writer generation was ``generation`` (``None``: none known)."""
+        known = list(self.tokens)
+        known += [t for t in dict.fromkeys(tokens) if t and t not in known]
+        newest = max(self.generation, -1 if generation is None else generation)
+        return Tombstone(self.job_id, tuple(known[-TOMBSTONE_TOKENS:]), newest, when, host, pid)

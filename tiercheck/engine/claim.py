@@ -32,7 +32,9 @@ from tiercheck.errors import (
 from tiercheck.guard import (
     Fence,
     RankLock,
+    deletion_facts,
     discard_node_memory,
+    forget_deleted,
     node_holds_data,
     node_versions,
     probe,
@@ -149,6 +151,9 @@ class Claim:
         self._record_behind = False
         # Nodes whose memory this opening adopted as its own (stale_memory="adopt").
         self._adopted: list[int] = []
+        #: Nodes whose memory belongs to an incarnation `tiercheck rm-job` deleted (set by
+        #: :meth:`judge`; discarded by :meth:`guard` whatever ``stale_memory`` says).
+        self.deleted_nodes: dict[int, str] = {}
 
     @property
     def world_changed(self) -> bool:
@@ -225,6 +230,8 @@ class Claim:
                 mine["job"] = await self._read_job_record(durable)
             except (TiercheckError, OSError) as exc:
                 mine["job_error"] = f"{type(exc).__name__}: {exc}"
+            if "job_error" not in mine:
+                mine.update(await deletion_facts(durable))  # what `tiercheck rm-job` deleted
         try:
             identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
             mine["identity"] = None if identity is None else identity.to_bytes().decode()
@@ -246,9 +253,10 @@ class Claim:
         # Past this point every rank may open: only now is anything written.
         if stale and topo.local_rank == 0 and topo.node_index in stale:
             logger.warning(
-                "tiercheck: discarding the memory of node %s at %s (stale_memory='discard'): %s",
+                "tiercheck: discarding the memory of node %s at %s%s: %s",
                 topo.node_index,
                 cfg.job.node_root,
+                "" if topo.node_index in self.deleted_nodes else " (stale_memory='discard')",
                 stale[topo.node_index],
             )
             await asyncio.to_thread(discard_node_memory, cfg.job.node_root)
@@ -331,6 +339,7 @@ class Claim:
                     "world_size": record.world_size,
                     "worlds": [list(span) for span in record.worlds],
                     "revision": record.revision,
+                    "repaired": record.repaired,
                     "committed": committed,
                 }
         if not committed:
@@ -389,6 +398,8 @@ class Claim:
         job = first.get("job")
         durable = self.durable
         here = location(durable[0]) if durable else None
+        # Memory of an incarnation `tiercheck rm-job` deleted is nobody's: out of the judging.
+        self.deleted_nodes = forget_deleted(identities, first, cfg.job.job_id, here)
         # Identities of nodes whose memory says it belongs to this job at this location.
         ours = {
             i.token: i
@@ -412,6 +423,19 @@ class Claim:
                 and i.job_id == cfg.job.job_id
                 and i.persistent == here
             ]
+            if job.get("repaired"):
+                # `tiercheck repair-job` wrote this record with a new token: the incarnation is
+                # the one the nodes' memory of this location names, where they agree.
+                tokens = {
+                    i.token
+                    for i in identities.values()
+                    if i is not None and i.job_id == cfg.job.job_id and i.persistent == here
+                }
+                if len(tokens) == 1:
+                    token = tokens.pop()
+                    newer = [i for i in identities.values() if i is not None and i.token == token]
+                    revision = -1  # whatever the identities say is newer than the repair
+                self._record_behind = True
             newest = max(newer, key=lambda i: i.revision, default=None)
             if newest is not None and newest.revision > revision:
                 # The record's last update failed; the nodes recorded the change: theirs is
@@ -472,7 +496,7 @@ class Claim:
         self.worlds = worlds
         self.revision = revision
         for n, identity in identities.items():
-            if n in stale:
+            if n in stale or n in self.deleted_nodes:
                 continue
             if identity is None:
                 if absent and nodes[n]["has_data"]:
@@ -503,8 +527,10 @@ class Claim:
                 )
         self.job_token = token
         policy = cfg.job.stale_memory
+        # Memory of an incarnation `tiercheck rm-job` deleted goes whatever the policy says.
+        deleted = dict(self.deleted_nodes)
         if not stale or policy == "discard":
-            return {n: why.text for n, why in stale.items()}
+            return {**{n: why.text for n, why in stale.items()}, **deleted}
         if policy == "adopt" and all(why.kind in ("damaged", "predates") for why in stale.values()):
             logger.warning(
                 "tiercheck: adopting the memory of nodes %s as this run's (stale_memory='adopt'): "
@@ -513,10 +539,9 @@ class Claim:
                 "; ".join(f"node {n}: {why.text}" for n, why in sorted(stale.items())),
             )
             self._adopted = sorted(stale)
-            return {}
-        raise StaleMemory(
-            stale_message(cfg.job.job_id, str(cfg.job.node_root), stale, first, nodes)
-        )
+            return deleted
+        root = str(cfg.job.node_root)
+        raise StaleMemory(stale_message(cfg.job.job_id, root, stale, first, nodes))
 
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""

@@ -25,6 +25,7 @@ from tiercheck.defaults import NodeRoot, persistent_job_url
 from tiercheck.engine.context import Context
 from tiercheck.engine.encode import Encoder
 from tiercheck.engine.jobs import Job, LaneResult
+from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
 from tiercheck.engine.options import CloseMode, Options, TierEncoding
 from tiercheck.engine.read import Reader
 from tiercheck.engine.restore import Agreement, Restorer
@@ -79,6 +80,8 @@ class Engine:
         self.shutdown = Shutdown(self)
         self.save_lock = asyncio.Lock()
         self.opened = False
+        #: When :meth:`open` began (so a close before ``opened`` follows a failed opening).
+        self.open_started: float | None = None
         self.closed = False
         self.closing = False
 
@@ -93,6 +96,7 @@ class Engine:
         """Coordination, tiers (checked by the claim before anything is written), manifest,
         and each tier's pipeline with what it holds."""
         cfg, ctx = self.cfg, self.ctx
+        self.open_started = time.time()
         # Coordination first: creating process groups is a collective, and every rank must
         # create them in the same order (the coordinator's, then the peer tier's).
         ctx.channels["control"] = DaemonExecutor(1, "tiercheck-sync-control")
@@ -134,6 +138,10 @@ class Engine:
                 self.tiers.append(await asyncio.to_thread(build_tier, spec, setup))
         ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
         await ctx.claim.guard()
+        if ctx.topo.local_rank == 0:
+            # This opening now holds the job: what killed writers left can go.
+            await sweep_leftovers(ctx.claim.durable, ctx.session)
+            await asyncio.to_thread(sweep_node_root, cfg.job.node_root)
         if "peer" in cfg.tiers.specs:
             self.tiers.append(await asyncio.to_thread(build_tier, "peer", setup))
         names = [t.name for t in self.tiers]

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiercheck.engine.leftovers import clean_failed_opening
 from tiercheck.engine.options import CloseMode
 from tiercheck.errors import TierWriteFailed
 from tiercheck.tiers.base import SupportsStopServing
@@ -219,7 +220,16 @@ class Shutdown:
             logger.exception("tiercheck: closing the coordination groups failed")
         self.engine.ctx.cpu.shutdown(wait=flush)
         self.engine.stager.pool.clear()
-        self.engine.ctx.claim.lock.release()
+        claim = self.engine.ctx.claim
+        started = self.engine.open_started
+        if self.engine.opened or started is None:
+            claim.lock.release()
+        else:
+            # The opening failed: what it made goes, and its lock with it.
+            cfg = self.engine.cfg
+            await clean_failed_opening(
+                cfg.job.node_root, claim.lock, cfg.job.job_id, started, claim.durable
+            )
 
 
 def _when_all_done(futures: Sequence[concurrent.futures.Future[Any]]) -> asyncio.Event:

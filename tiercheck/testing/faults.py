@@ -103,7 +103,8 @@ class FaultPlan:
 
 
 # How each forwarded operation counts in the plan: a mutation of stored data, a read, or
-# neither (aborting and closing write nothing, and stay possible after death).
+# neither (aborting and closing write nothing, and stay possible after death). Removing a dead
+# writer's leftovers touches no stored blob: it fails after death like a read, unnumbered.
 _WRITES: Final = {
     "put": "put",
     "putv": "put",
@@ -111,7 +112,19 @@ _WRITES: Final = {
     "delete": "delete",
     "commit": "commit",
 }
-_READS: Final = frozenset({"get", "get_range", "get_size", "exists", "list", "reserve", "prepare"})
+_READS: Final = frozenset(
+    {
+        "get",
+        "get_range",
+        "get_size",
+        "exists",
+        "list",
+        "reserve",
+        "prepare",
+        "leftovers",
+        "remove_leftovers",
+    }
+)
 
 
 class FaultyTier(DelegatingTier):
@@ -119,8 +132,9 @@ class FaultyTier(DelegatingTier):
 
     A :class:`~tiercheck.tiers.DelegatingTier`: it has the optional abilities (``reserve``,
     ``prepare``, ``copy``, ...) of the tier it wraps. ``put``, ``putv``, ``copy``, ``delete`` and
-    a reservation's ``commit`` are the plan's numbered writes; ``get``, ``get_range``, ``get_size``,
-    ``exists``, ``list``, ``reserve`` and ``prepare`` fail once the process is dead; ``abort``,
+    a reservation's ``commit`` are the plan's numbered writes; ``get``, ``get_range``,
+    ``get_size``, ``exists``, ``list``, ``reserve``, ``prepare``, ``leftovers`` and
+    ``remove_leftovers`` fail once the process is dead; ``abort``,
     ``stop_serving`` and ``aclose`` always go through (they store nothing).
     """
 

@@ -39,9 +39,9 @@ import re
 import types
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from tiercheck.buffer import Buffer
 from tiercheck.errors import ConfigError, InvalidKey, TierClosed
@@ -54,14 +54,17 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "Buffer",
     "FailureScope",
+    "Leftover",
     "Reservation",
     "SupportsCopy",
+    "SupportsLeftovers",
     "SupportsPrepare",
     "SupportsRangedGet",
     "SupportsReserve",
     "SupportsStopServing",
     "Tier",
     "TierSetup",
+    "WriterClaim",
     "check_range",
     "copy_blob",
     "validate_key",
@@ -359,6 +362,79 @@ async def copy_blob(tier: Tier, src: str, dst: str) -> None:
         await tier.copy(src, dst)
         return
     await tier.put(dst, await tier.get(src))
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """Something a writer left in a tier beside the blobs: a temporary file, an unfinished upload.
+
+    A process killed while it writes a blob leaves one. It is never read as data (listings never
+    show it as a key); :class:`SupportsLeftovers` lists it so that people see it (``tiercheck ls``
+    and ``verify``) and removes it once its writer is known to be gone.
+    """
+
+    #: ``"temporary"`` (a file being written, to be renamed over its key) or ``"upload"`` (an
+    #: object store's multipart upload that was started and never completed).
+    kind: Literal["temporary", "upload"]
+    #: Where: a temporary file's path relative to the tier's root; an upload's key.
+    name: str
+    #: Bytes it holds, where known.
+    size: int | None
+    #: Seconds since it last changed (a file) or was started (an upload), when it was listed.
+    age: float | None
+    #: ``"dead"``: its writer is gone, so it is removable; ``"live"``: its writer runs on this
+    #: host (never removed); ``"unknown"``: its writer cannot be judged from here yet (kept).
+    verdict: Literal["live", "dead", "unknown"]
+    #: Why, in words: who wrote it and what decided the verdict.
+    why: str
+    #: What the tier needs to remove it (a full path, an upload id); not for people.
+    handle: str = field(default="", compare=False)
+
+    @property
+    def removable(self) -> bool:
+        """Whether its writer is known to be gone."""
+        return self.verdict == "dead"
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "size": self.size,
+            "age": None if self.age is None else round(self.age, 1),
+            "verdict": self.verdict,
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WriterClaim:
+    """The job's current writer at a location, as its newest writer generation names it.
+
+    ``session`` is the session that claimed it; ``since`` when (seconds since the epoch, by the
+    claiming host's clock). A tier uses it to tell the current writer's leftovers (kept while it
+    may be writing them) from those of writers a newer opening superseded.
+    """
+
+    session: str
+    since: float
+
+
+@runtime_checkable
+class SupportsLeftovers(Protocol):
+    """A tier that can list and remove what killed writers left in it (:class:`Leftover`).
+
+    ``leftovers(writer)`` lists them, each judged; ``remove_leftovers(items, writer)`` judges
+    each again right before removing it and removes only those still ``"dead"``, returning
+    them. ``writer`` is the location's current writer, where known (see :class:`WriterClaim`).
+    Neither ever removes the file of a writer that runs on this host.
+    """
+
+    async def leftovers(self, writer: WriterClaim | None = None) -> list[Leftover]: ...
+
+    async def remove_leftovers(
+        self, items: Sequence[Leftover], writer: WriterClaim | None = None
+    ) -> list[Leftover]: ...
 
 
 def check_range(start: object, end: object) -> tuple[int, int]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import math
 import os
 import random
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import fsspec
 from fsspec.core import split_protocol, url_to_fs
@@ -24,15 +26,30 @@ from tiercheck.tiers import atomic
 from tiercheck.tiers.base import (
     Buffer,
     FailureScope,
+    Leftover,
     Tier,
     TierSetup,
+    WriterClaim,
     check_range,
     validate_key,
 )
 
-__all__ = ["DEFAULT_RETRY", "PersistentTier", "RetryPolicy"]
+__all__ = ["CLOCK_SKEW", "DEFAULT_RETRY", "STALE_AFTER", "PersistentTier", "RetryPolicy"]
+
+#: Seconds a leftover whose writer cannot be judged from here (another host) must stay
+#: unchanged, once a newer opening superseded its writer, before it counts as dead (see
+#: :meth:`PersistentTier.leftovers`).
+STALE_AFTER: Final = 3600.0
+#: How far apart two hosts' clocks (and a storage server's) may be, for the comparisons of
+#: :meth:`PersistentTier.leftovers` that mix them.
+CLOCK_SKEW: Final = 300.0
 
 _T = TypeVar("_T")
+
+_logger = logging.getLogger("tiercheck")
+
+# Inside the class, "list" names the listing method.
+_Leftovers = list[Leftover]
 
 # What to install for a protocol whose fsspec backend is missing (fsspec's own hint otherwise).
 _EXTRAS: Final = {"s3": "tiercheck[s3]", "s3a": "tiercheck[s3]"}
@@ -180,6 +197,14 @@ class PersistentTier(Tier):
         never show. Listing caches of the filesystem are dropped before each look-up, so that
         blobs written by other processes are seen.
 
+    Leftovers (:class:`~tiercheck.tiers.SupportsLeftovers`)
+        A process killed mid-put leaves a temporary file (filesystems) or an unfinished
+        multipart upload (S3: s3fs uploads blobs of 100 MiB and more in parts; the parts stay
+        stored, unlisted and billed, until the upload is aborted). :meth:`leftovers` lists them
+        and :meth:`remove_leftovers` removes those whose writer is gone; see :meth:`leftovers`
+        for the rule. ``writer_tag`` (the checkpointer passes its session) is written into the
+        names of this tier's temporary files so that the rule can tell whose they are.
+
     The fsspec filesystem instance may be shared with other users of the same URL and options
     (fsspec caches instances); :meth:`aclose` therefore leaves it open.
     """
@@ -190,7 +215,11 @@ class PersistentTier(Tier):
     @classmethod
     def for_job(cls, setup: TierSetup) -> PersistentTier:
         """A checkpointer's persistent tier: the job's folder under the ``persistent=`` URL."""
-        return cls(setup.persistent_url, storage_options=setup.storage_options)
+        return cls(
+            setup.persistent_url,
+            storage_options=setup.storage_options,
+            writer_tag=setup.session if atomic.valid_tag(setup.session) else None,
+        )
 
     def __init__(
         self,
@@ -200,6 +229,8 @@ class PersistentTier(Tier):
         retry: RetryPolicy = DEFAULT_RETRY,
         fsync: bool = True,
         name: str = "persistent",
+        writer_tag: str | None = None,
+        stale_after: float = STALE_AFTER,
     ) -> None:
         if not isinstance(retry, RetryPolicy):
             raise ConfigError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
@@ -211,6 +242,14 @@ class PersistentTier(Tier):
             )
         if not isinstance(fsync, bool):
             raise ConfigError(f"fsync must be True or False, got {fsync!r}")
+        if writer_tag is not None and not atomic.valid_tag(writer_tag):
+            raise ConfigError(
+                f"writer_tag must be 1 to 64 letters, digits, '-' or '_', got {writer_tag!r}"
+            )
+        if not (isinstance(stale_after, (int, float)) and stale_after >= 0):
+            raise ConfigError(f"stale_after must be a number of seconds >= 0, got {stale_after!r}")
+        self._writer_tag = writer_tag
+        self._stale_after = float(stale_after)
         self._url = os.fspath(url)
         if not isinstance(self._url, str) or not self._url:
             raise ConfigError(f"the persistent tier needs a non-empty URL or path, got {url!r}")
@@ -229,6 +268,11 @@ class PersistentTier(Tier):
     def url(self) -> str:
         """The URL (or path) this tier was opened on."""
         return self._url
+
+    @property
+    def local_folder(self) -> str | None:
+        """The folder the blobs live in, on a local (or mounted) filesystem; else ``None``."""
+        return (self._base or "/") if self._local else None
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -313,6 +357,147 @@ class PersistentTier(Tier):
         for key in keys:
             yield key
 
+    # --- leftovers of killed writers -------------------------------------------------------------
+
+    async def leftovers(self, writer: WriterClaim | None = None) -> _Leftovers:
+        """What killed writers left here: temporary files, unfinished uploads; each judged.
+
+        ``writer`` is the job's current writer (its newest writer generation), where known.
+        The verdict of each (see :class:`~tiercheck.tiers.Leftover`):
+
+        * a temporary file written on this host, in this boot and pid namespace: ``"live"``
+          while its writer (pid *and* start time) runs, ``"dead"`` as soon as it does not;
+        * anything else (a file another host wrote to a shared filesystem, an upload: a pid
+          means nothing there) is ``"dead"`` only when both hold: **its writer was
+          superseded** -- the file's name carries another session than ``writer``'s (names
+          without one: it last changed before ``writer`` claimed the job; uploads: started
+          before that), or no writer is known -- **and it has not changed for**
+          ``stale_after`` seconds (default :data:`STALE_AFTER`, an hour). Otherwise it is
+          ``"unknown"`` and kept.
+
+        So the current writer's files are never removed while it may be writing them, and
+        neither is a file any process changed within the last ``stale_after`` seconds. What
+        the rule can remove of a live process is only the file of a writer that a newer opening
+        superseded and that has been stuck for that long: its put then fails (counted, logged),
+        which is what a superseded writer's put should do anyway (see
+        :class:`~tiercheck.errors.Superseded`).
+        """
+        self._check_open()
+        if self._local:
+            return await asyncio.to_thread(self._temp_leftovers, writer)
+        if _is_s3(self._fs):
+            return await self._call("list uploads", "", self._upload_leftovers, writer)
+        return []
+
+    async def remove_leftovers(
+        self, items: Sequence[Leftover], writer: WriterClaim | None = None
+    ) -> _Leftovers:
+        """Remove those of ``items`` still ``"dead"`` when judged again now; return them."""
+        self._check_open()
+        removed: _Leftovers = []
+        for item in items:
+            fresh = await self._call("remove leftover", item.name, self._remove_one, item, writer)
+            if fresh is not None:
+                removed.append(fresh)
+        return removed
+
+    def _judge_temp(self, temp: atomic.TempFile, writer: WriterClaim | None) -> Leftover:
+        verdict, why = atomic.process_verdict(temp.owner)
+        age = max(0.0, time.time() - temp.mtime)
+        if verdict == "unknown":
+            tag = temp.owner.tag
+            if writer is None:
+                superseded, whose = True, "no writer of the job is known"
+            elif tag is not None:
+                superseded = tag != writer.session
+                whose = "a newer opening superseded its writer"
+            else:
+                superseded = temp.mtime < writer.since - CLOCK_SKEW
+                whose = "it was last written before the current writer opened the job"
+            verdict, why = _stale_verdict(why, superseded, whose, age, self._stale_after)
+        name = os.path.relpath(temp.path, self._base)
+        return Leftover("temporary", name, temp.size, age, verdict, why, temp.path)
+
+    def _temp_leftovers(self, writer: WriterClaim | None) -> _Leftovers:
+        if not self._base:
+            return []  # a tier over the whole filesystem: not walked
+        return [self._judge_temp(t, writer) for t in atomic.find_temps(self._base)]
+
+    def _remove_one(self, item: Leftover, writer: WriterClaim | None) -> Leftover | None:
+        if item.kind == "upload":
+            path, upload_id, started = _split_upload_handle(item.handle)
+            fresh = self._judge_upload(path, upload_id, started, item.size, writer)
+            if not fresh.removable:
+                return None
+            bucket, key, _ = self._fs.split_path(path)
+            self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            return fresh
+        path = item.handle
+        owner = atomic.parse_temp_owner(os.path.basename(path))
+        if owner is None or not path.startswith(self._prefix):
+            return None  # not one of ours: never removed
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None  # renamed over its key by its writer, or removed by someone else
+        judged = self._judge_temp(atomic.TempFile(path, owner, st.st_size, st.st_mtime), writer)
+        if not judged.removable:
+            return None
+        atomic.discard(path)
+        atomic.prune_empty_dirs(os.path.dirname(path), self._base)
+        return judged
+
+    def _upload_leftovers(self, writer: WriterClaim | None) -> _Leftovers:
+        bucket, key_prefix, _ = self._fs.split_path(self._prefix)
+        query: dict[str, Any] = {"Bucket": bucket, "Prefix": key_prefix}
+        found: _Leftovers = []
+        while True:
+            page = self._fs.call_s3("list_multipart_uploads", **query)
+            for upload in page.get("Uploads", []):
+                key, upload_id = str(upload["Key"]), str(upload["UploadId"])
+                started = float(upload["Initiated"].timestamp())
+                size = self._upload_size(bucket, key, upload_id)
+                found.append(
+                    self._judge_upload(f"{bucket}/{key}", upload_id, started, size, writer)
+                )
+            if not page.get("IsTruncated"):
+                return found
+            query["KeyMarker"] = page.get("NextKeyMarker", "")
+            query["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def _upload_size(self, bucket: str, key: str, upload_id: str) -> int | None:
+        query: dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
+        total = 0
+        while True:
+            try:
+                page = self._fs.call_s3("list_parts", **query)
+            except Exception as exc:  # sizes are for people; the upload is listed regardless
+                _logger.debug("tiercheck: cannot list the parts of upload %s: %r", upload_id, exc)
+                return None
+            total += sum(int(part.get("Size", 0)) for part in page.get("Parts", []))
+            if not page.get("IsTruncated"):
+                return total
+            query["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
+
+    def _judge_upload(
+        self,
+        path: str,
+        upload_id: str,
+        started: float,
+        size: int | None,
+        writer: WriterClaim | None,
+    ) -> Leftover:
+        age = max(0.0, time.time() - started)
+        why = f"an unfinished multipart upload (id {upload_id[:16]}) started {_ago(age)} ago"
+        if writer is None:
+            superseded, whose = True, "no writer of the job is known"
+        else:
+            superseded = started < writer.since - CLOCK_SKEW
+            whose = "it was started before the current writer opened the job"
+        verdict, why = _stale_verdict(why, superseded, whose, age, self._stale_after)
+        name = path[len(self._prefix) :] if path.startswith(self._prefix) else path
+        return Leftover("upload", name, size, age, verdict, why, f"{path}\n{upload_id}\n{started}")
+
     # --- retries ------------------------------------------------------------------------------
 
     async def _call(self, op: str, key: str, fn: Callable[..., _T], *args: object) -> _T:
@@ -336,7 +521,7 @@ class PersistentTier(Tier):
     # --- blocking operations (run in worker threads) --------------------------------------------
 
     def _put_local(self, key: str, views: Sequence[memoryview]) -> None:
-        atomic.atomic_write(self._path(key), views, fsync=self._fsync)
+        atomic.atomic_write(self._path(key), views, fsync=self._fsync, tag=self._writer_tag)
 
     def _pipe(self, key: str, views: Sequence[memoryview]) -> None:
         whole = views[0].obj if len(views) == 1 else None
@@ -439,6 +624,42 @@ class PersistentTier(Tier):
             if key.startswith(prefix) and _valid_key(key):
                 keys.append(key)
         return keys
+
+
+def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs's (the one object store whose unfinished uploads are listed)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "s3" in protocols and hasattr(fs, "call_s3")
+
+
+def _split_upload_handle(handle: str) -> tuple[str, str, float]:
+    path, upload_id, started = handle.split("\n")
+    return path, upload_id, float(started)
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "an unknown time"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _stale_verdict(
+    why: str, superseded: bool, whose: str, age: float, stale_after: float
+) -> tuple[Literal["dead", "unknown"], str]:
+    """The verdict of a leftover whose writer cannot be judged by its process (see
+    :meth:`PersistentTier.leftovers`)."""
+    if superseded and age >= stale_after:
+        return "dead", f"{why}; {whose}, and it has not changed for {_ago(age)}"
+    if not superseded:
+        return "unknown", f"{why}; kept: it may be the current writer's"
+    return "unknown", (
+        f"{why}; {whose}, but it changed {_ago(age)} ago: kept until it has not changed for "
+        f"{_ago(stale_after)}"
+    )
 
 
 def _valid_key(key: str) -> bool:

@@ -2,8 +2,8 @@
 
 :class:`DelegatingTier` wraps an *inner* tier and forwards each call to it -- the five abstract
 methods, ``putv``, ``get_size``, ``aclose``, and the optional abilities the inner tier has
-(``reserve``, ``prepare``, ``stop_serving``, ``get_range``, ``copy``). A subclass adds
-behaviour around the calls without re-implementing the forwarding: fault injection
+(``reserve``, ``prepare``, ``stop_serving``, ``get_range``, ``copy``, ``leftovers``). A
+subclass adds behaviour around the calls without re-implementing the forwarding: fault injection
 (:class:`tiercheck.testing.faults.FaultyTier`), latency, metrics, logging, access checks.
 Example::
 
@@ -31,13 +31,16 @@ from typing import Any, Final, TypeVar, cast
 from tiercheck.tiers.base import (
     Buffer,
     FailureScope,
+    Leftover,
     Reservation,
     SupportsCopy,
+    SupportsLeftovers,
     SupportsPrepare,
     SupportsRangedGet,
     SupportsReserve,
     SupportsStopServing,
     Tier,
+    WriterClaim,
 )
 
 __all__ = ["OPERATIONS", "DelegatedReservation", "DelegatingTier"]
@@ -62,6 +65,8 @@ OPERATIONS: Final = frozenset(
         "copy",
         "prepare",
         "stop_serving",
+        "leftovers",
+        "remove_leftovers",
     }
 )
 
@@ -77,10 +82,10 @@ class DelegatingTier(Tier):
         :class:`~tiercheck.tiers.SupportsReserve` (``reserve``) if and only if the inner tier
         does, and likewise :class:`~tiercheck.tiers.SupportsPrepare`,
         :class:`~tiercheck.tiers.SupportsStopServing`,
-        :class:`~tiercheck.tiers.SupportsRangedGet` and :class:`~tiercheck.tiers.SupportsCopy`.
-        (So an instance's class is a subclass, of the same name, of the class constructed,
-        with the forwarding of those abilities added; ``isinstance(w, YourSubclass)`` holds
-        as usual.)
+        :class:`~tiercheck.tiers.SupportsRangedGet`, :class:`~tiercheck.tiers.SupportsCopy` and
+        :class:`~tiercheck.tiers.SupportsLeftovers`. (So an instance's class is a subclass,
+        of the same name, of the class constructed, with the forwarding of those abilities
+        added; ``isinstance(w, YourSubclass)`` holds as usual.)
 
     Adding behaviour
         Override :meth:`before`, which every forwarded operation awaits first with its name
@@ -88,9 +93,9 @@ class DelegatingTier(Tier):
         inner tier sees it. Reservations are wrapped in :class:`DelegatedReservation`, whose
         ``commit`` and ``abort`` go through :meth:`before` too. Overriding the methods
         themselves works as well (call ``super()``), except for ``reserve``, ``prepare``,
-        ``stop_serving``, ``get_range`` and ``copy``: their forwarding comes first in the
-        class's MRO (an ability follows the inner tier, always), so change them through
-        :meth:`before` and :meth:`wrap_reservation`.
+        ``stop_serving``, ``get_range``, ``copy``, ``leftovers`` and ``remove_leftovers``:
+        their forwarding comes first in the class's MRO (an ability follows the inner tier,
+        always), so change them through :meth:`before` and :meth:`wrap_reservation`.
 
     Checks
         The wrapper checks first that it is open and that the key is valid, so that a closed
@@ -274,12 +279,33 @@ class _ForwardsCopy(DelegatingTier):
         await inner.copy(src, dst)
 
 
+class _ForwardsLeftovers(DelegatingTier):
+    async def leftovers(self, writer: WriterClaim | None = None) -> list[Leftover]:
+        """Forward :meth:`SupportsLeftovers.leftovers`."""
+        self._check_open()
+        await self.before("leftovers", "")
+        inner = self.inner
+        assert isinstance(inner, SupportsLeftovers)
+        return await inner.leftovers(writer)
+
+    async def remove_leftovers(
+        self, items: Sequence[Leftover], writer: WriterClaim | None = None
+    ) -> list[Leftover]:
+        """Forward :meth:`SupportsLeftovers.remove_leftovers`."""
+        self._check_open()
+        await self.before("remove_leftovers", "")
+        inner = self.inner
+        assert isinstance(inner, SupportsLeftovers)
+        return await inner.remove_leftovers(items, writer)
+
+
 _ABILITIES: Final[tuple[tuple[type, type[DelegatingTier]], ...]] = (
     (SupportsReserve, _ForwardsReserve),
     (SupportsCopy, _ForwardsCopy),
     (SupportsRangedGet, _ForwardsRangedGet),
     (SupportsPrepare, _ForwardsPrepare),
     (SupportsStopServing, _ForwardsStopServing),
+    (SupportsLeftovers, _ForwardsLeftovers),
 )
 
 

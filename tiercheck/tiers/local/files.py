@@ -124,8 +124,10 @@ def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
     return view
 
 
-def scan_sizes(root: str) -> dict[str, int]:
-    """Sizes of every blob under ``root``; removes debris of dead processes on the way."""
+def scan_sizes(root: str, *, sweep: bool = True) -> dict[str, int]:
+    """Sizes of every blob under ``root``; with ``sweep``, removes the temporary files and
+    spares of dead processes on the way (:func:`tiercheck.tiers.atomic.owned_by_dead_process`:
+    never a file whose writer runs, nor one whose writer cannot be judged from here)."""
     sizes: dict[str, int] = {}
     stack = [root]
     while stack:
@@ -143,7 +145,7 @@ def scan_sizes(root: str) -> dict[str, int]:
             if is_dir:
                 stack.append(entry.path)
             elif is_file and atomic.is_internal_name(entry.name):
-                if atomic.owned_by_dead_process(entry.name):
+                if sweep and atomic.owned_by_dead_process(entry.name):
                     atomic.discard(entry.path)
             elif is_file:
                 key = os.path.relpath(entry.path, root)

@@ -62,6 +62,7 @@ class _Space:
 
     _root: str
     _spares_dir: str
+    _sweep: bool
     _default_root: bool
     _capacity: int | None
     _spare_limit: int
@@ -111,8 +112,9 @@ class _Space:
             )
 
     def _scan_sync(self) -> dict[str, int]:
-        """Sizes of every blob under the root; removes debris of dead processes on the way."""
-        return scan_sizes(self._root)
+        """Sizes of every blob under the root; removes debris of dead processes on the way
+        (unless the tier was made with ``sweep=False``)."""
+        return scan_sizes(self._root, sweep=self._sweep)
 
     def _refresh_sync(self) -> int:
         self._ensure_scanned()

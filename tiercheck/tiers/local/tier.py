@@ -39,7 +39,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
     """Blobs as files in this node's shared memory; they outlive the process that wrote them.
 
     ``LocalTier(root=None, *, job_id="default", node=None, capacity=None, spare_files=4,
-    fsync=False, populate=True, name="local")``
+    fsync=False, populate=True, name="local", sweep=True)``
 
     Layout
         Each key is a file at the same relative path under :attr:`root` (default
@@ -103,7 +103,8 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         committed :class:`LocalReservation` that has not been released maps it; such a file is
         simply removed (its pages live on until the last reader lets go). ``spare_files=0``
         turns recycling off. Spares and temporary files left by a process that died are removed
-        by the next instance that opens the root.
+        by the next instance that opens the root (unless ``sweep=False``: tools that only read,
+        such as ``tiercheck ls``, list them instead, see :mod:`tiercheck.catalog.leftovers`).
 
     ``populate=True`` pre-faults a reservation's pages when mapping it (``MAP_POPULATE``), inside
     :meth:`reserve`'s worker thread, so that the copy into the buffer runs at memory speed. (It
@@ -133,6 +134,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         fsync: bool = False,
         populate: bool = True,
         name: str = "local",
+        sweep: bool = True,
     ) -> None:
         if capacity is not None and (
             not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0
@@ -154,6 +156,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         self._spare_limit = spare_files
         self._fsync = fsync
         self._populate = populate
+        self._sweep = sweep
 
         # Guards the accounting below; held only for dictionary work and renames, never for
         # data transfer, so event-loop code that reads the properties never waits long.
