@@ -121,6 +121,7 @@ class Checkpointer(CheckpointerCore):
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`).
         ``Stateful`` objects in it are saved as their ``state_dict()``; DTensors as their local
         shard and layout."""
+        self._settle(wait=False)  # a confirmation point for the saves before (never waits)
         marks = caller_marks()
         loop, engine = await self._ensure_open()
         held: list[tuple[Any, ...]] | None = [] if engine.leans else None
@@ -156,6 +157,7 @@ class Checkpointer(CheckpointerCore):
         local shards (see :func:`tiercheck.codec.dtensor.materialize`).
         """
         loop, engine = await self._ensure_open()
+        await self._asettle()
         prepared = None if state is None else stateful.for_restore(state)
         target = None if prepared is None else prepared.target
         restored = await loop.run(engine.restore(target, version, strict))
@@ -176,6 +178,7 @@ class Checkpointer(CheckpointerCore):
         holds none): ``(await ckpt.wait())["persistent"]`` is the newest durable version.
         """
         loop, engine = await self._ensure_open()
+        await self._asettle()
         await loop.run(engine.wait())
         return await loop.run(engine.newest())
 
@@ -205,6 +208,7 @@ class Checkpointer(CheckpointerCore):
             return
         loop, engine = self._loop, self._engine
         try:
+            await self._alast_point(how)
             await loop.run(engine.aclose(how))
         finally:
             loop.stop()

@@ -46,6 +46,7 @@ class SyncCheckpointer(CheckpointerCore):
     def save(self, version: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` as ``version``; returns once training may modify it again
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
+        self._settle(wait=False)  # a confirmation point for the saves before (never waits)
         marks = caller_marks()
         loop, engine = self.open()._start()
         held: list[tuple[Any, ...]] | None = [] if engine.leans else None
@@ -57,6 +58,7 @@ class SyncCheckpointer(CheckpointerCore):
     ) -> Restored | None:
         """Restore the newest version every rank can rebuild; see :meth:`Checkpointer.restore`."""
         loop, engine = self.open()._start()
+        self._settle(wait=True)
         prepared = None if state is None else stateful.for_restore(state)
         target = None if prepared is None else prepared.target
         restored = loop.call(engine.restore(target, version, strict))
@@ -77,6 +79,7 @@ class SyncCheckpointer(CheckpointerCore):
         ``ckpt.wait()["persistent"]`` is the newest durable version.
         """
         loop, engine = self.open()._start()
+        self._settle(wait=True)
         loop.call(engine.wait())
         return loop.call(engine.newest())
 
@@ -97,6 +100,7 @@ class SyncCheckpointer(CheckpointerCore):
             return
         loop, engine = self._loop, self._engine
         try:
+            self._last_point(how)
             loop.call(engine.aclose(how))
         finally:
             loop.stop()

@@ -7,6 +7,7 @@ event loop thread the :class:`~tiercheck.engine.engine.Engine` runs on, started 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -20,6 +21,7 @@ from tiercheck.defaults import persistent_job_url
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import (
     BusyPolicy,
+    CloseMode,
     PerRankPolicy,
     StalePolicy,
     TierEncoding,
@@ -33,6 +35,12 @@ from tiercheck.tiers.base import Tier
 from tiercheck.topology import Topology
 
 __all__ = ["CheckpointerCore"]
+
+logger = logging.getLogger("tiercheck")
+
+_ABANDONED = (
+    "the checkpointer closed before the snapshot was copied and confirmed unchanged since save"
+)
 
 
 class CheckpointerCore:
@@ -241,11 +249,56 @@ class CheckpointerCore:
         The fence of overlapped saves (``overlap=True``), for every save at once; returns at
         once when none is in flight (always, for blocking saves). Callable from any thread,
         including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
-        failure, only :class:`TimeoutError` when ``timeout`` passes first.
+        failure, only :class:`TimeoutError` when ``timeout`` passes first. It confirms the
+        copies it waited for: their versions fail if the state changed since ``save`` (see
+        :mod:`tiercheck.staging`), which it compares here, where the caller's in-place changes
+        made before it are all finished.
         """
         engine = self._engine
         if engine is not None:
             engine.fence(timeout)
+
+    # --- confirmation points (see tiercheck.staging) ------------------------------------------
+
+    def _settle(self, *, wait: bool, timeout: float | None = None) -> None:
+        """Confirm the overlapped copies that are done (after waiting for all, with ``wait``)."""
+        engine = self._engine
+        if engine is not None:
+            engine.stager.settle(wait=wait, timeout=timeout)
+
+    async def _asettle(self) -> None:
+        """:meth:`_settle` with ``wait``, without blocking the caller's event loop."""
+        engine = self._engine
+        if engine is not None:
+            await engine.stager.asettle()
+
+    def _last_point(self, how: CloseMode) -> None:
+        """Before closing: confirm what can be (the normal close waits for every copy; a close
+        on an error waits ``close_timeout`` at most); every other overlapped save is abandoned."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            if how != "now":
+                bound = None if how == "collective" else self._config.coordination.close_timeout
+                engine.stager.settle(wait=True, timeout=bound)
+        except TimeoutError as exc:
+            logger.warning("tiercheck: closing; snapshots still copying are abandoned: %s", exc)
+        finally:
+            engine.stager.abandon(_ABANDONED)
+
+    async def _alast_point(self, how: CloseMode) -> None:
+        """:meth:`_last_point` for the caller's event loop."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            if how == "collective":
+                await engine.stager.asettle()
+            elif how == "bounded":
+                await engine.stager.asettle(self._config.coordination.close_timeout)
+        finally:
+            engine.stager.abandon(_ABANDONED)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

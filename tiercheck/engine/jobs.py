@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from tiercheck.codec import Layout, RawState
 from tiercheck.consistency.manifest import Durable
 from tiercheck.engine.options import TierEncoding
 from tiercheck.engine.results import SaveHandle
+from tiercheck.errors import TierWriteFailed
 from tiercheck.staging import SnapshotCopy
 from tiercheck.tiers.base import Reservation
 
@@ -64,8 +66,14 @@ class Job:
     payload: torch.Tensor | None = None
     # The snapshot copy still running after save returned (overlapped saves only).
     copy: SnapshotCopy | None = None
+    #: Overlapped saves: resolved once the caller confirmed the state unchanged between
+    #: ``save`` and the copy's end (:attr:`SnapshotCopy.confirmed`); ``None`` for a blocking
+    #: save. No tier makes the version restorable before: see :meth:`unconfirmed`.
+    confirmed: concurrent.futures.Future[None] | None = None
     holder: Holder | None = None
     reservation: Reservation | None = None
+    #: The task publishing the snapshot staged in :attr:`reservation` once confirmed.
+    publish: asyncio.Task[None] | None = None
     # The tier the snapshot was reserved in (copied in place), if any.
     reserved_in: str | None = None
     previous: Job | None = None
@@ -73,6 +81,25 @@ class Job:
     results: dict[str, asyncio.Future[LaneResult]] = field(default_factory=dict)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     rounds_left: int = 0
+
+    async def unconfirmed(self) -> BaseException | None:
+        """Wait until the snapshot is confirmed: ``None``, or why the version must not be
+        stored (:meth:`staged_failure` of it). At once for a blocking save."""
+        if self.confirmed is None:
+            return None
+        try:
+            await asyncio.wrap_future(self.confirmed)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            return self.staged_failure(exc)
+        return None
+
+    def staged_failure(self, exc: BaseException) -> TierWriteFailed:
+        """The error each tier reports for a version whose snapshot failed (``exc`` as cause)."""
+        error = TierWriteFailed(f"version {self.version} could not be staged: {exc!r}")
+        error.__cause__ = exc
+        return error
 
     def lane_done(
         self,

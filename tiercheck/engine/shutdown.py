@@ -42,6 +42,11 @@ class Shutdown:
         if self.engine.closed or self.engine.closing:
             return
         self.engine.closing = True
+        # The close decides every overlapped save: the caller confirmed what it could before
+        # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
+        self.engine.stager.abandon(
+            "the checkpointer closed before the snapshot was confirmed unchanged since save"
+        )
         try:
             if how == "collective" and self.engine.opened:
                 await self._close_collectively()
@@ -200,7 +205,7 @@ class Shutdown:
         except Exception:
             logger.exception("tiercheck: closing the coordination groups failed")
         self.engine.ctx.cpu.shutdown(wait=flush)
-        self.engine.stager.pool.clear()
+        self.engine.stager.close()
         self.engine.ctx.claim.lock.release()
 
 
