@@ -10,7 +10,8 @@ Lifecycle of one save (the order things happen in)
    ``"wait"`` for it, or ``"skip"`` this one (counted). It returns a :class:`SaveHandle`;
    training may change its tensors at once. With ``overlap=True`` it returns once the copy is
    started, and the state may change once the copy is done (:meth:`SaveHandle.staged`, the
-   fence; see :mod:`tiercheck.staging`).
+   fence; see :mod:`tiercheck.staging`); the version is stored only once the caller's side
+   confirmed the state unchanged until the copy was done.
 2. Background, in save order: the raw payload is hashed; the local blob is published; the
    state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
 3. Background, per tier, in version order: the blob is written; the manifest logs it durable.

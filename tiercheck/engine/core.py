@@ -106,9 +106,14 @@ class CheckpointerCore:
                 must not change until the copy is done: pass the fence first --
                 ``handle.staged()``, ``ckpt.fence()``, or install it once with
                 :func:`~tiercheck.fence_before_step` (an optimizer step pre-hook) or
-                :func:`~tiercheck.fence_before_forward`. A change made before the fence that
+                :func:`~tiercheck.fence_before_forward`; every optimizer step waits for it
+                anyway while copies are in flight. A change made before the fence that
                 torch's version counters show makes the version fail
-                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy.
+                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy: the
+                counters are compared on the caller's side once the copy is done (the fence,
+                the next save, ``wait``, ``close``, the handle's ``result``), and no tier
+                stores the version before. Inference tensors and numpy arrays, whose changes
+                no counter shows, are copied before ``save`` returns.
             tier_queue: how many encoded versions may wait for one tier before newer ones are
                 dropped for that tier (a slow remote store never blocks training).
             codec: compression options for packed blobs.
