@@ -440,7 +440,8 @@ def test_a_loop_fenced_before_each_step_stores_every_version_whole(
     t = Trainer(fused=fused)
     t.step()
     saved = {}
-    with _ckpt(tmp_path, keep=100) as ckpt:
+    # A queue deep enough that no version is dropped for a slow durable tier (not the point).
+    with _ckpt(tmp_path, keep=100, tier_queue=16) as ckpt:
         tiercheck.fence_before_step(ckpt, t.opt)
         for version in range(8):
             state = {"model": t.model.state_dict(), "optim": t.opt.state_dict()}
