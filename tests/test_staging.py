@@ -13,13 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import tiercheck
 from tiercheck import ConfigError, StateChanged, SyncCheckpointer, TierWriteFailed
-from tiercheck.codec import decode, flatten
-from tiercheck.codec.plan import Flat, Planner
+from tiercheck.codec import decode, flatten, unflatten
+from tiercheck.codec.plan import Planner
 from tiercheck.staging import SnapshotCopy, StagingPool
 
 from .helpers import TinyTrainer, assert_state_equal, clone_state
@@ -129,7 +130,7 @@ def test_changing_the_state_before_the_fence_fails_the_version(tmp_path: Path, g
     t.step()
     with _ckpt(tmp_path, overlap=True) as ckpt:
         handle = ckpt.save(1, t.state())
-        t.step()  # the caller's error: the optimizer steps before the fence
+        _scribble(t.state())  # the caller's error: weights edited before the fence
         gate.open()
         handle.staged()  # the fence itself does not raise
         with pytest.raises(TierWriteFailed, match="not be staged") as info:
@@ -166,15 +167,19 @@ def test_the_optimizer_hook_makes_a_plain_loop_safe(tmp_path: Path, gate: Gate) 
             gate.event.clear()
         gate.open()
         ckpt.wait()
-        # Without the hook, the step does not wait for a held copy.
+        # Without the hook the step waits all the same: while a checkpointer with overlapped
+        # saves is open, every optimizer step is a fence (fused optimizers write without
+        # bumping version counters, so a step during the copy could not be caught).
         hook.remove()
         gate.event.clear()
+        saved[10] = clone_state(t.state())
         ckpt.save(10, t.state())
         stepper = threading.Thread(target=t.step)
         stepper.start()
-        stepper.join(timeout=30)
-        assert not stepper.is_alive()
+        stepper.join(timeout=0.2)
+        assert stepper.is_alive(), "optimizer.step() ran before the snapshot was staged"
         gate.open()
+        stepper.join()
         ckpt.wait()
     for version, state in saved.items():
         assert_state_equal(_stored(tmp_path, version), state)
@@ -245,16 +250,68 @@ def test_a_snapshot_copy_reports_its_failure_without_raising() -> None:
     assert copy.flat is None  # the caller's tensors are not kept
 
 
-def test_version_watch_skips_inference_tensors() -> None:
+def test_tensors_without_counters_are_copied_when_the_copy_is_made() -> None:
+    """Inference tensors have no version counter and numpy writes behind torch's back: a
+    watched copy takes them at once, so a change before it runs cannot reach it."""
     with torch.inference_mode():
         frozen = torch.ones(3)
-    state = {"frozen": frozen, "live": torch.ones(3)}
-    layout, tensors = flatten(state)
-    flat = Flat(layout, tensors, None, False, True)
-    dest = torch.empty(layout.payload_nbytes, dtype=torch.uint8)
+    array = np.ones(3)
+    state = {"frozen": frozen, "array": array, "live": torch.ones(3)}
+    flat = Planner().flatten(state)
+    assert flat.untracked == (1,)  # the array; the inference tensor is found by its counter
+    dest = torch.empty(flat.layout.payload_nbytes, dtype=torch.uint8)
     copy = SnapshotCopy(flat, dest, watch=True)
+    with torch.inference_mode():
+        frozen.add_(1.0)
+    array += 1.0
     copy.run()
+    copy.confirm()
+    assert copy.confirmed.exception() is None
+    stored = unflatten(flat.layout, flat.layout.views(dest))
+    assert torch.equal(stored["frozen"], torch.ones(3))
+    np.testing.assert_array_equal(stored["array"], np.ones(3))
+
+
+def _watched(w: torch.Tensor) -> SnapshotCopy:
+    flat = Planner().flatten({"w": w})
+    dest = torch.empty(flat.layout.payload_nbytes, dtype=torch.uint8)
+    return SnapshotCopy(flat, dest, watch=True)
+
+
+def test_only_the_callers_check_after_the_copy_confirms_it() -> None:
+    copy = _watched(torch.zeros(1000))
+    copy.confirm()  # not copied yet, and unchanged: nothing is decided
+    assert not copy.confirmed.done()
+    copy.run()
+    # Done and unchanged, as far as the worker can tell: that proves nothing (the counter of
+    # a tensor being written moves only when the kernel returns).
     assert copy.done.exception() is None
+    assert not copy.confirmed.done()
+    copy.confirm()
+    assert copy.confirmed.result() is None
+    assert copy.watched is None  # decided: the caller's tensors are let go
+
+
+def test_a_change_seen_before_the_copy_ends_fails_it_at_once() -> None:
+    w = torch.zeros(1000)
+    copy = _watched(w)
+    w.add_(1.0)
+    copy.confirm()  # a moved counter is certain, copied or not
+    assert isinstance(copy.confirmed.exception(), StateChanged)
+    copy.run()  # the copy still runs (the fence waits for it); the verdict stays
+    assert isinstance(copy.confirmed.exception(), StateChanged)
+    again = _watched(w)
+    again.run()
+    w[::2].mul_(2.0)  # through a view: views share their base's counter
+    again.confirm()
+    assert isinstance(again.confirmed.exception(), StateChanged)
+
+
+def test_a_blocking_copy_is_confirmed_by_its_end() -> None:
+    flat = Planner().flatten({"w": torch.zeros(10)})
+    copy = SnapshotCopy(flat, torch.empty(flat.layout.payload_nbytes, dtype=torch.uint8))
+    copy.run()
+    assert copy.confirmed.result() is None
 
 
 def test_pool_caches_live_and_die_with_their_buffer() -> None:

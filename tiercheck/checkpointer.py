@@ -10,7 +10,8 @@ Lifecycle of one save (the order things happen in)
    ``"wait"`` for it, or ``"skip"`` this one (counted). It returns a :class:`SaveHandle`;
    training may change its tensors at once. With ``overlap=True`` it returns once the copy is
    started, and the state may change once the copy is done (:meth:`SaveHandle.staged`, the
-   fence; see :mod:`tiercheck.staging`).
+   fence; see :mod:`tiercheck.staging`); the version is stored only once the caller's side
+   confirmed the state unchanged until the copy was done.
 2. Background, in save order: the raw payload is hashed; the local blob is published; the
    state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
 3. Background, per tier, in version order: the blob is written; the manifest logs it durable.
@@ -122,6 +123,7 @@ class Checkpointer(CheckpointerCore):
         ``Stateful`` objects in it are saved as their ``state_dict()``; DTensors as their local
         shard and layout."""
         self._check_save_args(version)
+        self._settle(wait=False)  # a confirmation point for the saves before (never waits)
         marks = caller_marks()
         loop, engine = await self._ensure_open()
         held: list[tuple[Any, ...]] | None = [] if engine.leans else None
@@ -161,6 +163,7 @@ class Checkpointer(CheckpointerCore):
         """
         self._check_restore_args(version, strict)
         loop, engine = await self._ensure_open()
+        await self._asettle()
         result: Restored | None = await drive_async(
             restore_steps(engine, state, version, strict), loop.run
         )
@@ -173,6 +176,7 @@ class Checkpointer(CheckpointerCore):
         holds none): ``(await ckpt.wait())["persistent"]`` is the newest durable version.
         """
         loop, engine = await self._ensure_open()
+        await self._asettle()
         await loop.run(engine.wait())
         return await loop.run(engine.newest())
 
@@ -203,6 +207,7 @@ class Checkpointer(CheckpointerCore):
             return
         loop, engine = self._loop, self._engine
         try:
+            await self._alast_point(how)
             await loop.run(engine.aclose(how))
         finally:
             loop.stop()

@@ -125,7 +125,8 @@ class TierWriteFailed(TiercheckError, RuntimeError):
 
 
 class StateChanged(TiercheckError, RuntimeError):
-    """An overlapped snapshot saw the state change before it was staged; nothing was stored."""
+    """The state of an overlapped save changed between ``save`` and the fence (torch's version
+    counters moved): the copy may be torn, so the version is stored nowhere."""
 
 
 class SaveSkipped(TiercheckError, RuntimeError):

@@ -15,24 +15,48 @@ How a snapshot is copied (:class:`SnapshotCopy`):
   :func:`~tiercheck.codec.write_payload`;
 * tensors on a GPU: into a pinned, reused buffer, through typed views of it computed once per
   buffer, one ``torch._foreach_copy_(..., non_blocking=True)`` per device on a side stream that
-  first waits for the work the caller had queued when it called ``save`` (an event recorded on
-  the caller's current stream, see :func:`caller_marks`); an event on the side stream is the
-  fence, waited for on the host before the bytes are read.
+  first waits for the work the caller had queued on its current stream (an event recorded
+  there, see :func:`caller_marks`); an event on the side stream is the fence, waited for on the
+  host before the bytes are read.
 
 A blocking save waits for the copy before returning. An *overlapped* save returns as soon as the
 copy is started and the copy runs on a worker thread (and the device's copy engine) while
-training computes; :meth:`SnapshotCopy.wait` is the fence. Changing the state before the fence
-is the caller's error; it is detected where torch's version counters show it (every in-place
-torch operation bumps the counter of the tensor it writes, optimizer steps included): the
-counters taken when ``save`` was called are compared with those once the copy is done, and a
-difference makes the copy fail with :class:`~tiercheck.errors.StateChanged` -- the version is
-then stored nowhere. Writes the counters do not see (through ``.data``, a numpy view, inside
-some native kernels such as batch norm's running statistics) are not detected.
+training computes; :meth:`SnapshotCopy.wait` is the fence.
+
+Changing the state before the fence is the caller's error, and it must never leave a torn copy
+stored. It is caught through torch's version counters (every in-place torch operation bumps
+the counter of the tensor it writes, and of every view sharing its memory). Torch bumps a
+counter *after* the in-place kernel ran (on the host) or was launched (on a GPU): the bump is
+the last step of the operation's ``ADInplaceOrView`` kernel. So a check made on a worker thread
+once its copy is done can read the old counter while the tensor is half written; only a check
+made on the training side, at a point every earlier in-place call has returned from, sees every
+change. Hence two steps:
+
+* ``save`` reads the counters before anything is copied (and only then records the CUDA events
+  the copy waits for, on the caller's stream: whatever the counters show already is in the
+  copy; anything the copy may race with bumps a counter after this read);
+* a *confirmation point* compares them again once the copy is done (:meth:`SnapshotCopy.
+  confirm`): the fence (``handle.staged()``, ``ckpt.fence()``, the hooks below, and every
+  optimizer step while a copy is pending, see :class:`~tiercheck.engine.stage.Stager`), the next
+  ``save``, ``wait()``, ``restore()``, ``close()``, ``handle.result()`` and ``handle.done()``.
+  Equal: the version is confirmed. Different: it fails with
+  :class:`~tiercheck.errors.StateChanged`. Until then no tier makes it restorable (memory tiers
+  do not receive its blob, no tier commits it); a close decides what is left (confirmed where
+  the copy is done, abandoned where it is not).
+
+Tensors whose changes no counter shows are copied privately while ``save`` runs instead:
+inference tensors (they have no counter) and tensors made from numpy arrays (numpy writes their
+memory without torch knowing). Not seen at all: writes through ``.data`` or through a numpy view
+of a tensor (``t.numpy()``), kernels that write a tensor without bumping it (batch norm's
+running statistics: its ``num_batches_tracked``, bumped first in the same forward, is seen
+where it is saved), and writes by another thread made while the fence is passed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import operator
 import threading
 from collections.abc import Sequence
@@ -60,26 +84,57 @@ _STREAMS: dict[int, Any] = {}
 
 
 def caller_marks() -> dict[int, Any] | None:
-    """Events on the calling thread's current CUDA stream, by device index (``None``: no CUDA).
+    """The calling thread's current CUDA stream, by device index (``None``: no CUDA).
 
-    Called where ``save`` is called: the snapshot's copies wait for them, so they see every
-    operation the caller had queued (on any stream it made current), not only the default
-    stream's. Cheap: one event record; nothing when CUDA was never initialized.
+    Called where ``save`` is called. The snapshot records an event on each of these streams
+    once it has read the state's version counters, and its copies wait for those events: they
+    see every operation the caller had queued (on any stream it made current), not only the
+    default stream's. Cheap: nothing when CUDA was never initialized.
     """
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return None
     device = torch.cuda.current_device()
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(device))
-    return {device: event}
+    return {device: torch.cuda.current_stream(device)}
 
 
 def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The tensors' version counters; -1 for a tensor that has none (an inference tensor)."""
     try:
         return list(map(_VERSION, tensors))
     except RuntimeError:
-        # Inference tensors have no version counter: they cannot be watched.
         return [-1 if t.is_inference() else t._version for t in tensors]
+
+
+def _record(streams: dict[int, Any] | None) -> dict[int, Any] | None:
+    """An event on each of the caller's streams, recorded now (from this thread)."""
+    if not streams:
+        return None
+    events = {}
+    for index, stream in streams.items():
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        events[index] = event
+    return events
+
+
+def _private_copies(flat: Flat, indexes: Sequence[int], streams: dict[int, Any] | None) -> Flat:
+    """``flat`` with the tensors at ``indexes`` replaced by copies of them, made now.
+
+    A copy of a tensor on a GPU is queued on the caller's stream (where it has one), so it is
+    ordered after what the caller queued before ``save`` and before what it queues after.
+    """
+    tensors = list(flat.tensors)
+    with torch.no_grad():
+        for i in indexes:
+            t = tensors[i]
+            stream = None
+            if t.device.type == "cuda":
+                stream = (streams or {}).get(
+                    t.device.index if t.device.index is not None else torch.cuda.current_device()
+                )
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                tensors[i] = t.clone()
+    return dataclasses.replace(flat, tensors=tensors)
 
 
 def _side_stream(index: int) -> Any:
@@ -89,13 +144,24 @@ def _side_stream(index: int) -> Any:
     return stream
 
 
+def _running() -> concurrent.futures.Future[None]:
+    """A future nobody can cancel (an asyncio wrapper of it being cancelled must not)."""
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    fut.set_running_or_notify_cancel()
+    return fut
+
+
 class SnapshotCopy:
     """One snapshot copy of a flattened state into ``dest`` (a host uint8 tensor).
 
     :meth:`run` does the copy in the calling thread, and resolves :attr:`done` (with the error,
     if it failed); :meth:`wait` blocks until then. ``cache`` is the :attr:`StagingBuffer.cache`
-    of a reused destination buffer, where typed views of it are kept; ``watch`` takes the
-    tensors' version counters now, to detect changes made before the copy is done.
+    of a reused destination buffer, where typed views of it are kept; ``marks`` are the
+    caller's CUDA streams (:func:`caller_marks`). ``watch`` (an overlapped save) reads the
+    tensors' version counters now, copies the tensors no counter watches now (see the module
+    docstring), and keeps the state's tensors until :meth:`confirm` compares the counters again;
+    :attr:`confirmed` is resolved then. Without ``watch`` (a blocking save, whose caller waits
+    for the copy) it is resolved with :attr:`done`.
     """
 
     def __init__(
@@ -107,17 +173,34 @@ class SnapshotCopy:
         marks: dict[int, Any] | None = None,
         watch: bool = False,
     ) -> None:
-        self.flat: Flat | None = flat
         self.dest = dest
         self.cache = cache
-        self.marks = marks
-        self.versions = _versions(flat.tensors) if watch else None
-        #: Resolved once the bytes are in ``dest`` (or the copy failed).
-        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.specs = flat.layout.specs
+        #: The state's tensors and their counters when ``save`` was called (until confirmed).
+        self.watched: list[torch.Tensor] | None = None
+        self.versions: list[int] | None = None
+        if watch:
+            versions = _versions(flat.tensors)
+            private = sorted({i for i, v in enumerate(versions) if v < 0}.union(flat.untracked))
+            if private:
+                flat = _private_copies(flat, private, marks)
+                for i in private:  # nothing else holds the copies: their counters stay put
+                    versions[i] = flat.tensors[i]._version
+            self.watched = list(flat.tensors)
+            self.versions = versions
+        self.flat: Flat | None = flat
+        # After the counters were read: see the module docstring.
+        self.events = _record(marks)
+        #: Resolved once the bytes are in ``dest`` (or the copy failed): the fence.
+        self.done = _running()
+        #: Resolved once the caller confirmed the state unchanged since ``save`` (or with why
+        #: not: :class:`StateChanged`, the copy's own error, an abandoned save).
+        self.confirmed = _running()
+        self._lock = threading.Lock()
 
     def run(self) -> None:
         """Copy, wait for device copies to land, check the version counters; never raises
-        (the outcome is in :attr:`done`)."""
+        (the outcome is in :attr:`done`, and for a blocking copy in :attr:`confirmed`)."""
         flat = self.flat
         assert flat is not None
         try:
@@ -127,34 +210,86 @@ class SnapshotCopy:
                 self._device_copy(flat)
             else:
                 flat.write(self.dest)
-            if self.versions is not None and _versions(flat.tensors) != self.versions:
-                changed = [
-                    spec.path
-                    for spec, before, now in zip(
-                        flat.layout.specs, self.versions, _versions(flat.tensors), strict=True
-                    )
-                    if before != now
-                ]
-                raise StateChanged(
-                    f"{len(changed)} tensor(s) of the state were modified before the snapshot "
-                    f"was staged (e.g. {', '.join(changed[:3])}); the version is not stored. "
-                    "Wait for the fence (handle.staged(), or fence_before_step / "
-                    "fence_before_forward) before changing the state."
-                )
+            # A change the counters show already is certain (an unchanged reading is not:
+            # only a confirmation point can tell, see confirm).
+            changed = self._changed()
+            if changed:
+                raise self._state_changed(changed)
         except BaseException as exc:
             self.done.set_exception(exc)
+            self._settle(exc)
         else:
             self.done.set_result(None)
+            if self.versions is None:
+                self._settle(None)  # a blocking copy: its caller waited for it
         finally:
-            # The tensors are the caller's: do not keep them (or their memory) alive.
+            # The tensors are the caller's: do not keep them (or their memory) alive here;
+            # ``watched`` keeps them until the confirmation only.
             self.flat = None
-            self.marks = None
+            self.events = None
+
+    def confirm(self) -> None:
+        """A confirmation point: compare the counters with those read at ``save``.
+
+        Call it only where every in-place change the caller made to the state before has
+        returned (on the training thread, or a thread that waited for it): see the module
+        docstring. Once the copy is done, equal counters confirm the version and different ones
+        fail it; while the copy runs, different counters fail it and equal ones decide nothing.
+        Never raises.
+        """
+        if self.confirmed.done():
+            return
+        copied = self.done.done()  # read before the counters: a copy done after is not trusted
+        changed = self._changed()
+        if changed:
+            self._settle(self._state_changed(changed))
+        elif copied:
+            self._settle(None)
+
+    def abandon(self, why: BaseException) -> None:
+        """Fail the version with ``why`` unless it is confirmed already."""
+        self._settle(why)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the copy is done (the fence); never raises the copy's error."""
         concurrent.futures.wait([self.done], timeout)
         if not self.done.done():
             raise TimeoutError(f"the snapshot was not staged within {timeout} s")
+
+    def _changed(self) -> list[str]:
+        """Paths of the watched tensors whose counters moved since ``save``."""
+        with self._lock:
+            watched, versions = self.watched, self.versions
+        if watched is None or versions is None:
+            return []
+        now = _versions(watched)
+        if now == versions:
+            return []
+        return [
+            spec.path
+            for spec, before, after in zip(self.specs, versions, now, strict=True)
+            if before != after
+        ]
+
+    def _state_changed(self, paths: list[str]) -> StateChanged:
+        return StateChanged(
+            f"{len(paths)} tensor(s) of the state were modified between save and the fence "
+            f"(e.g. {', '.join(paths[:3])}); the version is not stored. Pass the fence "
+            "(handle.staged(), ckpt.fence(), or install fence_before_step / "
+            "fence_before_forward) before changing the state."
+        )
+
+    def _settle(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self.confirmed.done():
+                return
+            # Decided: the caller's tensors are no longer needed.
+            self.watched = None
+            self.versions = None
+            if error is None:
+                self.confirmed.set_result(None)
+            else:
+                self.confirmed.set_exception(error)
 
     def _views(self, flat: Flat) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         layout = flat.layout
@@ -191,7 +326,7 @@ class SnapshotCopy:
                     continue
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 stream = _side_stream(index)
-                mark = (self.marks or {}).get(index)
+                mark = (self.events or {}).get(index)
                 with torch.cuda.device(index), torch.cuda.stream(stream):
                     if mark is not None:
                         stream.wait_event(mark)
@@ -223,6 +358,11 @@ def fence_before_step(ckpt: _Fenceable, optimizer: torch.optim.Optimizer) -> Any
     ``optimizer.step()``: see :func:`fence_before_forward` for models whose forward does
     (batch norm's running statistics), and call ``ckpt.fence()`` yourself before any other
     in-place change (an EMA update, a gradient scaler's state, weights edited by hand).
+
+    An open checkpointer with ``overlap=True`` also fences every optimizer's step by itself
+    while one of its copies is pending (a global step pre-hook: fused optimizers write without
+    bumping version counters, so no check could see their step); this hook says so for
+    ``optimizer`` explicitly.
     """
 
     _check_fence_args(ckpt, optimizer, "register_step_pre_hook", "a torch.optim.Optimizer")

@@ -46,6 +46,7 @@ class SyncCheckpointer(CheckpointerCore):
         """Snapshot ``state`` as ``version``; returns once training may modify it again
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""
         self._check_save_args(version)
+        self._settle(wait=False)  # a confirmation point for the saves before (never waits)
         marks = caller_marks()
         loop, engine = self.open()._start()
         held: list[tuple[Any, ...]] | None = [] if engine.leans else None
@@ -58,6 +59,7 @@ class SyncCheckpointer(CheckpointerCore):
         """Restore the newest version every rank can rebuild; see :meth:`Checkpointer.restore`."""
         self._check_restore_args(version, strict)
         loop, engine = self.open()._start()
+        self._settle(wait=True)
         result: Restored | None = drive(restore_steps(engine, state, version, strict), loop.call)
         return result
 
@@ -68,6 +70,7 @@ class SyncCheckpointer(CheckpointerCore):
         ``ckpt.wait()["persistent"]`` is the newest durable version.
         """
         loop, engine = self.open()._start()
+        self._settle(wait=True)
         loop.call(engine.wait())
         return loop.call(engine.newest())
 
@@ -89,6 +92,7 @@ class SyncCheckpointer(CheckpointerCore):
             return
         loop, engine = self._loop, self._engine
         try:
+            self._last_point(how)
             loop.call(engine.aclose(how))
         finally:
             loop.stop()

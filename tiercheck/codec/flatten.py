@@ -74,6 +74,7 @@ __all__ = [
     "TensorSpec",
     "align",
     "flatten",
+    "flatten_walk",
     "without_data",
     "write_payload",
 ]
@@ -390,6 +391,9 @@ class _Flattener:
         self.entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self.seen_paths: set[str] = set()
         self.dtensors = 0
+        #: Indexes (into ``tensors``) of the tensors made from numpy arrays: they may share the
+        #: array's memory, whose changes no version counter counts.
+        self.arrays: list[int] = []
         # The containers on the current path (id -> path): a container inside itself is a
         # cycle, and their number is the depth.
         self.active: dict[int, str] = {}
@@ -547,6 +551,7 @@ class _Flattener:
             return self.refuse(obj, path, parts)
         tensor, dtype_str, shape, scalar = parts
         index = self.add_tensor(tensor, path)
+        self.arrays.append(index)
         return msgpack.ExtType(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
 
 
@@ -620,13 +625,28 @@ def flatten(
     reference instead of its bytes (see :class:`ReplicaRef`); :class:`ReplicaRef` objects in
     the state are stored as they are.
     """
+    layout, tensors, _ = flatten_walk(
+        state, allow_pickle=allow_pickle, replica=replica, world_size=world_size
+    )
+    return layout, tensors
+
+
+def flatten_walk(
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    replica: ReplicaRef | None = None,
+    world_size: int = 1,
+) -> tuple[Layout, list[torch.Tensor], tuple[int, ...]]:
+    """:func:`flatten`, and the indexes of the tensors made from numpy arrays (they may share
+    the arrays' memory: see :attr:`tiercheck.codec.plan.Flat.untracked`)."""
     walker = _Flattener(allow_pickle, replica, world_size)
     with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
         skeleton = _pack(walker.walk(state, ""))
     layout = Layout.build(skeleton, walker.entries)
     layout.__dict__["has_dtensors"] = walker.dtensors > 0  # known: spare the skeleton scan
     layout.__dict__["has_refs"] = walker.refs > 0
-    return layout, walker.tensors
+    return layout, walker.tensors, tuple(walker.arrays)
 
 
 # --- payload ---------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from tiercheck.codec.flatten import (
     ReplicaRef,
     _Flattener,
     _pack,
-    flatten,
+    flatten_walk,
     ndarray_parts,
     replicated_record,
     write_payload,
@@ -377,6 +377,8 @@ class _Compiler:
 
     def __init__(self, replica: ReplicaRef | None = None, world: int = 1) -> None:
         self.tensors: list[torch.Tensor] = []
+        #: Indexes of the tensors made from numpy arrays (see :attr:`Flat.untracked`).
+        self.arrays: list[int] = []
         self.active: set[int] = set()
         self.replica = replica
         self.world = world
@@ -419,6 +421,7 @@ class _Compiler:
             tensor, dtype_str, shape, scalar = parts
             index = len(self.tensors)
             self.tensors.append(tensor)
+            self.arrays.append(index)
             enc = _ext(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
             return _ARRAY, _Array((dtype_str, shape, scalar)), enc
         if t in _LEAF_TYPES:
@@ -457,7 +460,13 @@ class StatePlan:
     Build with :meth:`compile`; :meth:`match` a later state against it.
     """
 
-    def __init__(self, root: _Node, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        root: _Node,
+        layout: Layout,
+        tensors: Sequence[torch.Tensor],
+        arrays: Sequence[int] = (),
+    ) -> None:
         self.root = root
         self.layout = layout
         self.count = len(tensors)
@@ -465,6 +474,8 @@ class StatePlan:
         self.metas = [_META(t) for t in tensors]
         #: Whether every tensor is in host memory (the :class:`CopyProgram` can write them).
         self.on_host = all(t.device.type == "cpu" for t in tensors)
+        #: Indexes of the tensors made from numpy arrays (see :attr:`Flat.untracked`).
+        self.arrays = tuple(arrays)
 
     @classmethod
     def compile(
@@ -500,7 +511,7 @@ class StatePlan:
         ):
             logger.debug("tiercheck: the state's plan differs from flatten; not caching it")
             return None
-        return cls(root, layout, tensors)
+        return cls(root, layout, tensors, compiler.arrays)
 
     def match(self, state: Any) -> tuple[Layout, list[torch.Tensor]] | None:
         """``(layout, tensors)`` of ``state`` if it has the plan's structure, else ``None``.
@@ -541,6 +552,11 @@ class Flat:
     reused: bool
     #: Whether every tensor is in host memory.
     on_host: bool
+    #: Indexes of tensors whose changes no version counter shows: those made from numpy
+    #: arrays (they share the array's memory, which numpy writes without torch knowing). An
+    #: overlapped snapshot copies them before ``save`` returns (see
+    #: :class:`tiercheck.staging.SnapshotCopy`).
+    untracked: tuple[int, ...] = ()
 
     def write(self, dest: torch.Tensor) -> None:
         """Write the payload into ``dest`` (see :func:`~.flatten.write_payload`)."""
@@ -586,10 +602,12 @@ class Planner:
             if matched is not None:
                 self.hits += 1
                 layout, tensors = matched
-                return Flat(layout, tensors, self._program(layout, plan), True, plan.on_host)
+                return Flat(
+                    layout, tensors, self._program(layout, plan), True, plan.on_host, plan.arrays
+                )
             self.plan = None
         self.misses += 1
-        layout, tensors = flatten(
+        layout, tensors, arrays = flatten_walk(
             state,
             allow_pickle=self.allow_pickle,
             replica=self.replica,
@@ -597,9 +615,9 @@ class Planner:
         )
         self.plan = plan = StatePlan.compile(state, layout, tensors, self.replica, self.world_size)
         if plan is not None:
-            return Flat(layout, tensors, self._program(layout, plan), False, plan.on_host)
+            return Flat(layout, tensors, self._program(layout, plan), False, plan.on_host, arrays)
         on_host = all(t.device.type == "cpu" for t in tensors)
-        return Flat(layout, tensors, None, False, on_host)
+        return Flat(layout, tensors, None, False, on_host, arrays)
 
     def _program(self, layout: Layout, plan: StatePlan) -> CopyProgram | None:
         if not plan.on_host:

@@ -1,8 +1,10 @@
 """The commit round: the ranks agree, version by version, on what is whole in one tier.
 
 A version is *committed* in a tier once every rank's blob of it, and of its base, is durable
-there. Each rank votes (its blob's record, or why it has none); rank 0 writes the ``COMMIT``
-record in tiers that outlive the cluster and every rank learns whether it landed. Rounds run in
+there -- and, for an overlapped snapshot, once the caller confirmed it unchanged since ``save``
+(a rank whose snapshot is torn votes against it, so it fails on every rank). Each rank votes
+(its blob's record, or why it has none); rank 0 writes the ``COMMIT`` record in tiers that
+outlive the cluster and every rank learns whether it landed. Rounds run in
 version order, one tier at a time each, on the tier's own channel (never the training's own
 process group); after each round the tier's retention runs.
 """
@@ -24,7 +26,7 @@ from tiercheck.consistency.protocol import (
     commit_record,
     round_failures,
 )
-from tiercheck.engine.jobs import Job
+from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
 
@@ -112,6 +114,11 @@ class CommitRounds:
     async def _round(self, job: Job) -> None:
         pipe, name = self.pipe, self.pipe.name
         result = await job.results[name]
+        if result.durable is not None:
+            # A durable tier may hold the blob already; it commits only a confirmed snapshot.
+            unconfirmed = await job.unconfirmed()
+            if unconfirmed is not None:
+                result = LaneResult(None, unconfirmed)
         durable = result.durable
         ok = durable is not None and (durable.base is None or durable.base in pipe.committed)
         base_missing = False

@@ -26,6 +26,7 @@ from tiercheck.defaults import persistent_job_url
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import (
     BusyPolicy,
+    CloseMode,
     PerRankPolicy,
     StalePolicy,
     TierEncoding,
@@ -148,6 +149,13 @@ def restore_steps(engine: Engine, state: Any, version: int | None, strict: bool)
     return result
 
 
+logger = logging.getLogger("tiercheck")
+
+_ABANDONED = (
+    "the checkpointer closed before the snapshot was copied and confirmed unchanged since save"
+)
+
+
 class CheckpointerCore:
     """What :class:`Checkpointer` and :class:`~tiercheck.SyncCheckpointer` share: the
     configuration (one constructor for both) and the private loop the pipeline runs on."""
@@ -218,9 +226,14 @@ class CheckpointerCore:
                 must not change until the copy is done: pass the fence first --
                 ``handle.staged()``, ``ckpt.fence()``, or install it once with
                 :func:`~tiercheck.fence_before_step` (an optimizer step pre-hook) or
-                :func:`~tiercheck.fence_before_forward`. A change made before the fence that
+                :func:`~tiercheck.fence_before_forward`; every optimizer step waits for it
+                anyway while copies are in flight. A change made before the fence that
                 torch's version counters show makes the version fail
-                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy.
+                (:class:`~tiercheck.errors.StateChanged`) instead of storing a torn copy: the
+                counters are compared on the caller's side once the copy is done (the fence,
+                the next save, ``wait``, ``close``, the handle's ``result``), and no tier
+                stores the version before. Inference tensors and numpy arrays, whose changes
+                no counter shows, are copied before ``save`` returns.
             tier_queue: how many encoded versions may wait for one tier before newer ones are
                 dropped for that tier (a slow remote store never blocks training).
             codec: compression options for packed blobs.
@@ -365,7 +378,10 @@ class CheckpointerCore:
         The fence of overlapped saves (``overlap=True``), for every save at once; returns at
         once when none is in flight (always, for blocking saves). Callable from any thread,
         including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
-        failure, only :class:`TimeoutError` when ``timeout`` passes first.
+        failure, only :class:`TimeoutError` when ``timeout`` passes first. It confirms the
+        copies it waited for: their versions fail if the state changed since ``save`` (see
+        :mod:`tiercheck.staging`), which it compares here, where the caller's in-place changes
+        made before it are all finished.
         """
         timeout = check_timeout(timeout)
         engine = self._engine
@@ -395,6 +411,48 @@ class CheckpointerCore:
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
 
+    # --- confirmation points (see tiercheck.staging) ------------------------------------------
+
+    def _settle(self, *, wait: bool, timeout: float | None = None) -> None:
+        """Confirm the overlapped copies that are done (after waiting for all, with ``wait``)."""
+        engine = self._engine
+        if engine is not None:
+            engine.stager.settle(wait=wait, timeout=timeout)
+
+    async def _asettle(self) -> None:
+        """:meth:`_settle` with ``wait``, without blocking the caller's event loop."""
+        engine = self._engine
+        if engine is not None:
+            await engine.stager.asettle()
+
+    def _last_point(self, how: CloseMode) -> None:
+        """Before closing: confirm what can be (the normal close waits for every copy; a close
+        on an error waits ``close_timeout`` at most); every other overlapped save is abandoned."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            if how != "now":
+                bound = None if how == "collective" else self._config.coordination.close_timeout
+                engine.stager.settle(wait=True, timeout=bound)
+        except TimeoutError as exc:
+            logger.warning("tiercheck: closing; snapshots still copying are abandoned: %s", exc)
+        finally:
+            engine.stager.abandon(_ABANDONED)
+
+    async def _alast_point(self, how: CloseMode) -> None:
+        """:meth:`_last_point` for the caller's event loop."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            if how == "collective":
+                await engine.stager.asettle()
+            elif how == "bounded":
+                await engine.stager.asettle(self._config.coordination.close_timeout)
+        finally:
+            engine.stager.abandon(_ABANDONED)
+
     # --- lifecycle ----------------------------------------------------------------------------
 
     def _start(self) -> tuple[LoopThread, Engine]:
@@ -423,6 +481,7 @@ class CheckpointerCore:
         )
         self._closed = True
         try:
+            self._last_point("bounded")
             loop.call(engine.aclose("bounded"))
         except Exception:
             logger.exception(

@@ -6,6 +6,13 @@ state is encoded once per encoding its tiers use (``"full"``: the payload as is;
 a delta against the base held in memory, byte planes, zstd) and offered to each tier's lane.
 A base stays held (:attr:`Encoder.base`) until the next base replaces it.
 
+An overlapped snapshot (``overlap=True``) is encoded while the caller may not have confirmed it
+unchanged yet (see :mod:`tiercheck.staging`): it is published in the tier whose memory it was
+staged in only once confirmed, memory tiers' lanes write it only then, and no commit round
+counts it before. A snapshot found changed fails the version in every tier, and the next save
+is a base. The job's slot is given back once it is encoded, not once it is confirmed: the
+caller, who confirms, may be waiting for that slot.
+
 On a node's first rank other than rank 0 the tiers that outlive the cluster get the lean state
 instead (:func:`tiercheck.codec.replica.lean`): its replicated values are references to rank
 0's blob, so those tiers hold them once in all; the memory tiers, which a node restores from
@@ -74,7 +81,42 @@ class Encoder:
             self.base = None
 
     async def run(self, job: Job) -> None:
-        """Hash, publish locally, encode for the other tiers, hand blobs to the tier lanes."""
+        """Hash, publish locally, encode for the other tiers, hand blobs to the tier lanes.
+
+        An overlapped snapshot is published, and its version counted as good, only once the
+        caller confirmed it unchanged (:meth:`~tiercheck.engine.jobs.Job.unconfirmed`);
+        everything else goes ahead meanwhile."""
+        assert job.holder is not None
+        raw: RawState | None = None
+        try:
+            raw = await self._encode_job(job)
+        finally:
+            # The next save may now encode (against this one, when it is a base) and take this
+            # one's slot, even while this one waits for its confirmation: the caller waits for
+            # slots, and only the caller's own calls confirm (see tiercheck.staging).
+            job.encoded.set()
+            await self.schedule.release(job)
+        try:
+            if raw is not None:
+                await self._settle(job)
+            if job.publish is not None:
+                await job.publish
+        finally:
+            publish, job.publish = job.publish, None
+            if publish is not None and not publish.done():
+                publish.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await publish
+            job.holder.drop()
+            # The holder (and, for a base, self.base) keeps the payload for as long as it is
+            # needed; the job itself must not, or finished saves would pin their memory.
+            job.payload = None
+            job.reservation = None
+
+    async def _encode_job(self, job: Job) -> RawState | None:
+        """Everything but the verdict on an overlapped snapshot: the raw state (``None`` when
+        the version failed, every tier told why). A snapshot staged in a tier's memory is
+        published by a task of its own (:attr:`Job.publish`) once it is confirmed."""
         assert job.layout is not None
         assert job.payload is not None
         assert job.holder is not None
@@ -87,6 +129,10 @@ class Encoder:
                 # An overlapped snapshot: nothing reads the payload before it is staged.
                 await asyncio.wrap_future(job.copy.done)
                 job.copy = None
+            if job.confirmed is not None and job.confirmed.done():
+                found = job.confirmed.exception()
+                if found is not None:
+                    raise found  # found changed already: nothing to encode
             doing = "encoding"
             self.ctx.journal.log(
                 Begin(
@@ -114,20 +160,25 @@ class Encoder:
                     job.kind = "base"
                     job.handle.stats.kind = "base"
             if job.reservation is not None:
-                await self._publish_reserved(job, raw)
+                # Published as soon as the caller confirms it, while the rest is encoded.
+                job.publish = asyncio.create_task(self._publish_when_confirmed(job, raw))
             # What the durable tiers store: the lean state, on a node's first rank but rank 0.
             lean_raw = await self._lean_state(job, raw) if job.held is not None else None
             held_base = self.base if base is not None else None
             encoded: dict[tuple[TierEncoding, bool], tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
-                if job.results[name].done():  # published in place, or skipped when staging
+                if job.results[name].done():  # skipped when staging
                     continue
+                if job.publish is not None and name == job.reserved_in:
+                    continue  # staged in place: the publishing task decides it
                 durable = job.held is not None and writes_commit_records(self.pipes[name].tier)
                 source = lean_raw if durable and lean_raw is not None else raw
                 if (encoding, durable) not in encoded:
                     against = None if held_base is None else held_base.for_tier(durable)
                     encoded[encoding, durable] = await self._encode(source, encoding, against)
                 parts, meta = encoded[encoding, durable]
+                # A memory tier's lane waits for the confirmation before it writes; a durable
+                # tier's writes at once, and its commit round waits (tiercheck.engine.commit).
                 if (
                     self.pipes[name].lane.offer(job, parts, meta)
                     and encoding == "full"
@@ -135,6 +186,8 @@ class Encoder:
                 ):
                     job.holder.acquire()  # the parts reference the staged payload
             if job.kind == "base":
+                # Held at once, for the next save's deltas (if it is not confirmed, the save
+                # after it is a base: see _settle).
                 self.schedule.planned_base = job.version
                 job.holder.acquire()
                 old, self.base = self.base, HeldBase(raw, job.holder, lean_raw)
@@ -154,14 +207,12 @@ class Encoder:
             else:
                 logger.exception("tiercheck: %s version %s failed", doing, job.version)
             self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"{doing} failed: {exc!r}"))
-            if (
-                job.reservation is not None
-                and job.reserved_in in job.results
-                and not job.results[job.reserved_in].done()
-            ):
-                with contextlib.suppress(Exception):
-                    await job.reservation.abort()
+            if job.publish is None:
+                await self._abort_reservation(job)
             for name in job.targets:
+                if job.publish is not None and name == job.reserved_in:
+                    # A confirmed snapshot is stored there whatever became of the encoding.
+                    continue
                 job.lane_done(
                     name,
                     None,
@@ -173,14 +224,60 @@ class Encoder:
                 )
             if job.kind == "base" and self.schedule.planned_base == job.version:
                 self.schedule.planned_base = None
-        finally:
-            job.holder.drop()
-            # The holder (and, for a base, self.base) keeps the payload for as long as it is
-            # needed; the job itself must not, or finished saves would pin their memory.
-            job.payload = None
-            job.reservation = None
-            job.encoded.set()
-            await self.schedule.release(job)
+            return None
+        return raw
+
+    async def _settle(self, job: Job) -> None:
+        """Wait for the caller's verdict on the snapshot (at once for a blocking save); a
+        snapshot that is not confirmed fails the version in every tier."""
+        why = await job.unconfirmed()
+        if why is None:
+            return
+        cause = why.__cause__ if why.__cause__ is not None else why
+        if isinstance(cause, StateChanged):
+            logger.warning("tiercheck: version %s is not stored: %s", job.version, cause)
+        else:
+            logger.warning("tiercheck: version %s is not stored: %r", job.version, cause)
+        self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"staging failed: {cause!r}"))
+        for name in job.targets:
+            job.lane_done(name, None, job.staged_failure(cause))
+        if job.kind == "base":
+            # No more deltas against it: the next save is a base. The held copy stays until
+            # that one replaces it -- a delta encoding now may still be reading it.
+            if self.schedule.planned_base == job.version:
+                self.schedule.planned_base = None
+            self.schedule.lose_base()
+
+    async def _publish_when_confirmed(self, job: Job, raw: RawState) -> None:
+        """Publish a snapshot staged in a tier's memory once the caller confirmed it; discard
+        it otherwise (a blob there is restorable: a torn one must never get there)."""
+        assert job.reserved_in is not None
+        try:
+            why = await job.unconfirmed()
+        except asyncio.CancelledError:  # closing without waiting: nothing is published
+            await self._abort_reservation(job)
+            raise
+        if why is None:
+            await self._publish_reserved(job, raw)
+        else:
+            await self._abort_reservation(job)
+            job.lane_done(job.reserved_in, None, why)
+
+    async def _abort_reservation(self, job: Job) -> None:
+        """Discard a snapshot staged in a tier's memory that was not published (logged)."""
+        if (
+            job.reservation is not None
+            and job.reserved_in in job.results
+            and not job.results[job.reserved_in].done()
+        ):
+            try:
+                await job.reservation.abort()
+            except Exception:
+                logger.exception(
+                    "tiercheck: discarding version %s from the %r tier failed",
+                    job.version,
+                    job.reserved_in,
+                )
 
     async def _publish_reserved(self, job: Job, raw: RawState) -> None:
         reservation = job.reservation

@@ -182,7 +182,8 @@ class Engine:
             return await self._save(version, state, marks, held)
 
     def fence(self, timeout: float | None) -> None:
-        """Block (any thread) until every overlapped snapshot started so far is staged."""
+        """Block (any thread but the loop's) until every overlapped snapshot started so far is
+        staged, and confirm them (see :meth:`Stager.settle`)."""
         self.stager.fence(timeout)
 
     async def _save(
@@ -214,6 +215,7 @@ class Engine:
         kind = schedule.kind(scheduled_base)
         stats = SaveStats(version, kind, raw_bytes=layout.payload_nbytes)
         handle = SaveHandle(version, list(targets), stats)
+        handle._point = self.stager
         job = Job(
             version=version,
             kind=kind,
@@ -239,6 +241,7 @@ class Engine:
         """Back-pressure skipped ``version``: a handle that says so for every tier."""
         stats = SaveStats(version, "skipped", stall_s=time.perf_counter() - started)
         handle = SaveHandle(version, list(targets), stats)
+        handle._point = self.stager
         self.ctx.stats.skipped += 1
         job = Job(version, "skipped", None, targets, handle, started)
         job.encoded.set()

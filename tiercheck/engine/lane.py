@@ -2,7 +2,9 @@
 
 The encoder offers each encoded version to the lane of every tier it goes to
 (:meth:`Lane.offer`); a lane ``tier_queue`` versions behind drops the version for its tier
-rather than hold training's memory. The lane worker (:meth:`Lane.run`) writes each blob,
+rather than hold training's memory. The lane worker (:meth:`Lane.run`) writes each blob -- in a
+memory tier, whose blobs are restorable once there, only after the caller confirmed an
+overlapped snapshot unchanged (:meth:`~tiercheck.engine.jobs.Job.unconfirmed`) --,
 records it as durable in the pipeline's holdings and the manifest, and reports the outcome to
 the job; the pipeline's commit round (:mod:`tiercheck.engine.commit`) takes it from there.
 """
@@ -76,6 +78,13 @@ class Lane:
             kind: BlobKind = "full" if meta.kind == "full" else "packed"
             key = blob_key(job.version, pipe.ctx.rank, kind)
             try:
+                if not pipe.durable:
+                    # A memory tier has no COMMIT record: a blob there is restorable, so one
+                    # of a torn snapshot must never get there.
+                    why = await job.unconfirmed()
+                    if why is not None:
+                        job.lane_done(tier.name, None, why)
+                        continue
                 if pipe.durable:
                     await pipe.ctx.claim.check(tier)
                 await tier.putv(key, parts)

@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from tiercheck.errors import ConfigError, TierNotTargeted
 
@@ -129,6 +129,15 @@ def _resolved() -> concurrent.futures.Future[None]:
     return fut
 
 
+class _Point(Protocol):
+    """The confirmation point a handle passes (the engine's stager; see
+    :mod:`tiercheck.staging`)."""
+
+    def settle(self, *, wait: bool, timeout: float | None = None) -> None: ...
+
+    async def asettle(self, timeout: float | None = None) -> None: ...
+
+
 class SaveHandle:
     """What ``save`` returns: a way to wait for the version to be committed in each tier.
 
@@ -139,7 +148,10 @@ class SaveHandle:
     a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
 
     With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
-    ``await handle.staged_async()``) is the fence to pass before changing the state.
+    ``await handle.staged_async()``) is the fence to pass before changing the state. Passing the
+    fence, and waiting with :meth:`result` or :meth:`done`, also confirms the copies that are
+    done (the version counters are compared on the calling side, see :mod:`tiercheck.staging`):
+    no tier stores an overlapped version before it is confirmed.
     """
 
     def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:
@@ -152,6 +164,8 @@ class SaveHandle:
         }
         # Resolved once the snapshot is copied (at once for a blocking or skipped save).
         self._staged: concurrent.futures.Future[None] = _resolved()
+        # Where the calls on this handle confirm overlapped copies (set by the engine).
+        self._point: _Point | None = None
         for t in tiers:
             stats.tiers[t] = TierSaveStats()
 
@@ -166,10 +180,14 @@ class SaveHandle:
         concurrent.futures.wait([self._staged], check_timeout(timeout))
         if not self._staged.done():
             raise TimeoutError(f"version {self.version} was not staged within {timeout} s")
+        if self._point is not None:
+            self._point.settle(wait=False)
 
     async def staged_async(self) -> None:
         """Wait, without blocking the event loop, until the snapshot copy is done."""
         await asyncio.wait([asyncio.wrap_future(self._staged)])
+        if self._point is not None:
+            self._point.settle(wait=False)
 
     @property
     def is_staged(self) -> bool:
@@ -193,15 +211,23 @@ class SaveHandle:
             ) from None
 
     async def done(self, tier: str | None = None) -> None:
-        """Wait until the version is committed in ``tier`` (every targeted tier if ``None``)."""
-        for fut in self._futures_for(tier):
+        """Wait until the version is committed in ``tier`` (every targeted tier if ``None``).
+
+        Waits for the overlapped copies in flight first, and confirms them."""
+        futures = self._futures_for(tier)
+        if self._point is not None:
+            await self._point.asettle()
+        for fut in futures:
             await asyncio.wrap_future(fut)
 
     def result(self, tier: str | None = None, timeout: float | None = None) -> None:
         """Blocking form of :meth:`done`."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for fut in self._futures_for(tier):
+        futures = self._futures_for(tier)
+        if self._point is not None:
+            self._point.settle(wait=True, timeout=timeout)
+        for fut in futures:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             fut.result(left)
 

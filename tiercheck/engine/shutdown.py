@@ -43,6 +43,11 @@ class Shutdown:
         if self.engine.closed or self.engine.closing:
             return
         self.engine.closing = True
+        # The close decides every overlapped save: the caller confirmed what it could before
+        # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
+        self.engine.stager.abandon(
+            "the checkpointer closed before the snapshot was confirmed unchanged since save"
+        )
         try:
             if how != "now" and self.engine.opened:
                 await self._let_staging_finish()
@@ -219,7 +224,7 @@ class Shutdown:
         except Exception:
             logger.exception("tiercheck: closing the coordination groups failed")
         self.engine.ctx.cpu.shutdown(wait=flush)
-        self.engine.stager.pool.clear()
+        self.engine.stager.close()
         claim = self.engine.ctx.claim
         started = self.engine.open_started
         if self.engine.opened or started is None:

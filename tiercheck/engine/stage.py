@@ -5,6 +5,14 @@ The copy goes straight into a tier's own memory when the fastest tier that can r
 buffer lent by a pool (pinned for GPU tensors). A blocking save copies to the end; an
 overlapped one (``overlap=True``) starts the copy on a worker thread and hands the caller the
 fence (:meth:`Stager.fence`, :meth:`~tiercheck.SaveHandle.staged`).
+
+An overlapped copy stays in :attr:`Stager.copies` until the caller confirmed the state
+unchanged since ``save`` (see :mod:`tiercheck.staging`): :meth:`Stager.settle` is that
+confirmation point, called on the caller's side by the fence, the next save, ``wait``,
+``restore``, ``close`` and the save handles -- never from the engine's loop, which cannot know
+what the training thread has done. While a checkpointer with overlapped saves is open, every
+optimizer step is such a fence too (a global step pre-hook): fused optimizers write parameters
+and their state without bumping version counters, so their step must not run during a copy.
 """
 
 from __future__ import annotations
@@ -13,15 +21,18 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiercheck.codec import full_blob_size, write_full_blob
 from tiercheck.codec.plan import Flat
 from tiercheck.consistency.keys import blob_key
 from tiercheck.engine.jobs import Holder, Job
-from tiercheck.errors import TiercheckError
+from tiercheck.errors import TiercheckError, TierWriteFailed
 from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool
 from tiercheck.tiers.base import SupportsReserve
 
@@ -33,23 +44,74 @@ __all__ = ["Stager"]
 
 
 class Stager:
-    """Copies snapshots into host memory; keeps the overlapped copies not done yet."""
+    """Copies snapshots into host memory; keeps the overlapped copies not confirmed yet."""
 
     def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
         self.ctx = ctx
         self.pipes = pipes
         self.pool = StagingPool()
-        # Overlapped snapshot copies not done yet; read by fence() from the caller's thread.
+        #: Overlapped snapshot copies not confirmed yet (or not failed yet); read by the
+        #: confirmation points from the caller's threads.
         self.copies: set[SnapshotCopy] = set()
         self.copies_lock = threading.Lock()
+        self._step_fence: Any = None
+        if ctx.options.schedule.overlap:
+            handle = register_optimizer_step_pre_hook(_step_fence(weakref.ref(self)))
+            self._step_fence = handle
+            # A checkpointer dropped without closing must not leave the hook behind.
+            weakref.finalize(self, handle.remove)
 
     def fence(self, timeout: float | None) -> None:
-        """Block (any thread) until every overlapped snapshot started so far is staged."""
+        """Block (any thread) until every overlapped snapshot started so far is staged, and
+        confirm them (see :meth:`settle`)."""
+        self.settle(wait=True, timeout=timeout)
+
+    def settle(self, *, wait: bool, timeout: float | None = None) -> None:
+        """A confirmation point (see :mod:`tiercheck.staging`): confirm or fail every pending
+        overlapped copy that is done; with ``wait``, first wait for every one of them to be
+        done (:class:`TimeoutError` if ``timeout`` passes first; those done are still decided).
+
+        Call it only on the caller's side, where every in-place change the training code made
+        before has returned: the public calls that are points do, never the engine's loop.
+        """
         with self.copies_lock:
             copies = list(self.copies)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if not copies:
+            return
+        try:
+            if wait:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                for copy in copies:
+                    copy.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:
+            for copy in copies:
+                copy.confirm()
+
+    async def asettle(self, timeout: float | None = None) -> None:
+        """:meth:`settle` with ``wait``, for the caller's event loop (it waits without blocking
+        the loop; the copies not done when ``timeout`` passes stay pending)."""
+        with self.copies_lock:
+            copies = list(self.copies)
+        if not copies:
+            return
+        pending = [asyncio.wrap_future(c.done) for c in copies if not c.done.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
         for copy in copies:
-            copy.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            copy.confirm()
+
+    def abandon(self, why: str) -> None:
+        """Fail every overlapped copy not confirmed yet (the checkpointer is closing)."""
+        with self.copies_lock:
+            copies = list(self.copies)
+        for copy in copies:
+            copy.abandon(TierWriteFailed(why))
+
+    def close(self) -> None:
+        """Release the pool and the optimizer step hook."""
+        if self._step_fence is not None:
+            self._step_fence.remove()
+        self.pool.clear()
 
     async def stage(self, job: Job, flat: Flat, marks: dict[int, Any] | None) -> None:
         """Copy the state into host memory: a tier's own memory where one can hand it out.
@@ -115,23 +177,40 @@ class Stager:
 
     async def _copy(self, job: Job, copy: SnapshotCopy) -> None:
         """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
-        with the handle's fence set to it (overlapped saves; the pipeline awaits it)."""
+        with the handle's fence set to it (overlapped saves; the pipeline awaits it, and no
+        tier makes the version restorable before it is confirmed: :attr:`Job.confirmed`)."""
         if not self.ctx.options.schedule.overlap:
             await asyncio.to_thread(copy.run)
             copy.done.result()  # the copy's error, if any, is the caller's: save raises it
             return
         job.copy = copy
+        job.confirmed = copy.confirmed
         handle = job.handle
         handle._staged = copy.done
         started = job.started
 
         def staged(fut: concurrent.futures.Future[None]) -> None:
             handle.stats.staged_s = time.perf_counter() - started
+
+        def decided(fut: concurrent.futures.Future[None]) -> None:
             with self.copies_lock:
                 self.copies.discard(copy)
 
         with self.copies_lock:
             self.copies.add(copy)
         copy.done.add_done_callback(staged)
+        copy.confirmed.add_done_callback(decided)
         # Never awaited: run() reports through copy.done, which the pipeline awaits.
         asyncio.get_running_loop().run_in_executor(None, copy.run)
+
+
+def _step_fence(stager: weakref.ref[Stager]) -> Callable[[Any, Any, Any], None]:
+    """The global optimizer step pre-hook of a stager with overlapped saves: a step waits for
+    the copies in flight and confirms them (it is a fence; see the module docstring)."""
+
+    def hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        live = stager()
+        if live is not None and live.copies:
+            live.settle(wait=True)
+
+    return hook
