@@ -100,7 +100,7 @@ class Timeline:
         owed = dict(self._owed)
         self._owed.clear()
         for name, continuation in sorted(owed.items()):
-            await self._set_aside(self.pipes[name], continuation)
+            await self._set_aside_or_block(self.pipes[name], continuation)
         if self._world_owed is not None:
             await self._record_world(self._world_owed)
         self._unblock_settled()
@@ -117,7 +117,7 @@ class Timeline:
         )
         for pipe in pipes:
             if pipe.durable:
-                await self._set_aside(pipe, c)
+                await self._set_aside_or_block(pipe, c)
             else:
                 await pipe.truncate_from(first, f"abandoned: {c.reason}")
         claim = self.ctx.claim
@@ -125,8 +125,25 @@ class Timeline:
             await self._record_world(first)
         self._unblock_settled()
 
+    async def _set_aside_or_block(self, pipe: TierPipeline, c: Continuation) -> None:
+        try:
+            await self._set_aside(pipe, c)
+        except Exception as exc:
+            # An exchange with the other ranks failed (a rank is gone or silent): where the
+            # protocol stopped, each version is still whole where it was or in its set.
+            self._failed(
+                pipe,
+                c,
+                [f"{type(exc).__name__}: {exc}"],
+                "agreeing with the other ranks",
+                "each version is whole where it was or in its abandoned set",
+            )
+
     async def _record_world(self, first: int) -> None:
-        error = await self.ctx.claim.record_world(first)
+        try:
+            error = await self.ctx.claim.record_world(first)
+        except Exception as exc:  # an exchange with the other ranks failed
+            error = f"{type(exc).__name__}: {exc}"
         if error is None:
             self._world_owed = None
             return
