@@ -35,8 +35,10 @@ __all__ = [
     "ABANDONED_PREFIX",
     "SET_NAME",
     "AbandonedSet",
+    "SetInfo",
     "abandoned_key",
     "expired",
+    "kept_and_removable",
     "parse_abandoned_key",
     "parse_tag",
     "set_record_key",
@@ -150,6 +152,41 @@ def expired(sets: Mapping[str, int], committed: Collection[int], keep: int) -> l
         if sum(1 for v in committed if v >= first) >= keep:
             out.append(tag)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class SetInfo:
+    """What retention needs to know of one whole set."""
+
+    #: The first version set aside (the tag's).
+    first: int
+    #: The versions the set holds.
+    versions: frozenset[int]
+    #: Versions outside the set that a delta in it is encoded against (its ``COMMIT`` copies
+    #: say): the set can be decoded only while they are there, live or in another set.
+    needs: frozenset[int]
+
+
+def kept_and_removable(
+    sets: Mapping[str, SetInfo], committed: Collection[int], keep: int
+) -> tuple[frozenset[int], list[str]]:
+    """Retention over abandoned sets: the live versions no one may evict (bases a kept set's
+    deltas need) and the tags that may be removed (:func:`expired`, unless a kept set needs a
+    version one of them holds). Pure; every rank computes the same."""
+    removable = set(expired({tag: s.first for tag, s in sets.items()}, committed, keep))
+    changed = True
+    while changed:
+        changed = False
+        for tag in sorted(removable):
+            holds = sets[tag].versions
+            if any(holds & sets[other].needs for other in sets if other not in removable):
+                removable.discard(tag)
+                changed = True
+    protected: set[int] = set()
+    for tag, info in sets.items():
+        if tag not in removable:
+            protected |= info.needs
+    return frozenset(protected), sorted(removable)
 
 
 def tags_in(keys: Iterable[str]) -> dict[str, set[str]]:

@@ -24,7 +24,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tiercheck.codec import BlobMeta
-from tiercheck.consistency.abandoned import ABANDONED_PREFIX, expired, parse_tag, tags_in
+from tiercheck.consistency.abandoned import (
+    ABANDONED_PREFIX,
+    AbandonedSet,
+    SetInfo,
+    abandoned_key,
+    kept_and_removable,
+    parse_tag,
+    set_record_key,
+    tags_in,
+)
+from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import (
     commit_key,
     parse_blob_key,
@@ -75,15 +85,40 @@ async def commit_versions(tier: Tier) -> set[int]:
     return found
 
 
-async def abandoned_sets(tier: Tier) -> dict[str, int]:
-    """The whole abandoned sets in ``tier`` (those with their ``SET`` record): tag -> the
-    first version set aside (see :mod:`tiercheck.consistency.abandoned`)."""
+async def abandoned_sets(tier: Tier) -> dict[str, SetInfo]:
+    """The whole abandoned sets in ``tier`` (those with their ``SET`` record), with the versions
+    each holds and the bases outside it its deltas need (see
+    :mod:`tiercheck.consistency.abandoned`). A set whose records cannot be read is taken to
+    hold every version from its first on and to need every older one: retention then keeps
+    everything it might need."""
     keys = [key async for key in tier.list(ABANDONED_PREFIX)]
-    out: dict[str, int] = {}
+    out: dict[str, SetInfo] = {}
     for tag, inner in tags_in(keys).items():
         parsed = parse_tag(tag)
-        if parsed is not None and "SET" in inner:
-            out[tag] = parsed[0]
+        if parsed is None or "SET" not in inner:
+            continue
+        first = parsed[0]
+        try:
+            record = AbandonedSet.from_bytes(bytes(await tier.get(set_record_key(tag))))
+            versions = frozenset(record.versions)
+            needs: set[int] = set()
+            for version in versions:
+                commit = CommitRecord.from_bytes(
+                    bytes(await tier.get(abandoned_key(tag, commit_key(version))))
+                )
+                needs.update(
+                    e.base for e in commit.entries if e.base is not None and e.base not in versions
+                )
+            out[tag] = SetInfo(first, versions, frozenset(needs))
+        except Exception as exc:
+            logger.warning(
+                "tiercheck: the abandoned set %s in %r cannot be read (%r); retention keeps "
+                "every version it might need",
+                tag,
+                tier.name,
+                exc,
+            )
+            out[tag] = SetInfo(first, frozenset(range(first, first + 1)), frozenset(range(first)))
     return out
 
 
@@ -116,8 +151,8 @@ class TierPipeline:
         self._on_base_lost = on_base_lost
         #: Why the tier takes no new versions for now (see :meth:`block`), or ``None``.
         self.blocked: str | None = None
-        #: Whole abandoned sets in the tier (durable tiers): tag -> the first version set aside.
-        self.abandoned: dict[str, int] = {}
+        #: Whole abandoned sets in the tier (durable tiers), by tag.
+        self.abandoned: dict[str, SetInfo] = {}
         #: Set while the round worker has nothing left to do (retention included).
         self.idle = asyncio.Event()
         self.idle.set()
@@ -230,9 +265,9 @@ class TierPipeline:
         self._on_base_lost()
         logger.warning("tiercheck: the %r tier takes new versions again", self.name)
 
-    def note_abandoned(self, tag: str, first: int) -> None:
-        """A whole abandoned set ``tag`` (versions from ``first`` on) now lies in the tier."""
-        self.abandoned[tag] = first
+    def note_abandoned(self, tag: str, info: SetInfo) -> None:
+        """A whole abandoned set ``tag`` now lies in the tier."""
+        self.abandoned[tag] = info
 
     async def restorable(self) -> list[int]:
         """Committed versions that are still there and whose base is too, as this rank sees."""
@@ -368,6 +403,9 @@ class TierPipeline:
             # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
             # lifecycle rule) must not count towards `keep`.
             self.committed &= await commit_versions(self.tier)
+        # Abandoned sets: those retention lets go, and the live bases the others still need
+        # (every rank decides alike; rank 0 removes the sets' keys).
+        protected, removable = kept_and_removable(self.abandoned, self.committed, self.policy.keep)
         doomed = evictable(
             committed=self.committed,
             # Another world's packed blob may be a delta on any older version: UNKNOWN_BASE
@@ -383,24 +421,26 @@ class TierPipeline:
             # Rounds run in version order, so everything newer than `settled` is in flight
             # in this tier and stays; in flight elsewhere does not matter here.
             settled_upto=self.settled,
+            protected=protected,
         )
         # Newest first: a delta goes before its base, so no COMMIT record is ever left naming
         # a base that is gone, whenever the process dies.
         for version in reversed(doomed):
             await self.evict(version, "retention")
-        if self.durable and self.abandoned and self.ctx.rank == 0:
-            for tag in expired(self.abandoned, self.committed, self.policy.keep):
-                await self.remove_abandoned(tag)
+        for tag in removable:
+            await self.remove_abandoned(tag)
 
     async def remove_abandoned(self, tag: str) -> None:
         """Delete the abandoned set ``tag``: its ``SET`` record first (it is then an
         incomplete set, which nothing restores), then everything else in it."""
+        self.abandoned.pop(tag, None)
+        if self.ctx.rank != 0:
+            return
         prefix = f"{ABANDONED_PREFIX}{tag}/"
         keys = [key async for key in self.tier.list(prefix)]
         for key in sorted(keys, key=lambda k: not k.endswith("/SET")):
             await self.ctx.claim.check(self.tier)
             await self.tier.delete(key)
-        self.abandoned.pop(tag, None)
         logger.info(
             "tiercheck: removed the abandoned set %s from the %r tier: the run holds %s "
             "committed versions of its own after it",

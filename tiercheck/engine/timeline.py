@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING
 
 from tiercheck.consistency.abandoned import (
     AbandonedSet,
+    SetInfo,
     abandoned_key,
     set_record_key,
     set_tag,
 )
+from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key
 from tiercheck.engine.tier import commit_versions
 from tiercheck.errors import BlobNotFound, FormatError
@@ -186,6 +188,7 @@ class Timeline:
         if self._failed(pipe, c, errors, "listing it", "nothing was removed"):
             return
         tag = set_tag(first, ctx.session)
+        info = SetInfo(first, frozenset(committed), frozenset())
         if committed:
             # 1. Every rank copies its blobs of the committed versions into the set.
             error = None
@@ -203,15 +206,18 @@ class Timeline:
             # 2. Rank 0 completes the set (COMMIT records, then SET) and only then takes the
             #    versions off the timeline by removing their COMMIT records.
             error = None
+            needs: list[int] = []
+            held: list[int] = list(committed)
             if ctx.rank == 0:
                 try:
-                    await self._complete_set(pipe, tag, c, committed)
+                    held, needs = await self._complete_set(pipe, tag, c, committed)
                     for version in committed:
                         await ctx.claim.check(tier)
                         await tier.delete(commit_key(version))
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
-            said = await ctx.exchange("control", {"error": error})
+            said = await ctx.exchange("control", {"error": error, "needs": needs, "held": held})
+            info = SetInfo(first, frozenset(said[0]["held"]), frozenset(said[0]["needs"]))
             errors = [e["error"] for e in said]
             kept = f"each of versions {committed} is whole where it was or in abandoned/{tag}/"
             if self._failed(pipe, c, errors, "completing the set", kept):
@@ -227,16 +233,18 @@ class Timeline:
                 tag,
                 pipe.policy.keep,
             )
-            pipe.note_abandoned(tag, first)
+            pipe.note_abandoned(tag, info)
         # 3. Every rank removes its blobs after the restored version: copies of them are in
         #    the set, or they never committed.
         await pipe.truncate_from(first, f"abandoned: {c.reason}")
 
     async def _complete_set(
         self, pipe: TierPipeline, tag: str, c: Continuation, committed: list[int]
-    ) -> None:
+    ) -> tuple[list[int], list[int]]:
         """Rank 0: the ``COMMIT`` records into the set, then its ``SET`` record (merged with one
-        an earlier, interrupted attempt of this opening wrote)."""
+        an earlier, interrupted attempt of this opening wrote). Returns the versions the set
+        holds and those outside it that its deltas are encoded against (retention keeps them
+        while the set stays)."""
         tier, claim = pipe.tier, self.ctx.claim
         for version in committed:
             await claim.check(tier)
@@ -255,8 +263,15 @@ class Timeline:
             time=time.time(),
             reason=c.reason,
         )
+        needs: set[int] = set()
+        for version in versions:
+            commit = CommitRecord.from_bytes(
+                bytes(await tier.get(abandoned_key(tag, commit_key(version))))
+            )
+            needs.update(e.base for e in commit.entries if e.base is not None)
         await claim.check(tier)
         await tier.put(set_record_key(tag), record.to_bytes())
+        return sorted(versions), sorted(needs - versions)
 
     def _failed(
         self,
