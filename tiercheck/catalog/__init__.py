@@ -6,9 +6,11 @@ for training code. It works on *locations*, each one tier's view of one job:
 * a **persistent job folder** -- ``<url>/<job_id>/`` of a :class:`~tiercheck.tiers.PersistentTier`
   (``file://``, a plain path, ``s3://``, ``memory://``...): ``packed`` blobs and ``COMMIT``
   records, and beside them the job record (``JOB``), the writer generations (``writers/g...``),
-  blobs a restore set aside (``quarantine/<original key>``), after a crash while the job was
-  opening, leftover probe objects (``probe/...``), and once ``tiercheck rm-job`` deleted the job,
-  its tombstone (``DELETED``) -- see :mod:`tiercheck.consistency.identity`;
+  blobs a restore set aside (``quarantine/<original key>``), the versions the run went back from
+  (``abandoned/<tag>/...``: abandoned sets, see :mod:`tiercheck.consistency.abandoned`), after a
+  crash while the job was opening, leftover probe objects (``probe/...``), and once ``tiercheck
+  rm-job`` deleted the job, its tombstone (``DELETED``) -- see
+  :mod:`tiercheck.consistency.identity`;
 * a **node root** -- ``/dev/shm/tiercheck/<job>/<node>/`` (any folder holding ``blobs/`` and
   ``manifest/``; the layout is :class:`tiercheck.defaults.NodeRoot`): the node's
   :class:`~tiercheck.tiers.LocalTier` (``blobs/``, usually ``full`` blobs, possibly
@@ -25,14 +27,17 @@ One module per step, in the order a command takes them:
   versions and their blobs, the job record, the newest writer generation and a node's identity
   (their parse errors become :func:`verify` findings), quarantined blobs apart from the versions
   (nothing reads them as checkpoints: ``inspect`` and ``export`` ignore them, ``verify``
-  reports each one, ``gc`` keeps them unless asked to purge them), held replicas;
+  reports each one, ``gc`` keeps them unless asked to purge them), abandoned sets apart from
+  the versions too (:class:`AbandonedSetEntry`; :meth:`Catalog.abandoned_view` shows one as a
+  catalog of its own, which ``verify`` checks and ``export`` reads), held replicas;
 * :mod:`~tiercheck.catalog.read` -- :func:`inspect_blobs` reads blob headers, ``decode_blob`` a
   whole blob with its base;
 * :mod:`~tiercheck.catalog.verify` -- :func:`verify` checks blobs and records;
 * :mod:`~tiercheck.catalog.export` -- :func:`export` writes a version as ``.pt`` and
   ``.safetensors`` files;
-* :mod:`~tiercheck.catalog.gc` -- :func:`plan_gc` / :func:`apply_gc` apply retention, which never
-  removes the job record, a writer generation, a probe object or the identity file;
+* :mod:`~tiercheck.catalog.gc` -- :func:`plan_gc` / :func:`apply_gc` apply retention (abandoned
+  sets by the checkpointer's rule, or all of them when asked), which never removes the job
+  record, a writer generation, a probe object or the identity file;
 * :mod:`~tiercheck.catalog.remove` -- :func:`plan_job_removal` / :func:`remove_job` delete a
   whole job, records included (leaving a tombstone in a persistent job folder), refusing while a
   writer holds the job's lock in a node root; :func:`job_memory` finds the job's memory on this
@@ -56,7 +61,7 @@ from __future__ import annotations
 
 from tiercheck.catalog.base import LOCAL_TIER, Location, LocationError, NullProgress, Progress
 from tiercheck.catalog.export import EXPORT_MODE, ExportResult, export, safetensors_payload
-from tiercheck.catalog.gc import GcPlan, apply_gc, plan_gc
+from tiercheck.catalog.gc import AbandonedFate, GcPlan, apply_gc, plan_gc
 from tiercheck.catalog.locate import OpenLocation, default_search_paths, find_locations
 from tiercheck.catalog.read import inspect_blobs
 from tiercheck.catalog.remove import (
@@ -67,6 +72,7 @@ from tiercheck.catalog.remove import (
     remove_job,
 )
 from tiercheck.catalog.scan import (
+    AbandonedSetEntry,
     BlobEntry,
     BlobKindName,
     Catalog,
@@ -80,6 +86,8 @@ __all__ = [
     "EXPORT_MODE",
     "FINDING_CODES",
     "LOCAL_TIER",
+    "AbandonedFate",
+    "AbandonedSetEntry",
     "BlobEntry",
     "BlobKindName",
     "Catalog",

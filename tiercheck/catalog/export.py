@@ -40,11 +40,14 @@ class ExportResult:
     files: list[tuple[str, str, int]]
     tensors: int
     warnings: list[str]
+    #: The abandoned set the version was taken from, or ``None`` for the run's own timeline.
+    abandoned: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json`` output."""
         return {
             **self.location.to_json(),
+            "abandoned": self.abandoned,
             "version": self.version,
             "rank": self.rank,
             "full": self.rank is None,
@@ -266,6 +269,7 @@ async def export(
     formats: Sequence[Literal["pt", "safetensors"]],
     allow_pickle: bool = False,
     progress: Progress | None = None,
+    abandoned: str | None = None,
 ) -> ExportResult:
     """Decode ``rank``'s blob of ``version`` (with its base) and write it as ``out.pt`` and/or
     ``out.safetensors``; with ``rank=None``, the whole state put together from every rank's
@@ -278,6 +282,10 @@ async def export(
     written under a temporary name and renamed into place, both with mode ``0600``
     (:data:`EXPORT_MODE`, whatever the umask). The state is bit-exact: decoding checks it
     against the digest recorded at save time.
+
+    To export a version of an abandoned set, pass the set's view
+    (:meth:`Catalog.abandoned_view <tiercheck.catalog.Catalog.abandoned_view>`) as ``catalog``
+    and its tag as ``abandoned`` (recorded in the result and the safetensors metadata).
     """
     progress = progress or NullProgress()
     entry = catalog.versions[version]
@@ -323,6 +331,8 @@ async def export(
                 "rank": "all" if rank is None else rank,
                 "tier": catalog.location.tier_name,
             }
+            if abandoned is not None:
+                meta["abandoned"] = abandoned
             tensors, metadata, warnings = await asyncio.to_thread(
                 safetensors_payload, state, meta=meta
             )
@@ -336,4 +346,4 @@ async def export(
             progress.advance()
     finally:
         progress.finish()
-    return ExportResult(catalog.location, version, rank, files, count, warnings)
+    return ExportResult(catalog.location, version, rank, files, count, warnings, abandoned)

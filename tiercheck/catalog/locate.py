@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from tiercheck.catalog.base import Location, LocationError, local_path
 from tiercheck.catalog.scan import Catalog, scan_location
+from tiercheck.consistency.abandoned import ABANDONED_PREFIX, parse_tag
 from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX, TOMBSTONE_KEY
 from tiercheck.consistency.manifest import Manifest
 from tiercheck.defaults import (
@@ -36,6 +37,8 @@ _T = TypeVar("_T")
 # Any path that ends in a tiercheck key: the part before it is a job folder (or a node root's
 # blobs/ folder), or such a folder's quarantine/ folder.
 _TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)v\d{12}/(?:r\d{5}\.(?:full|packed)|COMMIT)$")
+# An abandoned set's folder, as a listing prefix: it belongs to the job folder above it.
+_ABANDONED_DIR = re.compile(rf"^(?P<owner>(?:.*/)?){re.escape(ABANDONED_PREFIX)}(?P<tag>[^/]+)/$")
 # A writer generation: with a job record beside it, the part before it is a job folder (one
 # opened that has not saved anything yet).
 _WRITER_TAIL = re.compile(r"^(?P<prefix>(?:.*/)?)writers/g\d{12}$")
@@ -97,10 +100,21 @@ def _probe_folder(target: str, folder: Path, job: str | None, local_root: bool) 
 
 
 def _owner(prefix: str, committing: set[str], keys: set[str]) -> str:
-    """The folder a matched key's ``prefix`` belongs to: its parent for a quarantine folder."""
+    """The folder a matched key's ``prefix`` belongs to: its parent for a quarantine folder,
+    the job folder for an abandoned set (``<job folder>/abandoned/<tag>/``)."""
     quarantine = prefix == QUARANTINE_PREFIX or prefix.endswith("/" + QUARANTINE_PREFIX)
     if quarantine and prefix not in committing and prefix + JOB_KEY not in keys:
         return prefix[: -len(QUARANTINE_PREFIX)]
+    # A set holds COMMIT copies, but never a job record nor a tombstone, as a job folder
+    # (whatever its name) does.
+    m = _ABANDONED_DIR.match(prefix)
+    if (
+        m is not None
+        and parse_tag(m.group("tag")) is not None
+        and prefix + JOB_KEY not in keys
+        and prefix + TOMBSTONE_KEY not in keys
+    ):
+        return m.group("owner")
     return prefix
 
 

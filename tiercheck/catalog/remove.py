@@ -21,9 +21,11 @@ so the one that must be sure nobody is writing the job:
   deleted incarnation on any node -- those this command cannot reach -- is discarded, never
   restored, by the job's next opening. Then every tiercheck key goes: the writer generations
   first (a writer still running stops at once), ``COMMIT`` records (a removal cut short never
-  leaves a ``COMMIT`` pointing at a removed blob), blobs, quarantined blobs and probes, the job
-  record last (until it goes, a second ``rm-job`` finds the job and finishes it; an opening in
-  between refuses with :class:`~tiercheck.errors.JobDeleted`). Then what killed writers left,
+  leaves a ``COMMIT`` pointing at a removed blob), blobs, the abandoned sets' ``SET`` records (a
+  set cut short reads as unfinished, never as whole), then the rest of the abandoned sets,
+  quarantined blobs and probes, the job record last (until it goes, a second ``rm-job`` finds
+  the job and finishes it; an opening in between refuses with
+  :class:`~tiercheck.errors.JobDeleted`). Then what killed writers left,
   where its writer is gone. Keys that are not tiercheck's are left alone, and with them the
   folder; the tombstone stays, and ``tiercheck ls`` shows the job as deleted.
 """
@@ -40,7 +42,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiercheck.catalog.base import REQUESTS, Location, NullProgress, Progress, local_path
-from tiercheck.catalog.scan import Catalog, HeldReplicas
+from tiercheck.catalog.scan import AbandonedSetEntry, Catalog, HeldReplicas
+from tiercheck.consistency.abandoned import SET_NAME, parse_abandoned_key
 from tiercheck.consistency.identity import (
     JOB_KEY,
     PROBE_PREFIX,
@@ -81,6 +84,9 @@ class JobRemoval:
     records: list[str]
     #: The replicas a node root keeps for ranks of other nodes (they go with it).
     replicas: list[HeldReplicas] = field(default_factory=list)
+    #: The abandoned sets (persistent job folders): versions the run went back from, and
+    #: unfinished set-asides. Every one of them goes.
+    abandoned: list[AbandonedSetEntry] = field(default_factory=list)
     #: Keys that are not tiercheck's (persistent job folders): left alone.
     left_alone: list[str] = field(default_factory=list)
     #: ``"checked"`` -- a node root: no writer holds a lock now, and none can while it is
@@ -114,6 +120,7 @@ class JobRemoval:
             "size": self.size,
             "records": self.records,
             "replicas": [r.to_json() for r in self.replicas],
+            "abandoned": [a.to_json() for a in self.abandoned],
             "left_alone": self.left_alone,
             "liveness": self.liveness,
             "newest_writer": self.newest_writer,
@@ -161,6 +168,7 @@ async def plan_job_removal(catalog: Catalog) -> JobRemoval:
         records.append(JOB_KEY)
     records.extend(writer_key(g) for g in catalog.writer_generations)
     records.extend(catalog.probes)
+    plan.abandoned = list(catalog.abandoned)
     plan.left_alone = list(catalog.foreign)
     plan.tombstone = catalog.tombstone
     if catalog.job_record is not None:
@@ -285,10 +293,17 @@ def _persistent_order(key: str) -> int | None:
         return 1
     if parse_blob_key(key) is not None:
         return 2
-    if parse_quarantine_key(key) is not None or key.startswith(PROBE_PREFIX):
+    inside = parse_abandoned_key(key)
+    if inside is not None and inside[1] == SET_NAME:
         return 3
-    if key == JOB_KEY:
+    if inside is not None and (
+        parse_blob_key(inside[1]) is not None or parse_commit_key(inside[1]) is not None
+    ):
         return 4
+    if parse_quarantine_key(key) is not None or key.startswith(PROBE_PREFIX):
+        return 4
+    if key == JOB_KEY:
+        return 5
     return None
 
 
@@ -312,7 +327,7 @@ async def _remove_persistent(plan: JobRemoval, progress: Progress) -> None:
         # of it that still runs stops writing here.
         await _write_tombstone(tier, plan)
         keys = [key async for key in tier.list("")]
-        stages: list[list[str]] = [[] for _ in range(5)]  # see _persistent_order
+        stages: list[list[str]] = [[] for _ in range(6)]  # see _persistent_order
         for key in keys:
             stage = _persistent_order(key)
             if stage is not None:

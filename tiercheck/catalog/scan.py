@@ -2,10 +2,12 @@
 
 A catalog lists versions (each rank's blob and what records say of it: size, base, whether it is
 committed), the records beside them (job record, writer generations, quarantined blobs, probes
-in a persistent job folder; manifest and identity in a node root), what killed writers left
-(temporary files, unfinished uploads: :mod:`tiercheck.catalog.leftovers`) and, in a node root,
-the replicas the node keeps for ranks of other nodes. Scanning reads no blob, only small records;
-:func:`tiercheck.catalog.read.inspect_blobs` reads blob headers into a catalog's entries.
+in a persistent job folder; manifest and identity in a node root), the versions the run went
+back from (abandoned sets, persistent job folders: :class:`AbandonedSetEntry`), what killed
+writers left (temporary files, unfinished uploads: :mod:`tiercheck.catalog.leftovers`) and, in a
+node root, the replicas the node keeps for ranks of other nodes. Scanning reads no blob, only
+small records; :func:`tiercheck.catalog.read.inspect_blobs` reads blob headers into a catalog's
+entries.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from tiercheck.catalog.base import LOCAL_TIER, REQUESTS, Location, LocationError
 from tiercheck.catalog.leftovers import find_leftovers
 from tiercheck.codec import BlobMeta
+from tiercheck.consistency.abandoned import (
+    ABANDONED_PREFIX,
+    SET_NAME,
+    AbandonedSet,
+    abandoned_key,
+    parse_abandoned_key,
+    parse_tag,
+    set_record_key,
+)
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import (
     JOB_KEY,
@@ -32,7 +43,7 @@ from tiercheck.consistency.identity import (
     parse_writer_key,
     writer_key,
 )
-from tiercheck.consistency.keys import BlobKind, parse_blob_key, parse_commit_key
+from tiercheck.consistency.keys import BlobKind, commit_key, parse_blob_key, parse_commit_key
 from tiercheck.consistency.manifest import Durable
 from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.worlds import world_of
@@ -45,6 +56,7 @@ if TYPE_CHECKING:
     from tiercheck.catalog.locate import OpenLocation
 
 __all__ = [
+    "AbandonedSetEntry",
     "BlobEntry",
     "BlobKindName",
     "Catalog",
@@ -214,6 +226,98 @@ class HeldReplicas:
         }
 
 
+@dataclass
+class AbandonedSetEntry:
+    """Versions the run went back from, set aside whole under ``abandoned/<tag>/`` of a
+    persistent job folder (see :mod:`tiercheck.consistency.abandoned`).
+
+    A set with its ``SET`` record (:attr:`has_record`) was finished: its versions left the run's
+    timeline and are kept only here, until retention or ``tiercheck gc --abandoned`` removes
+    them. A set without it is *unfinished*: the work of an opening that died while setting the
+    versions aside (the originals were still in place, so it holds only copies), or what is left
+    of a set whose removal was cut short (its ``SET`` record goes first).
+    """
+
+    tag: str
+    #: The first version set aside, and the opening (session token) that did it (from the tag).
+    first: int
+    session: str
+    #: Whether the ``SET`` record is present (readable or not).
+    has_record: bool = False
+    #: The ``SET`` record, when present and readable.
+    record: AbandonedSet | None = None
+    #: Why a present ``SET`` record could not be read.
+    record_error: str | None = None
+    #: What the set holds, by original version: its blobs (keys under the set's folder) and,
+    #: as :attr:`VersionEntry.commit`, the copies of their ``COMMIT`` records.
+    versions: dict[int, VersionEntry] = field(default_factory=dict)
+    #: Every key of the set (``SET``, ``COMMIT`` copies, blobs), sorted.
+    keys: list[str] = field(default_factory=list)
+    #: Bytes of all its keys (``None`` if some size could not be read).
+    size: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        """The folder of the set, as a key prefix."""
+        return f"{ABANDONED_PREFIX}{self.tag}/"
+
+    @property
+    def whole(self) -> bool:
+        """Whether the ``SET`` record is present and readable."""
+        return self.record is not None
+
+    @property
+    def listed(self) -> list[int]:
+        """The versions the ``SET`` record lists; without a readable one, those held."""
+        if self.record is not None:
+            return list(self.record.versions)
+        return sorted(self.versions)
+
+    @property
+    def restored(self) -> int | None:
+        """The version the run went on from (``-1``: it started over); ``None``: not known."""
+        return None if self.record is None else self.record.restored
+
+    @property
+    def time(self) -> float | None:
+        """When the set was made (``SET`` record), if known."""
+        return None if self.record is None else self.record.time
+
+    @property
+    def reason(self) -> str | None:
+        """Why the versions left the run's timeline (``SET`` record), if known."""
+        return None if self.record is None else self.record.reason
+
+    def blobs(self, versions: Iterable[int] | None = None) -> list[BlobEntry]:
+        """The set's blobs of ``versions`` (all when ``None``), by version then rank."""
+        chosen = sorted(self.versions) if versions is None else sorted(set(versions))
+        return [
+            self.versions[v].blobs[r]
+            for v in chosen
+            if v in self.versions
+            for r in sorted(self.versions[v].blobs)
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json`` output."""
+        return {
+            "tag": self.tag,
+            "first": self.first,
+            "session": self.session,
+            "whole": self.whole,
+            "has_record": self.has_record,
+            "record_error": self.record_error,
+            "versions": self.listed,
+            "held": [e.to_json() for _, e in sorted(self.versions.items())],
+            "restored": self.restored,
+            "time": self.time,
+            "reason": self.reason,
+            "blobs": len(self.blobs()),
+            "keys": len(self.keys),
+            "size": self.size,
+        }
+
+
 def _record_json(
     record: JobRecord | WriterRecord | NodeIdentity | Tombstone | None,
 ) -> dict[str, Any] | None:
@@ -248,6 +352,8 @@ class Catalog:
     quarantined: list[QuarantinedBlob] = field(default_factory=list)
     #: Probe objects left by an opening that did not finish (persistent job folders).
     probes: list[str] = field(default_factory=list)
+    #: Versions the run went back from, set aside (persistent job folders), by tag.
+    abandoned: list[AbandonedSetEntry] = field(default_factory=list)
     #: What ``tiercheck rm-job`` deleted here (persistent job folders), when present and readable.
     tombstone: Tombstone | None = None
     #: Why a present tombstone could not be read.
@@ -296,6 +402,82 @@ class Catalog:
             for r in sorted(self.versions[v].blobs)
         ]
 
+    def abandoned_set(self, tag: str) -> AbandonedSetEntry | None:
+        """The abandoned set ``tag``, if the location holds it."""
+        return next((s for s in self.abandoned if s.tag == tag), None)
+
+    def committed_from(self, first: int) -> list[int]:
+        """The whole committed versions of the run's own timeline from ``first`` on: what
+        retention counts against an abandoned set (see
+        :func:`tiercheck.consistency.abandoned.expired`)."""
+        return [v for v in self.restorable() if v >= first]
+
+    def unfinished_fate(self, aside: AbandonedSetEntry) -> tuple[bool, str]:
+        """Whether an unfinished set (no ``SET`` record) may be removed, and why (or why not).
+
+        The job's newest opening may be setting versions aside right now: its unfinished set
+        stays. One of any earlier opening is debris: that opening is over, or is cut off at its
+        next write (a newer opening owns the job), and nothing ever reads such a set.
+        """
+        if self.writer_generations and self.newest_writer is None:
+            return False, (
+                "kept: the job's newest writer generation cannot be read, so whether its "
+                "opening is setting these versions aside right now cannot be told"
+            )
+        if self.newest_writer is not None and self.newest_writer.session == aside.session:
+            return False, (
+                f"kept: the job's newest opening (writer generation "
+                f"{self.newest_writer.generation}, session {aside.session}) made it and may be "
+                "setting these versions aside right now; `tiercheck gc` removes it once a later "
+                "opening of the job has started"
+            )
+        return True, (
+            "removable: the opening that made it is no longer the job's newest (it is over, or "
+            "stops at its next write), and nothing reads the set; `tiercheck gc` removes it"
+        )
+
+    def base_source(self, tag: str, version: int) -> AbandonedSetEntry | None:
+        """Where the abandoned set ``tag`` finds ``version`` (older than its first version)
+        as it was when the set was made: the earliest whole set made after it that holds
+        ``version`` (the run went back past ``version`` since, so that set holds the copy),
+        or ``None`` -- the live version, unchanged since (or none)."""
+        aside = self.abandoned_set(tag)
+        if aside is None or aside.record is None:
+            return None
+        made = aside.record.time
+        later = sorted(
+            (s for s in self.abandoned if s.record is not None and s.record.time > made),
+            key=lambda s: (s.record.time if s.record is not None else 0.0, s.tag),
+        )
+        for other in later:
+            if other.first <= version and version in other.versions:
+                return other
+        return None
+
+    def abandoned_view(self, tag: str) -> Catalog:
+        """The abandoned set ``tag`` as a catalog of its own: its versions, and the older
+        versions its deltas may need as bases, each as it was when the set was made (see
+        :meth:`base_source`). The keys are the stored keys (under ``abandoned/<tag>/`` for the
+        set's own blobs), so :func:`~tiercheck.catalog.verify`, ``decode_blob`` and
+        :func:`~tiercheck.catalog.export` read a set as they read the live versions.
+
+        Raises :class:`KeyError` when the location holds no set ``tag``.
+        """
+        aside = self.abandoned_set(tag)
+        if aside is None:
+            raise KeyError(tag)
+        versions: dict[int, VersionEntry] = {}
+        for v in sorted({*self.versions, *(v for s in self.abandoned for v in s.versions)}):
+            if v >= aside.first:
+                continue
+            source = self.base_source(tag, v)
+            entry = self.versions.get(v) if source is None else source.versions.get(v)
+            if entry is not None:
+                versions[v] = entry
+        versions.update(aside.versions)
+        ranks = {r for e in aside.versions.values() for r in (*e.blobs, *e.expected_ranks)}
+        return Catalog(self.location, versions, tuple(sorted(ranks)))
+
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json`` output."""
         return {
@@ -312,6 +494,7 @@ class Catalog:
             },
             "quarantined": [q.to_json() for q in self.quarantined],
             "probes": self.probes,
+            "abandoned": [a.to_json() for a in self.abandoned],
             "tombstone": _record_json(self.tombstone),
             "tombstone_error": self.tombstone_error,
             "identity": _record_json(self.identity),
@@ -349,6 +532,7 @@ async def scan_location(opened: OpenLocation) -> Catalog:
             await _read_tombstone(opened, catalog)
         if catalog.writer_generations:
             await _read_newest_writer(opened, catalog)
+        await asyncio.gather(*(_read_abandoned(opened, a) for a in catalog.abandoned))
     else:
         assert root is not None
         catalog.has_blobs = await asyncio.to_thread(root.blobs.is_dir)
@@ -382,6 +566,7 @@ def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[
     record is present."""
     versions: dict[int, VersionEntry] = {}
     commit_keys: list[tuple[int, str]] = []
+    sets: dict[str, AbandonedSetEntry] = {}
     catalog = Catalog(loc, versions, ())
     has_job = False
     persistent = loc.kind == "persistent"
@@ -397,6 +582,8 @@ def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[
                     None if where is None else where.rank,
                 )
             )
+            continue
+        if persistent and _sort_abandoned(sets, key):
             continue
         # Only tiers that outlive the cluster hold these; in a node's blobs/ they are foreign.
         if persistent and key == JOB_KEY:
@@ -428,7 +615,36 @@ def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[
             continue
         catalog.foreign.append(key)
     catalog.writer_generations.sort()
+    catalog.abandoned = [sets[tag] for tag in sorted(sets)]
     return catalog, commit_keys, has_job
+
+
+def _sort_abandoned(sets: dict[str, AbandonedSetEntry], key: str) -> bool:
+    """File ``key`` into its abandoned set, if it is one of a set's keys (its ``SET`` record, a
+    ``COMMIT`` copy or a blob); anything else under ``abandoned/`` is not tiercheck's."""
+    parsed = parse_abandoned_key(key)
+    if parsed is None:
+        return False
+    tag, inner = parsed
+    where = parse_blob_key(inner)
+    copied = parse_commit_key(inner)
+    if inner != SET_NAME and where is None and copied is None:
+        return False
+    tagged = parse_tag(tag)
+    assert tagged is not None  # parse_abandoned_key checked it
+    aside = sets.setdefault(tag, AbandonedSetEntry(tag, tagged[0], tagged[1]))
+    aside.keys.append(key)
+    if inner == SET_NAME:
+        aside.has_record = True
+    elif where is not None:
+        entry = aside.versions.setdefault(where.version, VersionEntry(where.version))
+        blob = BlobEntry(key, where.version, where.rank, where.kind)
+        blob.base_known = where.kind == "full"
+        if where.rank not in entry.blobs or where.kind == "full":
+            entry.blobs[where.rank] = blob
+    elif copied is not None:
+        aside.versions.setdefault(copied, VersionEntry(copied)).committed = True
+    return True
 
 
 async def _read_record(opened: OpenLocation, key: str) -> bytes:
@@ -515,6 +731,59 @@ async def _read_commits(
     catalog.ranks = tuple(sorted(set(job_ranks) | seen))
     for entry in catalog.versions.values():
         entry.expected_ranks = tuple(range(entry.commit.world_size)) if entry.commit else job_ranks
+
+
+async def _read_abandoned(opened: OpenLocation, aside: AbandonedSetEntry) -> None:
+    """An abandoned set's ``SET`` record, its ``COMMIT`` copies (what they say of the blobs
+    beside them, as :func:`_read_commits` does for live versions) and the sizes of its keys.
+    What cannot be read is kept as an error for :func:`~tiercheck.catalog.verify`."""
+    sem = asyncio.Semaphore(REQUESTS)
+    aside.keys.sort()
+    if aside.has_record:
+        try:
+            data = await _read_record(opened, set_record_key(aside.tag))
+            aside.record = AbandonedSet.from_bytes(data)
+        except (FormatError, BlobNotFound, StorageError) as exc:
+            aside.record_error = f"{type(exc).__name__}: {exc}"
+
+    async def commit(version: int) -> None:
+        entry = aside.versions[version]
+        key = abandoned_key(aside.tag, commit_key(version))
+        async with sem:
+            try:
+                record = CommitRecord.from_bytes(await _read_record(opened, key))
+            except (FormatError, BlobNotFound, StorageError) as exc:
+                entry.commit_error = f"{type(exc).__name__}: {exc}"
+                return
+        if record.version != version:
+            entry.commit_error = f"{key} describes version {record.version}"
+            return
+        entry.commit = record
+        entry.expected_ranks = tuple(range(record.world_size))
+        for e in record.entries:
+            blob = entry.blobs.get(e.rank)
+            if blob is not None and blob.key == abandoned_key(aside.tag, e.key):
+                blob.size = e.size
+                blob.base = e.base
+                blob.base_known = True
+
+    await asyncio.gather(*(commit(v) for v, e in aside.versions.items() if e.committed))
+    known = {b.key: b.size for b in aside.blobs() if b.size is not None}
+    sizes: dict[str, int | None] = {}
+
+    async def size(key: str) -> None:
+        async with sem:
+            try:
+                sizes[key] = await opened.tier.get_size(key)
+            except (BlobNotFound, StorageError):
+                sizes[key] = None  # gone since the listing, or unreadable: verify says which
+
+    await asyncio.gather(*(size(k) for k in aside.keys if k not in known))
+    for blob in aside.blobs():
+        if blob.size is None:
+            blob.size = sizes.get(blob.key)
+    every = [known.get(k, sizes.get(k)) for k in aside.keys]
+    aside.size = None if None in every else sum(n for n in every if n is not None)
 
 
 async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:

@@ -1,19 +1,32 @@
 """Check what a location holds: :func:`verify` reads every blob and record and reports
-:class:`Finding` s (problems and warnings, each with a stable code from :data:`FINDING_CODES`)."""
+:class:`Finding` s (problems and warnings, each with a stable code from :data:`FINDING_CODES`).
+
+Abandoned sets (versions the run went back from, :class:`~tiercheck.catalog.AbandonedSetEntry`)
+are checked as the live versions are, each through its own view
+(:meth:`Catalog.abandoned_view <tiercheck.catalog.Catalog.abandoned_view>`): a set's deltas
+take their bases from the set, or from where the job kept that version since the set was made.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tiercheck.catalog.base import READS, Location, NullProgress, Progress, bounded
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.read import decode_blob
-from tiercheck.catalog.scan import BlobEntry, Catalog, QuarantinedBlob, VersionEntry
+from tiercheck.catalog.scan import (
+    AbandonedSetEntry,
+    BlobEntry,
+    Catalog,
+    QuarantinedBlob,
+    VersionEntry,
+)
 from tiercheck.codec import BlobMeta
 from tiercheck.codec import verify as verify_blob
+from tiercheck.consistency.abandoned import parse_abandoned_key, set_record_key
 from tiercheck.consistency.identity import JOB_KEY, TOMBSTONE_KEY, writer_key
 from tiercheck.consistency.keys import blob_key, commit_key, parse_blob_key
 from tiercheck.defaults import IDENTITY_FILE
@@ -29,7 +42,8 @@ class Finding:
     ``severity`` is ``"problem"`` (the data is not what it claims: a failed checksum, a missing
     blob of a committed version, a delta without its base) or ``"warning"`` (normal after a
     crash, or harmless: a torn version that never claimed to be committed). ``code`` is a
-    stable, machine-readable name (see :data:`FINDING_CODES`).
+    stable, machine-readable name (see :data:`FINDING_CODES`). ``abandoned`` names the
+    abandoned set the finding is about (``version`` is then the version's number in it).
     """
 
     severity: Literal["problem", "warning"]
@@ -38,6 +52,7 @@ class Finding:
     key: str | None = None
     version: int | None = None
     rank: int | None = None
+    abandoned: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json`` output."""
@@ -48,6 +63,7 @@ class Finding:
             "key": self.key,
             "version": self.version,
             "rank": self.rank,
+            "abandoned": self.abandoned,
         }
 
 
@@ -82,6 +98,13 @@ FINDING_CODES: Mapping[str, str] = {
     "(it runs on this host, or cannot be judged from here yet); kept (warning)",
     "leftovers-unlisted": "the location's temporary files or unfinished uploads could not be "
     "listed (warning)",
+    "abandoned-incomplete": "an abandoned set (versions the run went back from, kept under "
+    "abandoned/<tag>/) lacks the COMMIT copy of a version its SET record lists, or a blob a "
+    "COMMIT copy names: that version cannot be had back from the set",
+    "abandoned-unfinished": "an abandoned set without its SET record: an opening died while "
+    "setting versions aside (copies only; the originals stayed in place), or a removal of the "
+    "set was cut short; nothing reads it, and `tiercheck gc` removes it unless the job's newest "
+    "opening made it (warning)",
 }
 
 
@@ -93,6 +116,8 @@ class VerifyReport:
     versions: list[int]
     blobs_checked: int
     findings: list[Finding]
+    #: The abandoned sets whose versions were checked (those with a ``SET`` record).
+    abandoned: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> list[Finding]:
@@ -109,11 +134,18 @@ class VerifyReport:
         return {
             **self.location.to_json(),
             "versions": self.versions,
+            "abandoned": self.abandoned,
             "blobs_checked": self.blobs_checked,
             "problems": len(self.problems),
             "warnings": len(self.warnings),
             "findings": [f.to_json() for f in self.findings],
         }
+
+
+def _tag_of(key: str) -> str | None:
+    """The abandoned set a key is in, if any."""
+    parsed = parse_abandoned_key(key)
+    return None if parsed is None else parsed[0]
 
 
 def _hex(value: int) -> str:
@@ -138,11 +170,19 @@ async def verify(
     also decoded (against its base) to check the payload end to end, as a restore would.
 
     The location's own records are checked too, whatever ``versions`` says: a job record, the
-    newest writer generation or a node's identity that cannot be read, and a job record that
-    disagrees with the newest ``COMMIT`` record, are problems; a leftover probe object, and
-    each temporary file or unfinished upload a killed writer left (with its size, age and
-    whether its writer is gone), are warnings. Every quarantined blob (of ``versions``, when
-    given) is a warning; its copy is read and checked to say why it was set aside.
+    newest writer generation, a node's identity or an abandoned set's ``SET`` record that
+    cannot be read, and a job record that disagrees with the newest ``COMMIT`` record, are
+    problems; a leftover probe object, each temporary file or unfinished upload a killed writer
+    left (with its size, age and whether its writer is gone), and each unfinished abandoned set
+    (no ``SET`` record; its copies are not read), are warnings. Every quarantined blob (of
+    ``versions``, when given) is a warning; its copy is read and checked to say why it was set
+    aside.
+
+    The versions of every finished abandoned set (of ``versions``, when given) are checked as
+    live ones are -- blobs read and verified, deltas against their exact base, ``COMMIT``
+    copies against the blobs, and with ``deep`` decoded -- and each version its ``SET`` record
+    lists must have its ``COMMIT`` copy and every blob that copy names
+    (``abandoned-incomplete``).
     """
     progress = progress or NullProgress()
     chosen = sorted(catalog.versions) if versions is None else sorted(set(versions))
@@ -153,6 +193,14 @@ async def verify(
     # Blobs of the chosen versions, plus the bases their deltas need (a corrupt base makes a
     # delta unrestorable, so it is checked too).
     todo: dict[str, BlobEntry] = {b.key: b for b in catalog.blobs(chosen)}
+    # Where each blob's delta base is looked up: the location, or the view of its set.
+    owner: dict[str, Catalog] = dict.fromkeys(todo, catalog)
+    sets = [a for a in catalog.abandoned if a.has_record]
+    views = {a.tag: catalog.abandoned_view(a.tag) for a in sets}
+    for aside in sets:
+        for blob in aside.blobs(None if versions is None else chosen):
+            todo[blob.key] = blob
+            owner[blob.key] = views[aside.tag]
     metas: dict[str, BlobMeta] = {}
     failed: set[str] = set()
 
@@ -169,6 +217,7 @@ async def verify(
                     blob.key,
                     blob.version,
                     blob.rank,
+                    _tag_of(blob.key),
                 )
             )
             return
@@ -184,6 +233,7 @@ async def verify(
                     blob.key,
                     blob.version,
                     blob.rank,
+                    _tag_of(blob.key),
                 )
             )
             return
@@ -199,6 +249,7 @@ async def verify(
                     blob.key,
                     blob.version,
                     blob.rank,
+                    _tag_of(blob.key),
                 )
             )
 
@@ -206,10 +257,10 @@ async def verify(
     try:
         await bounded(list(todo.values()), check, READS, progress)
         bases: dict[str, BlobEntry] = {}
-        for meta in metas.values():
+        for key, meta in metas.items():
             if meta.base is None:
                 continue
-            entry = catalog.versions.get(meta.base.version)
+            entry = owner.get(key, catalog).versions.get(meta.base.version)
             base_blob = None if entry is None else entry.blobs.get(meta.rank)
             if base_blob is not None and base_blob.key not in todo:
                 bases[base_blob.key] = base_blob
@@ -223,13 +274,22 @@ async def verify(
     for v in chosen:
         entry = catalog.versions[v]
         findings.extend(_version_findings(catalog, entry, metas, failed))
-    findings.extend(_record_findings(catalog))
     wanted = set(chosen)
-    aside = [q for q in catalog.quarantined if versions is None or q.version in wanted]
-    if aside:
-        findings.extend(await _quarantine_findings(opened, catalog, aside, progress))
+    for aside in sets:
+        for v in sorted({*aside.listed, *aside.versions}):
+            if versions is None or v in wanted:
+                entry = aside.versions.get(v) or VersionEntry(v)
+                findings.extend(_version_findings(views[aside.tag], entry, metas, failed, aside))
+    findings.extend(_record_findings(catalog))
+    quarantined = [q for q in catalog.quarantined if versions is None or q.version in wanted]
+    if quarantined:
+        findings.extend(await _quarantine_findings(opened, catalog, quarantined, progress))
     if deep:
-        findings.extend(await _deep_check(opened, catalog, chosen, failed, progress))
+        decode = [(catalog, b) for b in catalog.blobs(chosen)]
+        decode += [
+            (views[a.tag], b) for a in sets for b in a.blobs(None if versions is None else chosen)
+        ]
+        findings.extend(await _deep_check(opened, decode, failed, progress))
     order = {"problem": 0, "warning": 1}
     findings.sort(
         key=lambda f: (
@@ -239,18 +299,27 @@ async def verify(
             f.code,
         )
     )
-    return VerifyReport(catalog.location, chosen, len(todo), findings)
+    return VerifyReport(catalog.location, chosen, len(todo), findings, [a.tag for a in sets])
 
 
 def _version_findings(
-    catalog: Catalog, entry: VersionEntry, metas: Mapping[str, BlobMeta], failed: set[str]
+    catalog: Catalog,
+    entry: VersionEntry,
+    metas: Mapping[str, BlobMeta],
+    failed: set[str],
+    aside: AbandonedSetEntry | None = None,
 ) -> list[Finding]:
+    """What is wrong with one version: of the location's timeline, or (``aside``) of an
+    abandoned set, with ``catalog`` the set's view."""
     out: list[Finding] = []
     v = entry.version
     loc = catalog.location
+    # Keys in a set's COMMIT copies are the original keys; the set holds them under its folder.
+    prefix = "" if aside is None else aside.prefix
+    tag = None if aside is None else aside.tag
 
     def add(severity: Literal["problem", "warning"], code: str, msg: str, **kw: Any) -> None:
-        out.append(Finding(severity, code, msg, version=v, **kw))
+        out.append(Finding(severity, code, msg, version=v, abandoned=tag, **kw))
 
     # Deltas need their exact base, in this location.
     for rank, blob in sorted(entry.blobs.items()):
@@ -261,11 +330,17 @@ def _version_findings(
         base_entry = catalog.versions.get(want.version)
         base_blob = None if base_entry is None else base_entry.blobs.get(rank)
         if base_blob is None:
+            where = (
+                f"is not in the {loc.tier_name} tier"
+                if aside is None
+                else f"is neither in abandoned set {tag} nor where the job kept version "
+                f"{want.version} since the set was made (the live versions, or a later set)"
+            )
             add(
                 "problem",
                 "missing-base",
                 f"{blob.key} is a delta against version {want.version}, whose blob "
-                f"{blob_key(want.version, rank, 'packed')} is not in the {loc.tier_name} tier",
+                f"{blob_key(want.version, rank, 'packed')} {where}",
                 key=blob.key,
                 rank=rank,
             )
@@ -288,12 +363,14 @@ def _version_findings(
                 rank=rank,
             )
 
-    # Torn versions.
+    # Torn versions; in an abandoned set, what its SET record and COMMIT copies promise.
     missing = entry.missing_ranks
-    if missing and entry.committed:
-        aside = {q.rank: q.key for q in catalog.quarantined if q.version == v}
+    if aside is not None:
+        out.extend(_set_version_findings(aside, entry))
+    elif missing and entry.committed:
+        moved = {q.rank: q.key for q in catalog.quarantined if q.version == v}
         for rank in missing:
-            where = f" (a restore set it aside as {aside[rank]})" if rank in aside else ""
+            where = f" (a restore set it aside as {moved[rank]})" if rank in moved else ""
             add(
                 "problem",
                 "torn-committed",
@@ -322,8 +399,8 @@ def _version_findings(
         add(
             "problem",
             "commit-unreadable",
-            f"{commit_key(v)}: {entry.commit_error}",
-            key=commit_key(v),
+            f"{prefix}{commit_key(v)}: {entry.commit_error}",
+            key=prefix + commit_key(v),
         )
     if entry.commit is not None:
         for e in entry.commit.entries:
@@ -332,8 +409,8 @@ def _version_findings(
                 continue  # reported as torn-committed
             meta = metas.get(listed.key)
             diffs = []
-            if listed.key != e.key:
-                diffs.append(f"key {e.key} != {listed.key}")
+            if listed.key != prefix + e.key:
+                diffs.append(f"key {prefix}{e.key} != {listed.key}")
             if meta is not None:
                 if meta.nbytes != e.size:
                     diffs.append(f"size {e.size} != {meta.nbytes}")
@@ -348,7 +425,7 @@ def _version_findings(
                 add(
                     "problem",
                     "commit-mismatch",
-                    f"{commit_key(v)} disagrees with {listed.key}: " + "; ".join(diffs),
+                    f"{prefix}{commit_key(v)} disagrees with {listed.key}: " + "; ".join(diffs),
                     key=listed.key,
                     rank=e.rank,
                 )
@@ -368,6 +445,43 @@ def _version_findings(
                     f"the manifest recorded {record.size} bytes, {_hex(record.checksum)}",
                     key=blob.key,
                     rank=rank,
+                )
+    return out
+
+
+def _set_version_findings(aside: AbandonedSetEntry, entry: VersionEntry) -> list[Finding]:
+    """A version of a finished abandoned set must be whole in it: the ``COMMIT`` copy of every
+    version the ``SET`` record lists, and every blob a ``COMMIT`` copy names."""
+    out: list[Finding] = []
+    v, prefix = entry.version, aside.prefix
+    copy = prefix + commit_key(v)
+    if v in aside.listed and not entry.committed:
+        out.append(
+            Finding(
+                "problem",
+                "abandoned-incomplete",
+                f"abandoned set {aside.tag} lists version {v} in its SET record but holds no "
+                f"COMMIT copy of it ({copy}): the version cannot be had back from the set",
+                copy,
+                v,
+                abandoned=aside.tag,
+            )
+        )
+    if entry.commit is not None:
+        for e in entry.commit.entries:
+            if e.rank not in entry.blobs:
+                out.append(
+                    Finding(
+                        "problem",
+                        "abandoned-incomplete",
+                        f"{copy} names rank {e.rank}'s blob {prefix}{e.key}, which is not in "
+                        f"the set: version {v} cannot be had back from abandoned set "
+                        f"{aside.tag}",
+                        prefix + e.key,
+                        v,
+                        e.rank,
+                        abandoned=aside.tag,
+                    )
                 )
     return out
 
@@ -442,6 +556,26 @@ def _record_findings(catalog: Catalog) -> list[Finding]:
                 f"{catalog.leftovers_error}",
             )
         )
+    for aside in catalog.abandoned:
+        if aside.record_error is not None:
+            key = set_record_key(aside.tag)
+            message = f"{key}: {aside.record_error}"
+            out.append(Finding("problem", "record-unreadable", message, key, abandoned=aside.tag))
+        if not aside.has_record:
+            _, why = catalog.unfinished_fate(aside)
+            out.append(
+                Finding(
+                    "warning",
+                    "abandoned-unfinished",
+                    f"{aside.prefix} has no SET record: an unfinished set-aside of versions "
+                    f"{sorted(aside.versions)} ({len(aside.keys)} key"
+                    f"{'s' if len(aside.keys) != 1 else ''}) -- an opening died while setting "
+                    "them aside (copies only; the originals stayed in place), or a removal of "
+                    f"the set was cut short. {why[0].upper()}{why[1:]}",
+                    aside.prefix,
+                    abandoned=aside.tag,
+                )
+            )
     for key in catalog.probes:
         out.append(
             Finding(
@@ -521,16 +655,17 @@ async def _quarantine_findings(
 
 async def _deep_check(
     opened: OpenLocation,
-    catalog: Catalog,
-    versions: Sequence[int],
+    blobs: Sequence[tuple[Catalog, BlobEntry]],
     failed: set[str],
     progress: Progress,
 ) -> list[Finding]:
-    """Decode every blob of ``versions`` (against its base) and report what does not decode."""
-    blobs = [b for b in catalog.blobs(versions) if b.key not in failed]
+    """Decode every blob (against its base, found in the catalog beside it) and report what
+    does not decode."""
+    todo = [(cat, b) for cat, b in blobs if b.key not in failed]
     out: list[Finding] = []
 
-    async def one(blob: BlobEntry) -> None:
+    async def one(item: tuple[Catalog, BlobEntry]) -> None:
+        catalog, blob = item
         try:
             await decode_blob(opened, catalog, blob)
         except (TiercheckError, OSError, ValueError) as exc:
@@ -542,13 +677,14 @@ async def _deep_check(
                     blob.key,
                     blob.version,
                     blob.rank,
+                    _tag_of(blob.key),
                 )
             )
 
-    progress.start(len(blobs), "decoding")
+    progress.start(len(todo), "decoding")
     try:
         # One at a time: a decode holds the blob, its base and two payloads in memory.
-        await bounded(blobs, one, 1, progress)
+        await bounded(todo, one, 1, progress)
     finally:
         progress.finish()
     return out

@@ -6,8 +6,10 @@ Subcommands (``tiercheck <command> --help`` for each)::
     tiercheck inspect URL              per blob: encoding, stages, base, checksum, sizes, ratio
     tiercheck verify  URL              read and check every blob and record; exit 1 on a problem
     tiercheck export  URL OUT          a version as OUT.pt (torch.save) and OUT.safetensors
+                                       (--abandoned TAG: from a set the run went back from)
     tiercheck gc      URL --keep N     apply retention (--dry-run to only list what would go;
-                                       --purge-quarantine to remove set-aside blobs too)
+                                       --purge-quarantine to remove set-aside blobs too;
+                                       --abandoned to remove every abandoned set)
     tiercheck rm-job  URL --job J      delete a whole job: lists it, asks (or --yes), refuses
                                        while a writer holds the job's lock in a node root
     tiercheck repair-job URL --job J   set a damaged job record aside (no version touched); the

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any, cast
 
-from tiercheck.catalog import Catalog, NullProgress, Progress
+from tiercheck.catalog import AbandonedSetEntry, Catalog, NullProgress, Progress
 from tiercheck.cli.pipe import GuardedStream
 from tiercheck.tiers.base import Leftover
 
@@ -22,9 +22,12 @@ __all__ = [
     "Console",
     "ProgressBar",
     "UsageError",
+    "abandoned_line",
+    "abandoned_summary",
     "fmt_age",
     "fmt_ratio",
     "fmt_size",
+    "fmt_time",
     "leftover_line",
     "plural",
     "print_location_header",
@@ -153,6 +156,45 @@ def leftover_line(item: Leftover) -> str:
     )
 
 
+def fmt_time(when: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+
+
+def abandoned_summary(aside: AbandonedSetEntry) -> str:
+    """What an abandoned set holds, for people: ``versions [4, 5] (2 blobs, 14.6 KiB)``."""
+    return (
+        f"versions [{short(aside.listed)}] "
+        f"({plural(len(aside.blobs()), 'blob')}, {fmt_size(aside.size)})"
+    )
+
+
+def abandoned_line(cat: Catalog, aside: AbandonedSetEntry) -> str:
+    """One line for people about an abandoned set (``ls``): what it holds, when and why it was
+    set aside, and until when it stays."""
+    held = f"{plural(len(aside.blobs()), 'blob')}, {fmt_size(aside.size)}"
+    versions = f"versions [{short(aside.listed)}]"
+    if not aside.has_record:
+        _, why = cat.unfinished_fate(aside)
+        return (
+            f"abandoned: an unfinished set-aside (copies; the originals stayed in place) of "
+            f"{versions} (set {aside.tag}; {held}) -- {why}"
+        )
+    if aside.record is None:
+        return (
+            f"abandoned: {versions} (set {aside.tag}; {held}) -- its SET record cannot be read "
+            f"({aside.record_error}): `tiercheck verify` reports it, `tiercheck gc --abandoned` "
+            "removes the set"
+        )
+    record = aside.record
+    own = len(cat.committed_from(aside.first))
+    return (
+        f"abandoned: {versions} (set {aside.tag}, set aside {fmt_time(record.time)} when "
+        f"{record.reason}; {held}) -- kept until the run has as many committed versions of its "
+        f"own from version {aside.first} on as its persistent tier keeps ({own} so far), or "
+        "`tiercheck gc --abandoned`"
+    )
+
+
 def fmt_ratio(raw: int | None, stored: int | None) -> str:
     if not raw or not stored:
         return "-"
@@ -217,6 +259,8 @@ def print_location_header(console: Console, cat: Catalog) -> None:
         extra += ", " + plural(len(cat.quarantined), "quarantined blob")
     if cat.probes:
         extra += ", " + plural(len(cat.probes), "leftover probe")
+    if cat.abandoned:
+        extra += ", " + plural(len(cat.abandoned), "abandoned set")
     if cat.leftovers:
         extra += ", " + plural(len(cat.leftovers), "killed writer's leftover")
     if cat.tombstone_error is not None:
@@ -224,7 +268,7 @@ def print_location_header(console: Console, cat: Catalog) -> None:
     console.line(f"{loc.describe()}{extra}")
     tomb = cat.tombstone
     if tomb is not None:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(tomb.time))
+        when = fmt_time(tomb.time)
         tokens = ", ".join(short_token(t) for t in tomb.tokens) or "unknown"
         now = "" if cat.job_record is not None else "; nothing of it is stored here now"
         console.line(

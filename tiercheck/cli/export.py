@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 from typing import Literal
 
-from tiercheck.catalog import OpenLocation, export
+from tiercheck.catalog import Catalog, OpenLocation, export
 from tiercheck.cli.args import location_args, locations_of, nonnegative
 from tiercheck.cli.base import EXIT_OK, Console, UsageError, fmt_size, short
 
@@ -27,6 +27,13 @@ def configure_export(p: argparse.ArgumentParser) -> None:
         "--version", type=nonnegative, help="the version (default: the newest committed one)"
     )
     p.add_argument("--rank", type=nonnegative, help="the rank (default: the only one)")
+    p.add_argument(
+        "--abandoned",
+        metavar="TAG",
+        help="take the version from the abandoned set TAG (versions the run went back from; "
+        "`tiercheck ls` lists them): the way back to a version a restore left behind "
+        "(default version: the set's newest)",
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -76,12 +83,44 @@ def _export_targets(args: argparse.Namespace) -> tuple[Path, list[Literal["pt", 
     return stem, formats
 
 
+def _abandoned_view(cat: Catalog, tag: str, version: int | None) -> tuple[Catalog, str, int]:
+    """The abandoned set ``tag`` of ``cat`` as a catalog to export from, what to call it, and
+    its newest whole version; usage errors for a set that is not there, unfinished, or does
+    not hold ``version``."""
+    where = cat.location.describe()
+    aside = cat.abandoned_set(tag)
+    if aside is None:
+        tags = ", ".join(a.tag for a in cat.abandoned) or "none"
+        raise UsageError(f"no abandoned set {tag!r} in the {where}; abandoned sets: {tags}")
+    if not aside.has_record:
+        raise UsageError(
+            f"abandoned set {tag} is unfinished (no SET record): an opening died while setting "
+            "its versions aside, and their originals stayed in place -- export them without "
+            "--abandoned"
+        )
+    whole = [v for v in sorted(aside.versions) if aside.versions[v].complete]
+    if version is not None and version not in aside.versions:
+        raise UsageError(
+            f"version {version} is not in abandoned set {tag}; it holds "
+            f"{short(sorted(aside.versions)) or 'no versions'}"
+        )
+    if version is None and not whole:
+        raise UsageError(
+            f"abandoned set {tag} holds no whole version (`tiercheck verify` says what is missing)"
+        )
+    return cat.abandoned_view(tag), f"abandoned set {tag} of the {where}", (version or whole[-1])
+
+
 async def run_export(args: argparse.Namespace, console: Console) -> int:
     args.url = None
     stem, formats = _export_targets(args)
     (loc,) = await locations_of(args, many=False)
     async with OpenLocation(loc) as opened:
         cat = await opened.scan()
+        where = loc.describe()
+        if args.abandoned is not None:
+            cat, where, newest = _abandoned_view(cat, args.abandoned, args.version)
+            args.version = newest if args.version is None else args.version
         version = args.version
         if version is None:
             restorable = cat.restorable()
@@ -94,7 +133,7 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
         entry = cat.versions.get(version)
         if entry is None:
             raise UsageError(
-                f"version {version} is not in the {loc.describe()}; it holds "
+                f"version {version} is not in the {where}; it holds "
                 f"{short(sorted(cat.versions)) or 'no versions'}"
             )
         rank = args.rank
@@ -105,13 +144,13 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
         elif rank is None:
             if len(cat.ranks) != 1:
                 raise UsageError(
-                    f"the {loc.describe()} holds ranks {short(cat.ranks)}; pass --rank, or "
+                    f"the {where} holds ranks {short(cat.ranks)}; pass --rank, or "
                     "--full for the whole state"
                 )
             rank = cat.ranks[0]
         if rank is not None and rank not in entry.blobs:
             raise UsageError(
-                f"version {version} has no blob of rank {rank} in the {loc.describe()}; "
+                f"version {version} has no blob of rank {rank} in the {where}; "
                 f"ranks present: {short(sorted(entry.blobs)) or 'none'}"
             )
         if not entry.committed and not console.json_mode:
@@ -126,14 +165,14 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
             formats=formats,
             allow_pickle=args.allow_pickle,
             progress=console.progress(),
+            abandoned=args.abandoned,
         )
     if console.json_mode:
         console.json({"command": "export", **result.to_json()})
         return EXIT_OK
     which = "the whole state" if result.rank is None else f"rank {result.rank}"
     console.line(
-        f"exported version {result.version} {which} ({result.tensors} tensors) "
-        f"from the {loc.describe()}"
+        f"exported version {result.version} {which} ({result.tensors} tensors) from the {where}"
     )
     for fmt, path, size in result.files:
         console.line(f"  {fmt:<12} {path} ({fmt_size(size)})")

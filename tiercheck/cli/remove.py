@@ -29,6 +29,7 @@ from tiercheck.cli.base import (
     EXIT_PROBLEMS,
     Console,
     UsageError,
+    abandoned_summary,
     fmt_size,
     leftover_line,
     plural,
@@ -60,6 +61,8 @@ def _describe(plan: JobRemoval) -> list[str]:
         parts.append(plural(plan.commit_records, "COMMIT record"))
     if plan.quarantined:
         parts.append(plural(plan.quarantined, "quarantined blob"))
+    if plan.abandoned:
+        parts.append(plural(len(plan.abandoned), "abandoned set"))
     for held in plan.replicas:
         parts.append(
             f"the peer replicas of rank {held.rank} of job {held.job!r} "
@@ -79,6 +82,9 @@ def _describe(plan: JobRemoval) -> list[str]:
     lines = [f"  {loc.describe()}: " + ", ".join(parts)]
     if plan.found_as is not None:
         lines.append(f"    {plan.found_as}")
+    for aside in plan.abandoned:
+        what = "abandoned set" if aside.has_record else "unfinished set-aside (copies)"
+        lines.append(f"    {what} {aside.tag}: {abandoned_summary(aside)}")
     if plan.liveness == "checked":
         lines.append("    no writer holds the job's lock on this node now")
     else:

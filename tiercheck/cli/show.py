@@ -13,6 +13,7 @@ from tiercheck.cli.base import (
     EXIT_PROBLEMS,
     Console,
     UsageError,
+    abandoned_line,
     fmt_ratio,
     fmt_size,
     leftover_line,
@@ -63,6 +64,8 @@ async def run_ls(args: argparse.Namespace, console: Console) -> int:
                 console.line("  " + text)
         else:
             console.line("  (no versions)")
+        for aside in cat.abandoned:
+            console.line("  " + abandoned_line(cat, aside))
         if cat.location.kind == "node" and not cat.has_blobs:
             console.line(
                 "  no blobs/ folder: only what an opening of the job made before it failed or "

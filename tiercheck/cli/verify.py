@@ -6,7 +6,7 @@ import argparse
 
 from tiercheck.catalog import OpenLocation, verify
 from tiercheck.cli.args import location_args, locations_of, nonnegative
-from tiercheck.cli.base import EXIT_OK, EXIT_PROBLEMS, Console, UsageError, short
+from tiercheck.cli.base import EXIT_OK, EXIT_PROBLEMS, Console, UsageError, plural, short
 
 __all__ = ["configure_verify", "run_verify"]
 
@@ -51,8 +51,9 @@ async def run_verify(args: argparse.Namespace, console: Console) -> int:
         if i:
             console.line()
         n = len(report.versions)
+        sets = f"{plural(len(report.abandoned), 'abandoned set')}, " if report.abandoned else ""
         console.line(
-            f"{report.location.describe()}: {n} version{'s' if n != 1 else ''}, "
+            f"{report.location.describe()}: {n} version{'s' if n != 1 else ''}, {sets}"
             f"{report.blobs_checked} blob{'s' if report.blobs_checked != 1 else ''} checked"
         )
         for f in report.findings:
