@@ -87,7 +87,7 @@ class FaultyManifest:
 
     Wraps the real :class:`Manifest` (everything else is forwarded as is): each counts as one
     write of the plan, in the same sequence as the tiers' writes, so the process
-    can die at it (before it reaches LMDB), exactly as at a tier's write.
+    can die at it (before it reaches the journal), exactly as at a tier's write.
     """
 
     def __init__(self, inner: Manifest, plan: FaultPlan) -> None:

@@ -1,21 +1,44 @@
-"""The LMDB manifest: log + index in one transaction, rebuildable, shared, corruption typed."""
+"""The manifest: log + index appended together, rebuildable, shared, corruption typed, and a
+journal anyone may truncate or garble never kills the process that reads it."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import lmdb
 import msgpack
 import pytest
 import xxhash
 
-from tiercheck.consistency.manifest import Abort, Begin, Commit, Durable, Evict, Manifest
+from tiercheck.consistency.manifest import (
+    JOURNAL,
+    Abort,
+    Begin,
+    Commit,
+    Durable,
+    Evict,
+    Manifest,
+    Record,
+)
 from tiercheck.errors import ManifestError
+
+
+def raw_frame(body: dict[str, Any]) -> bytes:
+    """One frame of the journal, built from its specification (not from the code under test):
+    magic, body length, xxh32 of the body, xxh32 of those 12 bytes; then the msgpack body."""
+    data = msgpack.packb(body, use_bin_type=True)
+    head = b"TCMJ" + struct.pack(">II", len(data), xxhash.xxh32_intdigest(data))
+    return head + struct.pack(">I", xxhash.xxh32_intdigest(head)) + data
+
+
+def journal(path: Path) -> Path:
+    return path / JOURNAL
 
 
 def _durable(v: int, rank: int = 0, tier: str = "local", base: int | None = None) -> Durable:
@@ -100,22 +123,17 @@ def test_two_handles_in_one_process_share_the_environment(tmp_path: Path) -> Non
 def test_corrupt_value_is_a_typed_error(tmp_path: Path) -> None:
     with Manifest(tmp_path / "m") as m:
         m.append(_durable(1))
-    env = lmdb.open(str(tmp_path / "m"), max_dbs=8)
-    log = env.open_db(b"log")
-    with env.begin(write=True) as txn:
-        key, value = next(iter(txn.cursor(db=log)))
-        flipped = bytearray(value)
-        flipped[-1] ^= 0x01
-        txn.put(key, bytes(flipped), db=log)
-    env.close()
-    with Manifest(tmp_path / "m") as m, pytest.raises(ManifestError):
+    data = bytearray(journal(tmp_path / "m").read_bytes())
+    data[-1] ^= 0x01  # the last byte of the record's body
+    journal(tmp_path / "m").write_bytes(bytes(data))
+    with pytest.raises(ManifestError), Manifest(tmp_path / "m") as m:
         list(m.log())
 
 
 def test_unopenable_manifest_is_a_typed_error(tmp_path: Path) -> None:
     target = tmp_path / "m"
     target.mkdir()
-    (target / "data.mdb").write_bytes(b"this is not an lmdb file" * 100)
+    journal(target).write_bytes(b"this is not a journal" * 100)
     with pytest.raises(ManifestError):
         Manifest(target)
 
@@ -128,12 +146,12 @@ def test_crash_inside_an_append_leaves_nothing_half_written(
         calls = 0
         original = Manifest._apply
 
-        def dying_apply(self: Manifest, txn: lmdb.Transaction, record: object) -> None:
+        def dying_apply(self: Manifest, record: Record, undo: Any = None) -> None:
             nonlocal calls
             calls += 1
             if calls == 2:
-                raise RuntimeError("simulated crash between two records of one transaction")
-            original(self, txn, record)  # type: ignore[arg-type]
+                raise RuntimeError("simulated crash between two records of one append")
+            original(self, record, undo)
 
         monkeypatch.setattr(Manifest, "_apply", dying_apply)
         with pytest.raises(RuntimeError):
@@ -177,7 +195,7 @@ def test_manifest_survives_a_killed_writer(tmp_path: Path) -> None:
     proc.start()
     proc.join(60)
     assert proc.exitcode == 0
-    # A writer killed outright: LMDB releases its lock slot, the next opener carries on.
+    # A writer killed outright: the kernel drops its flock, the next opener carries on.
     code = (
         "import os, signal, sys\n"
         "from tiercheck.consistency.manifest import Manifest, Begin\n"
@@ -190,7 +208,7 @@ def test_manifest_survives_a_killed_writer(tmp_path: Path) -> None:
     with Manifest(path) as m:
         m.append(Begin(101, 2, "base"))
         assert {100, 101} <= set(m.versions())
-    assert os.path.exists(os.path.join(path, "data.mdb"))
+    assert os.path.exists(os.path.join(path, JOURNAL))
 
 
 def _save_and_retain(m: Manifest, versions: range, keep: int = 2) -> None:
@@ -249,16 +267,15 @@ def test_a_compaction_killed_before_it_commits_leaves_the_whole_log(tmp_path: Pa
         _save_and_retain(m, range(10))
         records = list(m.log())
         index = m.dump_index()
-    # The process dies with every deletion of the compaction done but not committed: the
-    # latest moment a crash can interrupt it.
+    # The process dies with the compacted journal written in full but not yet renamed over the
+    # old one: the latest moment a crash can interrupt it.
     code = (
         "import os, signal, sys\n"
         "from tiercheck.consistency.manifest import Manifest\n"
-        "original = Manifest._compact\n"
-        "def dying(self, txn, keep_after):\n"
-        "    assert original(self, txn, keep_after) > 0\n"
+        "def dying(self, temp):\n"
+        "    assert os.path.getsize(temp) > 0\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "Manifest._compact = dying\n"
+        "Manifest._install = dying\n"
         "m = Manifest(sys.argv[1])\n"
         "m.compact_if_grown(10, min_records=5)\n"
     )
@@ -269,6 +286,7 @@ def test_a_compaction_killed_before_it_commits_leaves_the_whole_log(tmp_path: Pa
         assert m.dump_index() == index
         m.rebuild_index()
         assert m.dump_index() == index
+        assert os.listdir(path) == [JOURNAL]  # the dead compaction's file was removed
         # And the next compaction, not interrupted, does the work.
         assert m.compact_if_grown(10, min_records=5) > 0
         assert {r.version for r in m.log()} == {8, 9}
@@ -279,18 +297,9 @@ def test_abort_records_of_older_logs_still_parse(tmp_path: Path) -> None:
     path = tmp_path / "m"
     with Manifest(path) as m:
         m.append(Begin(1, 0, "base"))
-    body = msgpack.packb(
-        {"op": "abort", "version": 1, "rank": 0, "reason": "skipped", "tier": "", "time": 1.0},
-        use_bin_type=True,
-    )
-    env = lmdb.open(str(path), max_dbs=8)
-    log = env.open_db(b"log")
-    with env.begin(write=True) as txn:
-        txn.put(
-            struct.pack(">Q", 1), struct.pack(">I", xxhash.xxh32_intdigest(body)) + body, db=log
-        )
-        txn.put(b"seq", struct.pack(">Q", 2), db=env.open_db(b"meta", txn=txn))
-    env.close()
+    legacy = {"op": "abort", "version": 1, "rank": 0, "reason": "skipped", "tier": "", "time": 1.0}
+    with journal(path).open("ab") as f:
+        f.write(raw_frame({"records": [legacy]}))
     with Manifest(path) as m:
         assert list(m.log())[-1] == Abort(1, 0, "skipped", time=1.0)
         m.rebuild_index()

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -752,28 +753,74 @@ async def test_deleted_blobs_are_recycled(root: Path) -> None:
         assert tier.spare_count == 2
 
 
-async def test_a_held_reservation_is_never_recycled(root: Path) -> None:
-    """Deleting a key whose committed buffer is still held removes the file instead of reusing it.
-
-    The held buffer keeps showing its own bytes while the tier stores new blobs of the same
-    size; once released, files are recycled again.
-    """
+async def test_a_held_buffer_keeps_its_bytes_while_its_file_is_recycled(root: Path) -> None:
+    """A committed buffer is private memory, not the stored file: deleting its key lets the
+    file be recycled at once, and the held buffer keeps showing its own bytes."""
     async with LocalTier(root) as tier:
         held = await tier.reserve("held", MiB)
         held.buffer[:] = blob(MiB, 1)
         await held.commit()
+        inode = (root / "held").stat().st_ino
         await tier.delete("held")
-        assert tier.spare_count == 0
+        assert tier.spare_count == 1
         for i in range(3):
-            await tier.put(f"other{i}", blob(MiB, 10 + i))
+            await tier.put(f"other{i}", blob(MiB, 10 + i))  # refills that very file
+            assert (root / f"other{i}").stat().st_ino == inode
             await tier.delete(f"other{i}")
         assert held.buffer == blob(MiB, 1)
         held.release()
-        assert tier.spare_count == 1
+
+
+def _address(view: memoryview) -> int:
+    return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+
+
+@pytest.mark.parametrize("holder", ["tensor", "tensor-slice", "view-slice", "cast", "numpy"])
+async def test_memory_is_recycled_only_once_nothing_made_from_it_lives(
+    root: Path, holder: str
+) -> None:
+    """Whatever keeps a reservation's memory reachable (a tensor, a slice of one, a slice or a
+    cast of the view, a numpy array) keeps it from being handed to another reservation after
+    release; once that is gone, the memory is recycled."""
+    size = 4 * MiB  # pooled (small reservations get a bytearray each)
+    async with LocalTier(root) as tier:
+        first = await tier.reserve("a", size)
+        address = _address(first.buffer)
+        first.buffer[:] = b"\x07" * size
+        view = first.buffer
+        kept: object = {
+            "tensor": lambda: torch.frombuffer(view, dtype=torch.uint8),
+            "tensor-slice": lambda: torch.frombuffer(view, dtype=torch.uint8)[MiB:],
+            "view-slice": lambda: view[MiB:],
+            "cast": lambda: view.cast("I"),
+            "numpy": lambda: np.frombuffer(view, dtype="u1")[MiB:],
+        }[holder]()
+        del view
+        await first.commit()
+        first.release()
+        del first
+        gc.collect()
+        second = await tier.reserve("b", size)
+        other = _address(second.buffer)
+        assert other != address  # still reachable: not handed out again
+        second.buffer[:] = b"\x09" * size
+        await second.commit()
+        second.release()
+        del second
+        assert np.asarray(kept).view(np.uint8)[:16].tobytes() == b"\x07" * 16
+        del kept
+        gc.collect()
+        third = await tier.reserve("c", size)
+        fourth = await tier.reserve("d", size)
+        # Both buffers came back and were handed out again; none was allocated anew.
+        assert {_address(third.buffer), _address(fourth.buffer)} == {address, other}
+        for reservation in (third, fourth):
+            await reservation.abort()
+            reservation.release()
 
 
 async def test_tensor_views_outlive_release(root: Path) -> None:
-    """Tensors made from a buffer stay valid after release, and keep their file from recycling."""
+    """Tensors made from a buffer stay valid after release, whatever happens to the file."""
     async with LocalTier(root) as tier:
         reservation = await tier.reserve("t", MiB)
         tensor = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
@@ -781,17 +828,12 @@ async def test_tensor_views_outlive_release(root: Path) -> None:
         await reservation.commit()
         reservation.release()
         await tier.delete("t")
-        assert tier.spare_count == 0
-        other = await tier.reserve("u", MiB)
+        other = await tier.reserve("u", MiB)  # refills t's file
         torch.frombuffer(other.buffer, dtype=torch.uint8).fill_(9)
         await other.commit()
         other.release()
         assert int(tensor.min()) == 7
         assert int(tensor.max()) == 7
-        del tensor
-        gc.collect()
-        await tier.delete("u")
-        assert tier.spare_count == 1
 
 
 async def test_a_reader_in_another_process_blocks_recycling(root: Path) -> None:
@@ -966,9 +1008,9 @@ async def test_aborting_a_prepared_reservation_leaves_nothing(tmp_path: Path) ->
     await tier.aclose()
 
 
-async def test_large_reads_are_private_mappings_that_pin_their_file(tmp_path: Path) -> None:
-    """A large get is zero-copy yet private: writing to it changes nothing stored, and while
-    it is alive its file is never recycled under it (deleting the key only unlinks it)."""
+async def test_large_reads_are_private_copies(tmp_path: Path) -> None:
+    """A large get is a private copy: writing to it changes nothing stored, and its file may be
+    deleted, recycled and refilled while the copy lives, which keeps its bytes."""
     tier = LocalTier(tmp_path / "root")
     original = blob(4 * MiB, 7)
     await tier.put("big", original)
@@ -976,9 +1018,9 @@ async def test_large_reads_are_private_mappings_that_pin_their_file(tmp_path: Pa
     assert not memoryview(view).readonly
     memoryview(view)[:4] = b"XXXX"  # private: the stored blob is untouched
     assert bytes(await tier.get("big")) == original
-    await tier.delete("big")  # the file cannot become a spare while mapped here
-    assert tier.spare_count == 0
-    await tier.put("next", blob(4 * MiB, 8))  # a fresh file, not ours
+    await tier.delete("big")  # nothing pins the file
+    assert tier.spare_count == 1
+    await tier.put("next", blob(4 * MiB, 8))  # refills big's file
     assert bytes(memoryview(view)[4:]) == original[4:]
     del view
     await tier.aclose()

@@ -1,6 +1,15 @@
-"""The local tier's file layer: its constants, and reading, mapping and walking blob files.
+"""The local tier's file layer: its constants, and reading, writing and walking blob files.
 
 Stateless helpers shared by the pieces of :mod:`tiercheck.tiers.local`.
+
+No file of the tier is ever mapped into memory. A file in shared memory can be cut short by
+anyone who can open it -- an operator's cleanup script, ``truncate``, a second job pointed at
+the same root -- and a process that touches a page of a mapping past its file's new end dies of
+``SIGBUS``, a signal Python cannot handle (its handler runs only after the faulting instruction,
+which faults again). Private copy-on-write mappings are no exception: pages not yet copied are
+the file's. So bytes move between files and memory only through ``preadv``/``pwritev``, into
+and out of anonymous memory of this process, which nobody else can shrink: a file cut short
+gives a short read or a hole, which the tier reports as an error, never a signal.
 """
 
 from __future__ import annotations
@@ -9,7 +18,7 @@ import contextlib
 import errno
 import mmap
 import os
-import weakref
+import sys
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -25,13 +34,21 @@ SPARES_DIR: Final = ".tiercheck#spares"
 # retry sees a newer blob, so a few are plenty unless a writer rewrites the key nonstop.
 READ_ATTEMPTS: Final = 64
 
-# Pre-faults the pages of a mapping (Linux); elsewhere pages are faulted in on first touch.
-MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
-# Blobs from this size on are read by mapping them (no copy); smaller ones are copied.
-MAP_READS_FROM: Final = 1 << 20
-
 # Reads at least this large go to anonymous memory rather than a bytearray (see read_exactly).
 ANONYMOUS_FROM: Final = 1 << 20
+
+# Anonymous memory from this size on is asked for in transparent huge pages (where the kernel
+# has them, madvise mode included): a fault then brings 2 MiB, not 4 KiB, which makes fresh
+# memory about as cheap to fill as memory already faulted in.
+HUGE_PAGE: Final = 2 << 20
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14) faults every page of a range in for writing;
+# Python 3.11's mmap module does not name it yet.
+MADV_POPULATE_WRITE: Final = getattr(
+    mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
+)
+MADV_HUGEPAGE: Final = getattr(mmap, "MADV_HUGEPAGE", None)
+# The errors that say an madvise option is unknown to this kernel (or build).
+UNKNOWN_ADVICE_ERRNOS: Final = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 # What a full filesystem answers (TierFull, see typed_os_error).
 FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -54,28 +71,6 @@ def valid_key(key: str) -> bool:
     except InvalidKey:
         return False
     return True
-
-
-def map_private(fd: int, size: int) -> memoryview:
-    """The file behind ``fd`` as private, copy-on-write memory: a zero-copy read.
-
-    The caller holds a shared ``flock`` on ``fd``. A duplicate of the descriptor keeps that
-    lock for as long as the mapping lives, so the file can be deleted but never recycled (nor
-    written) under it; writes to the mapping stay private to this process. The stored blob
-    is therefore as safe from the caller, and the caller from later writers, as with a copy.
-    """
-    keeper = os.dup(fd)  # shares the open file description, hence the lock
-    try:
-        # No MAP_POPULATE: on a private writable mapping it faults every page for writing,
-        # copying the whole blob; lazily, reads map the shared pages and only writes copy.
-        mapping = mmap.mmap(
-            keeper, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    except BaseException:
-        os.close(keeper)
-        raise
-    weakref.finalize(mapping, os.close, keeper)
-    return memoryview(mapping)
 
 
 def walk_keys(root: str, start: str) -> Iterator[str]:
@@ -104,15 +99,59 @@ def walk_keys(root: str, start: str) -> Iterator[str]:
                 yield key
 
 
+def anonymous_memory(size: int, *, populate: bool = False) -> mmap.mmap:
+    """``size`` bytes (> 0) of new private memory, not backed by any file.
+
+    Asked for in huge pages from :data:`HUGE_PAGE` on (best effort). With ``populate``, every
+    page is faulted in now (``MADV_POPULATE_WRITE``, else ``MAP_POPULATE``), so that writing
+    into it later runs at memory speed; without, pages come on first touch. Call it in a worker
+    thread: faulting in pages takes time (the GIL is released meanwhile).
+    """
+    if MADV_HUGEPAGE is None or size < HUGE_PAGE:
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+        if populate:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(-1, size, flags=flags)
+    memory = mmap.mmap(-1, size)
+    with contextlib.suppress(OSError):  # no transparent huge pages here: small pages then
+        memory.madvise(MADV_HUGEPAGE)
+    if populate:
+        _populate(memory)
+    return memory
+
+
+def _populate(memory: mmap.mmap) -> None:
+    """Fault every page of ``memory`` in for writing."""
+    global _populate_works
+    if _populate_works and MADV_POPULATE_WRITE is not None:
+        try:
+            memory.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError as exc:
+            if exc.errno not in UNKNOWN_ADVICE_ERRNOS:
+                raise  # ENOMEM: no memory for it, which the caller must hear of
+            _populate_works = False  # a kernel older than 5.14: touch the pages instead
+    # One byte per small page; where huge pages are given, the first touch brings the rest.
+    view = memoryview(memory)
+    for offset in range(0, len(memory), mmap.PAGESIZE):
+        view[offset] = 0
+    view.release()
+
+
+_populate_works = True
+
+
 def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
     """Read ``size`` bytes of ``fd`` from ``offset`` into new private memory (one copy).
 
-    Large blobs land in anonymous memory: allocating it is instant and its pages are zeroed by
-    the kernel inside the read, with the GIL released. A ``bytearray`` would be zero-filled by
-    Python while holding the GIL, stalling the event loop for the whole time.
+    Large blobs land in anonymous memory (:func:`anonymous_memory`): allocating it is instant
+    and its pages are zeroed by the kernel inside the read, with the GIL released. A
+    ``bytearray`` would be zero-filled by Python while holding the GIL, stalling the event loop
+    for the whole time. A file that ends early (cut short by someone else) is an ``EIO``
+    :class:`OSError`, never a partly filled buffer.
     """
     memory: bytearray | mmap.mmap = (
-        mmap.mmap(-1, size) if size >= ANONYMOUS_FROM else bytearray(size)
+        anonymous_memory(size) if size >= ANONYMOUS_FROM else bytearray(size)
     )
     view = memoryview(memory)
     done = 0
@@ -122,6 +161,43 @@ def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
             raise OSError(errno.EIO, f"file ended after {done} of {size} bytes")
         done += got
     return view
+
+
+def write_exactly(fd: int, view: memoryview, offset: int = 0) -> None:
+    """Write all of ``view`` into ``fd`` at ``offset`` (``pwritev``, short writes continued)."""
+    done, size = 0, view.nbytes
+    while done < size:
+        written = os.pwritev(fd, [view[done:]], offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += written
+
+
+def check_written(fd: int, nbytes: int) -> None:
+    """After writing ``nbytes`` from offset 0: raise if the file is not exactly that, whole.
+
+    Someone else may have cut the file short while it was written (``truncate`` on a temporary
+    file in shared memory): it then ends early, or, where the writer went on past the cut, it
+    has a hole of zeros where pages were dropped. Either is an ``EIO`` :class:`OSError`. The
+    allocated blocks answer in one ``fstat``; only where they fall short of the size (a hole,
+    or a filesystem that compresses) does ``SEEK_HOLE`` look for a hole.
+    """
+    st = os.fstat(fd)
+    if st.st_size != nbytes:
+        raise OSError(
+            errno.EIO,
+            f"the file holds {st.st_size} bytes after {nbytes} were written: something else "
+            "changed it meanwhile (truncated it?)",
+        )
+    if nbytes and st.st_blocks * 512 < nbytes:
+        seek_hole = getattr(os, "SEEK_HOLE", None)
+        hole = nbytes if seek_hole is None else os.lseek(fd, 0, seek_hole)
+        if hole < nbytes:
+            raise OSError(
+                errno.EIO,
+                f"the file has a hole at byte {hole} of {nbytes} after it was written: "
+                "something else cut it short meanwhile (truncate?)",
+            )
 
 
 def scan_sizes(root: str) -> dict[str, int]:

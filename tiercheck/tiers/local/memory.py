@@ -1,0 +1,122 @@
+"""The local tier's private memory: what reservations hand out, recycled once nobody holds it.
+
+A reservation's buffer is anonymous memory of this process, never a mapping of the tier's files
+(see :mod:`tiercheck.tiers.local.files` for why: a file anyone can truncate must never be
+touched through a mapping). Its bytes reach the file by ``pwritev`` when it is committed.
+
+Fresh memory costs a page fault per page the first time it is written, so buffers are recycled:
+a buffer lent out comes back to the pool once the last object that can reach its memory is gone
+-- the view handed out, any slice or cast of it, any tensor or array made from them. Each loan
+is a ``ctypes`` array over the buffer, and every such object holds a reference to it (a
+``memoryview`` through its managed buffer, ``torch.frombuffer`` through the view it keeps, numpy
+through the buffer it exports), so its death, seen by a finalizer, proves the memory free. At
+most :data:`KEEP_FREE` idle buffers are kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import mmap
+import threading
+import weakref
+from typing import Final
+
+from tiercheck.tiers.local.files import ANONYMOUS_FROM, anonymous_memory
+
+__all__ = ["KEEP_FREE", "POOL_FROM", "MemoryPool"]
+
+#: Idle buffers kept for the next reservations (a save and the base it is a delta against).
+KEEP_FREE: Final = 2
+#: Reservations smaller than this get a plain ``bytearray`` (cheap to make, not pooled).
+POOL_FROM: Final = ANONYMOUS_FROM
+
+
+class MemoryPool:
+    """Anonymous buffers lent to reservations and taken back when unreferenced.
+
+    :meth:`take` (no system call: fit for the event loop) and :meth:`allocate` (in a worker
+    thread) give a buffer; :meth:`lend` hands out a view of it that brings it back to the pool
+    when the last reference to that memory dies; :meth:`give_back` returns one never lent.
+    Idle buffers past :attr:`keep` are unmapped by :meth:`trim` (a worker thread's call:
+    unmapping takes time). Thread-safe; buffers come back from whatever thread drops the last
+    reference.
+    """
+
+    def __init__(self, *, populate: bool, keep: int = KEEP_FREE) -> None:
+        self.populate = populate
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._free: list[mmap.mmap] = []
+        # Filled by finalizers, which may run inside any code (even under self._lock, in the
+        # thread that drops a last reference): a deque appends without a lock.
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
+        self._closed = False
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the idle buffers kept."""
+        with self._lock:
+            self._free.extend(self._drained())
+            return sum(len(m) for m in self._free)
+
+    def take(self, nbytes: int) -> mmap.mmap | None:
+        """An idle buffer of at least ``nbytes`` (and at most twice that), else ``None``."""
+        with self._lock:
+            self._free.extend(self._drained())
+            fitting = [m for m in self._free if nbytes <= len(m) <= 2 * nbytes]
+            if not fitting:
+                return None
+            chosen = min(fitting, key=len)
+            self._free.remove(chosen)
+            return chosen
+
+    def allocate(self, nbytes: int) -> mmap.mmap:
+        """A new buffer of ``nbytes`` (> 0), faulted in if the pool populates (worker thread)."""
+        return anonymous_memory(nbytes, populate=self.populate)
+
+    def lend(self, memory: mmap.mmap, nbytes: int) -> memoryview:
+        """A writable ``B`` view of the first ``nbytes`` of ``memory``; ``memory`` comes back
+        to the pool when nothing can reach it through this view any more."""
+        loan = (ctypes.c_ubyte * nbytes).from_buffer(memory)
+        weakref.finalize(loan, self._come_back, memory)
+        return memoryview(loan).cast("B")
+
+    def give_back(self, memory: mmap.mmap) -> None:
+        """Return a buffer that was taken or allocated but never lent."""
+        self._come_back(memory)
+
+    def trim(self) -> None:
+        """Unmap the idle buffers past the newest :attr:`keep` (a worker thread's call)."""
+        with self._lock:
+            self._free.extend(self._drained())
+            cut = max(0, len(self._free) - self.keep)
+            victims, self._free = self._free[:cut], self._free[cut:]
+        for memory in victims:
+            memory.close()
+
+    def drop_free(self) -> bool:
+        """Unmap every idle buffer; whether there was any."""
+        with self._lock:
+            self._free.extend(self._drained())
+            dropped, self._free = self._free, []
+        for memory in dropped:
+            memory.close()
+        return bool(dropped)
+
+    def close(self) -> None:
+        """Unmap the idle buffers; buffers still lent are unmapped when their users let go."""
+        self._closed = True
+        self.drop_free()
+
+    def _come_back(self, memory: mmap.mmap) -> None:
+        if not self._closed:
+            self._returned.append(memory)
+        # Else dropped here: unmapped once the finalizer lets go of it.
+
+    def _drained(self) -> list[mmap.mmap]:
+        """The buffers returned since the last call, oldest first."""
+        back = []
+        while self._returned:
+            back.append(self._returned.popleft())
+        return back
