@@ -393,10 +393,11 @@ def test_memory_of_another_run_is_not_restored(tmp_path: Path) -> None:
     save_versions(tmp_path, 1, range(3), durable="experiment-1")
     # A new experiment reuses the job id and the memory root with a brand-new durable folder.
     with (
-        pytest.raises(StaleMemory, match="another run with the same name"),
+        pytest.raises(StaleMemory, match="another run with the same name") as refused,
         job(tmp_path, 0, 1, None, durable="experiment-2") as new,
     ):
         new.restore()
+    assert refused.value.damaged == ()  # another run's memory, not a damaged record
     # Nothing was touched: the first run restores from its memory.
     (restored,) = restore_all(tmp_path, 1, durable="experiment-1")
     assert restored.version == 2

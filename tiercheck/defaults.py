@@ -10,8 +10,8 @@ integrations and the command line find the same places without re-deriving a pat
   (:func:`default_root`; under the temporary folder where ``/dev/shm`` cannot be written),
   laid out as :class:`NodeRoot` says: ``blobs/`` (the local tier), ``replicas/<job_id>/r<rank>/``
   (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the
-  journal of what happened to each version), ``identity.json`` (which incarnation of the job the memory belongs to) and ``locks/``
-  (one ``r<rank>.lock`` per writer);
+  journal of what happened to each version), ``identity.json`` (which incarnation of the job
+  the memory belongs to) and ``locks/`` (one ``r<rank>.lock`` per writer);
 * how many versions each tier keeps by default (:data:`DEFAULT_KEEP`).
 
 A leaf like :mod:`tiercheck.errors`: it imports nothing else of tiercheck while loading, so every

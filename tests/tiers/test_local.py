@@ -7,6 +7,7 @@ import contextlib
 import errno
 import fcntl
 import gc
+import json
 import logging
 import os
 import random
@@ -201,6 +202,116 @@ async def test_blobs_survive_sigkill_of_the_writer(shm_root: Path, delay: float)
         assert not await tier.exists("recycled")
         # Opening the root removed what the dead writer left half done.
         assert temp_files_under(shm_root) == []
+
+
+# --- files that someone else cuts short ---------------------------------------------------------
+
+CUT_SHORT = r"""
+import asyncio, json, os, random, sys
+from pathlib import Path
+from tiercheck.errors import StorageError
+from tiercheck.tiers import LocalTier
+from tiercheck.tiers.local import reservation as reservation_module
+
+MiB = 1 << 20
+root = Path(sys.argv[1])
+data = lambda seed, n=4 * MiB: random.Random(seed).randbytes(n)
+done = []
+
+def hidden(where):
+    return sorted(p for p in where.rglob("*") if p.is_file() and "#" in p.name)
+
+async def main():
+    async with LocalTier(root, spare_files=2) as tier:
+        # A large read, then its file is cut short: the copy is private.
+        await tier.put("read", data(1))
+        view = await tier.get("read")
+        os.truncate(root / "read", 100)
+        assert bytes(view) == data(1)
+        assert len(bytes(await tier.get("read"))) == 100  # what is left reads as it is
+        done.append("read")
+        # A reservation whose temporary file is cut to nothing before it is filled.
+        r = await tier.reserve("reserved", 4 * MiB)
+        (temp,) = hidden(root)
+        os.truncate(temp, 0)
+        r.buffer[:] = data(2)
+        await r.commit()
+        assert bytes(r.buffer) == data(2)
+        r.release()
+        assert bytes(await tier.get("reserved")) == data(2)
+        done.append("reserved")
+        # Prepared memory whose file is cut short before the reserve that takes it.
+        assert await tier.prepare(4 * MiB)
+        for path in hidden(root):
+            os.truncate(path, 3)
+        r = await tier.reserve("prepared", 4 * MiB)
+        r.buffer[:] = data(3)
+        await r.commit()
+        r.release()
+        assert bytes(await tier.get("prepared")) == data(3)
+        done.append("prepared")
+        # A spare cut short, then recycled by a put and by a reserve.
+        for key in ("read", "reserved"):
+            await tier.delete(key)
+        assert tier.spare_count == 2
+        for path in hidden(root):
+            os.truncate(path, 1)
+        await tier.put("recycled/put", data(4))
+        r = await tier.reserve("recycled/reserve", 4 * MiB)
+        r.buffer[:] = data(5)
+        await r.commit()
+        r.release()
+        assert bytes(await tier.get("recycled/put")) == data(4)
+        assert bytes(await tier.get("recycled/reserve")) == data(5)
+        done.append("spares")
+        # The temporary file cut short while the commit writes it: the commit fails, typed,
+        # and the key keeps its previous blob.
+        real = reservation_module.write_exactly
+        def cut_halfway(fd, view, offset):
+            real(fd, view[: view.nbytes // 2], offset)
+            os.ftruncate(fd, 4096)  # what another process's truncate does to the file
+            real(fd, view[view.nbytes // 2 :], offset + view.nbytes // 2)
+        reservation_module.write_exactly = cut_halfway
+        r = await tier.reserve("prepared", 4 * MiB)
+        r.buffer[:] = data(6)
+        try:
+            await r.commit()
+        except StorageError as exc:
+            assert "hole" in str(exc), exc
+        else:
+            raise AssertionError("a commit over a file cut short succeeded")
+        reservation_module.write_exactly = real
+        await r.abort()
+        r.release()
+        assert bytes(await tier.get("prepared")) == data(3)
+        done.append("commit")
+    print(json.dumps(done))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.multiprocess
+def test_files_cut_short_by_someone_else_never_kill_the_process(shm_root: Path) -> None:
+    """Blobs, temporary files of reservations, prepared memory and spares truncated by another
+    process (here: by the same one, with ``truncate``, at the worst moments) are damage the tier
+    reports or repairs, never a ``SIGBUS``. Run in a child process: a signal is a negative
+    return code, not a dead test run."""
+    run = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, str(shm_root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, f"rc={run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert json.loads(run.stdout.splitlines()[-1]) == [
+        "read",
+        "reserved",
+        "prepared",
+        "spares",
+        "commit",
+    ]
 
 
 # --- layout and permissions --------------------------------------------------------------------
@@ -775,6 +886,19 @@ def _address(view: memoryview) -> int:
     return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
 
 
+def _made_from(view: memoryview, holder: str) -> object:
+    """Something made from ``view`` that keeps its memory reachable (only that)."""
+    if holder == "tensor":
+        return torch.frombuffer(view, dtype=torch.uint8)
+    if holder == "tensor-slice":
+        return torch.frombuffer(view, dtype=torch.uint8)[MiB:]
+    if holder == "view-slice":
+        return view[MiB:]
+    if holder == "cast":
+        return view.cast("I")
+    return np.frombuffer(view, dtype="u1")[MiB:]
+
+
 @pytest.mark.parametrize("holder", ["tensor", "tensor-slice", "view-slice", "cast", "numpy"])
 async def test_memory_is_recycled_only_once_nothing_made_from_it_lives(
     root: Path, holder: str
@@ -787,15 +911,7 @@ async def test_memory_is_recycled_only_once_nothing_made_from_it_lives(
         first = await tier.reserve("a", size)
         address = _address(first.buffer)
         first.buffer[:] = b"\x07" * size
-        view = first.buffer
-        kept: object = {
-            "tensor": lambda: torch.frombuffer(view, dtype=torch.uint8),
-            "tensor-slice": lambda: torch.frombuffer(view, dtype=torch.uint8)[MiB:],
-            "view-slice": lambda: view[MiB:],
-            "cast": lambda: view.cast("I"),
-            "numpy": lambda: np.frombuffer(view, dtype="u1")[MiB:],
-        }[holder]()
-        del view
+        kept = _made_from(first.buffer, holder)
         await first.commit()
         first.release()
         del first

@@ -423,7 +423,7 @@ class Manifest:
             # nobody is writing now (this handle holds the lock), so those bytes are debris.
             logger.warning(
                 "tiercheck: dropping %d bytes at the end of the manifest journal %s: an append "
-                "that never finished",
+                "that never finished (its writer died, or the file was cut short)",
                 size - self._offset,
                 self._journal,
             )

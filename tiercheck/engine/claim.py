@@ -21,11 +21,13 @@ from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.worlds import Spans, parse_spans, span_after, world_of
 from tiercheck.engine.tier import commit_versions, location
 from tiercheck.errors import (
+    FormatError,
     JobLocked,
     StaleMemory,
     StorageError,
     Superseded,
     TiercheckError,
+    UnsupportedFormat,
     WorldSizeMismatch,
 )
 from tiercheck.guard import (
@@ -141,6 +143,10 @@ class Claim:
             mine["identity"] = None if identity is None else identity.to_bytes().decode()
         except (TiercheckError, OSError) as exc:
             mine["identity_error"] = str(exc)
+            # Cut short or garbled (not written by a newer build): damaged, not another run's.
+            mine["identity_damaged"] = isinstance(exc, FormatError) and not isinstance(
+                exc, UnsupportedFormat
+            )
         try:
             mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
         except OSError:
@@ -260,10 +266,20 @@ class Claim:
             nodes.setdefault(int(e["node"]), e)
         identities: dict[int, NodeIdentity | None] = {}
         stale: dict[int, str] = {}
+        damaged: set[int] = set()
         for n, e in nodes.items():
             if e.get("identity_error"):
-                stale[n] = f"its identity record is unreadable ({e['identity_error']})"
                 identities[n] = None
+                if e.get("identity_damaged") and not e["has_data"]:
+                    continue  # nothing to protect: the record is written anew
+                if e.get("identity_damaged"):
+                    damaged.add(n)
+                    stale[n] = (
+                        f"its identity record is damaged ({e['identity_error']}): whose "
+                        "checkpoints it holds cannot be told"
+                    )
+                else:
+                    stale[n] = f"its identity record is unreadable ({e['identity_error']})"
                 continue
             text = e.get("identity")
             identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
@@ -344,6 +360,18 @@ class Claim:
         self.job_token = token
         if stale and cfg.job.stale_memory != "discard":
             lines = [f"node {n}: {why}" for n, why in sorted(stale.items())]
+            if set(stale) <= damaged:
+                raise StaleMemory(
+                    f"the shared memory of job {cfg.job.job_id!r} (for this rank: "
+                    f"{cfg.job.node_root}) holds checkpoints whose identity record "
+                    "(identity.json) is damaged, so they cannot be proven to be this run's; "
+                    "they are not restored:\n  "
+                    + "\n  ".join(lines)
+                    + "\nTo start from the durable location (deleting that memory), pass "
+                    "stale_memory='discard'; to keep it for inspection, move the folder aside "
+                    "first. Nothing was changed.",
+                    damaged=tuple(sorted(damaged)),
+                )
             raise StaleMemory(
                 f"the shared memory of job {cfg.job.job_id!r} (for this rank: {cfg.job.node_root}) "
                 "holds checkpoints of another run with the same name; they are not restored as "
@@ -351,7 +379,8 @@ class Claim:
                 + "\n  ".join(lines)
                 + "\nTo continue that run, point this one at its durable location. To discard "
                 "that memory, pass stale_memory='discard' (or delete the folder). Or use "
-                "another job_id. Nothing was changed."
+                "another job_id. Nothing was changed.",
+                damaged=tuple(sorted(damaged)),
             )
         return stale
 
