@@ -935,6 +935,29 @@ async def test_memory_is_recycled_only_once_nothing_made_from_it_lives(
             reservation.release()
 
 
+async def test_reads_reuse_memory_that_nothing_holds(root: Path) -> None:
+    """A large get is read into the memory of an earlier get (or reservation) once nothing
+    made from that is left, never while something is."""
+    size = 4 * MiB
+    async with LocalTier(root) as tier:
+        await tier.put("a", blob(size, 1))
+        await tier.put("b", blob(size, 2))
+        first = await tier.get("a")
+        address = _address(first)
+        kept = torch.frombuffer(first, dtype=torch.uint8)[1:]
+        del first
+        gc.collect()
+        second = await tier.get("b")
+        other = _address(second)
+        assert other != address  # the tensor still reaches the first read's memory
+        assert bytes(kept[:15].numpy()) == blob(size, 1)[1:16]
+        del kept, second
+        gc.collect()
+        third = await tier.get("a")
+        assert bytes(third) == blob(size, 1)
+        assert _address(third) in (address, other)  # recycled, not allocated anew
+
+
 async def test_tensor_views_outlive_release(root: Path) -> None:
     """Tensors made from a buffer stay valid after release, whatever happens to the file."""
     async with LocalTier(root) as tier:

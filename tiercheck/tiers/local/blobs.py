@@ -17,7 +17,6 @@ from tiercheck.tiers import atomic
 from tiercheck.tiers.local.files import (
     READ_ATTEMPTS,
     check_written,
-    read_exactly,
     walk_keys,
 )
 from tiercheck.tiers.local.space import _Space
@@ -66,13 +65,14 @@ class _BlobFiles(_Space):
 
     def _get_sync(self, key: str) -> memoryview:
         # Read, never mapped (see tiercheck.tiers.local.files): the blob's file may be cut
-        # short by anyone, and a mapping of it would then kill this process.
-        return self._read_locked(key, read_exactly)
+        # short by anyone, and a mapping of it would then kill this process. Into recycled
+        # memory where there is some: fresh pages cost more than the copy.
+        return self._read_locked(key, self._memory.read)
 
     def _get_range_sync(self, key: str, start: int, end: int) -> memoryview:
         def part(fd: int, size: int) -> memoryview:
             begin = min(start, size)
-            return read_exactly(fd, min(end, size) - begin, begin)
+            return self._memory.read(fd, min(end, size) - begin, begin)
 
         return self._read_locked(key, part)
 

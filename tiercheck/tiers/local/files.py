@@ -18,7 +18,6 @@ import contextlib
 import errno
 import mmap
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -36,19 +35,6 @@ READ_ATTEMPTS: Final = 64
 
 # Reads at least this large go to anonymous memory rather than a bytearray (see read_exactly).
 ANONYMOUS_FROM: Final = 1 << 20
-
-# Anonymous memory from this size on is asked for in transparent huge pages (where the kernel
-# has them, madvise mode included): a fault then brings 2 MiB, not 4 KiB, which makes fresh
-# memory about as cheap to fill as memory already faulted in.
-HUGE_PAGE: Final = 2 << 20
-# madvise(MADV_POPULATE_WRITE) (Linux 5.14) faults every page of a range in for writing;
-# Python 3.11's mmap module does not name it yet.
-MADV_POPULATE_WRITE: Final = getattr(
-    mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
-)
-MADV_HUGEPAGE: Final = getattr(mmap, "MADV_HUGEPAGE", None)
-# The errors that say an madvise option is unknown to this kernel (or build).
-UNKNOWN_ADVICE_ERRNOS: Final = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 # What a full filesystem answers (TierFull, see typed_os_error).
 FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -102,58 +88,33 @@ def walk_keys(root: str, start: str) -> Iterator[str]:
 def anonymous_memory(size: int, *, populate: bool = False) -> mmap.mmap:
     """``size`` bytes (> 0) of new private memory, not backed by any file.
 
-    Asked for in huge pages from :data:`HUGE_PAGE` on (best effort). With ``populate``, every
-    page is faulted in now (``MADV_POPULATE_WRITE``, else ``MAP_POPULATE``), so that writing
-    into it later runs at memory speed; without, pages come on first touch. Call it in a worker
-    thread: faulting in pages takes time (the GIL is released meanwhile).
+    With ``populate``, every page is faulted in now (``MAP_POPULATE``), so that writing into it
+    later runs at memory speed; without, pages come on first touch (a read into it faults them
+    in as it goes: faulting them first would cost the same again). Call it in a worker thread:
+    faulting in pages takes time (the GIL is released meanwhile). No huge pages are asked for:
+    where the kernel defragments for them on demand (its default for memory that asks), a fault
+    can stall for a long time; the system's own policy applies.
     """
-    if MADV_HUGEPAGE is None or size < HUGE_PAGE:
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-        if populate:
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(-1, size, flags=flags)
-    memory = mmap.mmap(-1, size)
-    with contextlib.suppress(OSError):  # no transparent huge pages here: small pages then
-        memory.madvise(MADV_HUGEPAGE)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate:
-        _populate(memory)
-    return memory
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, size, flags=flags)
 
 
-def _populate(memory: mmap.mmap) -> None:
-    """Fault every page of ``memory`` in for writing."""
-    global _populate_works
-    if _populate_works and MADV_POPULATE_WRITE is not None:
-        try:
-            memory.madvise(MADV_POPULATE_WRITE)
-            return
-        except OSError as exc:
-            if exc.errno not in UNKNOWN_ADVICE_ERRNOS:
-                raise  # ENOMEM: no memory for it, which the caller must hear of
-            _populate_works = False  # a kernel older than 5.14: touch the pages instead
-    # One byte per small page; where huge pages are given, the first touch brings the rest.
-    view = memoryview(memory)
-    for offset in range(0, len(memory), mmap.PAGESIZE):
-        view[offset] = 0
-    view.release()
+def read_exactly(fd: int, size: int, offset: int = 0, into: memoryview | None = None) -> memoryview:
+    """Read ``size`` bytes of ``fd`` from ``offset`` into private memory (one copy).
 
-
-_populate_works = True
-
-
-def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
-    """Read ``size`` bytes of ``fd`` from ``offset`` into new private memory (one copy).
-
-    Large blobs land in anonymous memory (:func:`anonymous_memory`): allocating it is instant
-    and its pages are zeroed by the kernel inside the read, with the GIL released. A
-    ``bytearray`` would be zero-filled by Python while holding the GIL, stalling the event loop
-    for the whole time. A file that ends early (cut short by someone else) is an ``EIO``
-    :class:`OSError`, never a partly filled buffer.
+    Into ``into`` (``size`` bytes, writable) when given, else into new memory: anonymous memory
+    for large reads (:func:`anonymous_memory`: allocating it is instant and its pages are
+    zeroed by the kernel inside the read, with the GIL released; a ``bytearray`` would be
+    zero-filled by Python while holding the GIL, stalling the event loop for the whole time).
+    A file that ends early (cut short by someone else) is an ``EIO`` :class:`OSError`, never a
+    partly filled buffer.
     """
-    memory: bytearray | mmap.mmap = (
-        anonymous_memory(size) if size >= ANONYMOUS_FROM else bytearray(size)
-    )
-    view = memoryview(memory)
+    if into is not None:
+        view = into
+    else:
+        view = memoryview(anonymous_memory(size) if size >= ANONYMOUS_FROM else bytearray(size))
     done = 0
     while done < size:
         got = os.preadv(fd, [view[done:]], offset + done)

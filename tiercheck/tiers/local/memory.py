@@ -1,10 +1,12 @@
-"""The local tier's private memory: what reservations hand out, recycled once nobody holds it.
+"""The local tier's private memory: reservations and reads, recycled once nobody holds it.
 
-A reservation's buffer is anonymous memory of this process, never a mapping of the tier's files
-(see :mod:`tiercheck.tiers.local.files` for why: a file anyone can truncate must never be
-touched through a mapping). Its bytes reach the file by ``pwritev`` when it is committed.
+A reservation's buffer, and the copy a read returns, are anonymous memory of this process, never
+a mapping of the tier's files (see :mod:`tiercheck.tiers.local.files` for why: a file anyone can
+truncate must never be touched through a mapping). Bytes reach a file by ``pwritev`` when a
+reservation is committed, and come from it by ``preadv``.
 
-Fresh memory costs a page fault per page the first time it is written, so buffers are recycled:
+Fresh memory costs a page fault and a zeroed page per 4 KiB the first time it is written (in a
+virtual machine, several times what copying into that page costs), so buffers are recycled:
 a buffer lent out comes back to the pool once the last object that can reach its memory is gone
 -- the view handed out, any slice or cast of it, any tensor or array made from them. Each loan
 is a ``ctypes`` array over the buffer, and every such object holds a reference to it (a
@@ -22,12 +24,14 @@ import threading
 import weakref
 from typing import Final
 
-from tiercheck.tiers.local.files import ANONYMOUS_FROM, anonymous_memory
+from tiercheck.tiers.local.files import ANONYMOUS_FROM, anonymous_memory, read_exactly
 
 __all__ = ["KEEP_FREE", "POOL_FROM", "MemoryPool"]
 
-#: Idle buffers kept for the next reservations (a save and the base it is a delta against).
-KEEP_FREE: Final = 2
+#: Idle buffers kept for the next reservation or read. One is enough for a job saving in a
+#: loop: a save's buffer comes back once its version is encoded, and the next save's prepare
+#: takes it (the newest base is held meanwhile, not idle).
+KEEP_FREE: Final = 1
 #: Reservations smaller than this get a plain ``bytearray`` (cheap to make, not pooled).
 POOL_FROM: Final = ANONYMOUS_FROM
 
@@ -71,9 +75,22 @@ class MemoryPool:
             self._free.remove(chosen)
             return chosen
 
-    def allocate(self, nbytes: int) -> mmap.mmap:
-        """A new buffer of ``nbytes`` (> 0), faulted in if the pool populates (worker thread)."""
-        return anonymous_memory(nbytes, populate=self.populate)
+    def allocate(self, nbytes: int, *, populate: bool | None = None) -> mmap.mmap:
+        """A new buffer of ``nbytes`` (> 0), faulted in if ``populate`` (by default: if the pool
+        populates); a worker thread's call."""
+        return anonymous_memory(nbytes, populate=self.populate if populate is None else populate)
+
+    def read(self, fd: int, nbytes: int, offset: int = 0) -> memoryview:
+        """``nbytes`` of ``fd`` from ``offset``, read into a lent buffer (a bytearray when
+        small); see :func:`~tiercheck.tiers.local.files.read_exactly`. A worker thread's call."""
+        if nbytes < POOL_FROM:
+            return read_exactly(fd, nbytes, offset)
+        self.trim()
+        # Not faulted in first: the read does that as it goes.
+        memory = self.take(nbytes) or self.allocate(nbytes, populate=False)
+        view = self.lend(memory, nbytes)
+        # A failed read drops the view, which brings the buffer back.
+        return read_exactly(fd, nbytes, offset, into=view)
 
     def lend(self, memory: mmap.mmap, nbytes: int) -> memoryview:
         """A writable ``B`` view of the first ``nbytes`` of ``memory``; ``memory`` comes back

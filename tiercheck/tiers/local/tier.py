@@ -61,7 +61,8 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
 
     Reads
         ``get`` returns a private, writable ``memoryview`` (read once from the file with
-        ``preadv``) because the file may be replaced or recycled afterwards. A get holds a
+        ``preadv``, into memory recycled from earlier reads and reservations once nothing made
+        from them is left) because the file may be replaced, recycled or cut short afterwards. A get holds a
         shared ``flock`` on the file while it reads, which keeps the file from being recycled
         under it. ``get_range`` (:class:`~tiercheck.tiers.SupportsRangedGet`) reads only the
         slice asked for, the same way.
@@ -111,9 +112,9 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         simply removed. ``spare_files=0`` turns recycling off. Spares and temporary files left
         by a process that died are removed by the next instance that opens the root.
 
-        The memory reservations hand out is recycled too: up to two idle buffers of this
-        process are kept, each reused only once nothing made from its last reservation's
-        buffer (views, tensors) is left.
+        The memory reservations and reads hand out is recycled too: one idle buffer of this
+        process is kept (:mod:`tiercheck.tiers.local.memory`), reused only once nothing made
+        from it (views, tensors) is left.
 
     ``populate=True`` faults a reservation's memory in when it is allocated, inside
     :meth:`reserve`'s or :meth:`prepare`'s worker thread, so that the copy into the buffer runs
