@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import gc
 import json
 import logging
+import mmap
 import os
 import random
 import shutil
@@ -33,6 +35,7 @@ from tiercheck import defaults
 from tiercheck.errors import ConfigError, StorageError, TierClosed, TierFull
 from tiercheck.testing import TierStateMachine
 from tiercheck.tiers import LocalTier, SupportsPrepare, SupportsReserve, Tier
+from tiercheck.tiers.local import memory
 
 MiB = 1024 * 1024
 
@@ -519,7 +522,7 @@ async def test_file_work_runs_in_worker_threads(root: Path) -> None:
     with _FileCalls.record() as calls:
         async with LocalTier(root) as tier:
             await tier.put("a/b", blob(MiB, 1))
-            await tier.get("a/b")  # large: mapped
+            await tier.get("a/b")  # large: read into pooled memory
             await tier.put("a/s", b"small")
             await tier.get("a/s")  # small: read
             reservation = await tier.reserve("a/c", 100)
@@ -886,6 +889,31 @@ def _address(view: memoryview) -> int:
     return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
 
 
+def idle_addresses() -> list[int]:
+    """Where the idle buffers of the process's pool of local-tier memory start."""
+    pool = memory.SHARED
+    pool.trim()  # takes in what came back (keeping one)
+    with pool._lock:
+        return [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in pool._free]
+
+
+@contextlib.contextmanager
+def counted_allocations() -> Iterator[list[int]]:
+    """The sizes of the buffers the local tiers allocate anew meanwhile."""
+    sizes: list[int] = []
+    real = memory.anonymous_memory
+
+    def counting(size: int, *, populate: bool = False) -> mmap.mmap:
+        sizes.append(size)
+        return real(size, populate=populate)
+
+    memory.anonymous_memory = counting  # type: ignore[assignment]
+    try:
+        yield sizes
+    finally:
+        memory.anonymous_memory = real
+
+
 def _made_from(view: memoryview, holder: str) -> object:
     """Something made from ``view`` that keeps its memory reachable (only that)."""
     if holder == "tensor":
@@ -924,15 +952,15 @@ async def test_memory_is_recycled_only_once_nothing_made_from_it_lives(
         second.release()
         del second
         assert np.asarray(kept).view(np.uint8)[:16].tobytes() == b"\x07" * 16
+        assert address not in idle_addresses()
         del kept
         gc.collect()
-        third = await tier.reserve("c", size)
-        fourth = await tier.reserve("d", size)
-        # Both buffers came back and were handed out again; none was allocated anew.
-        assert {_address(third.buffer), _address(fourth.buffer)} == {address, other}
-        for reservation in (third, fourth):
-            await reservation.abort()
-            reservation.release()
+        assert address in idle_addresses()  # back, once nothing reaches it
+        with counted_allocations() as allocated:
+            third = await tier.reserve("c", size)
+        assert allocated == []  # recycled, not allocated anew
+        await third.abort()
+        third.release()
 
 
 async def test_reads_reuse_memory_that_nothing_holds(root: Path) -> None:
@@ -951,11 +979,14 @@ async def test_reads_reuse_memory_that_nothing_holds(root: Path) -> None:
         other = _address(second)
         assert other != address  # the tensor still reaches the first read's memory
         assert bytes(kept[:15].numpy()) == blob(size, 1)[1:16]
+        assert address not in idle_addresses()
         del kept, second
         gc.collect()
-        third = await tier.get("a")
+        assert {address, other} & set(idle_addresses())  # back, once nothing reaches them
+        with counted_allocations() as allocated:
+            third = await tier.get("a")
         assert bytes(third) == blob(size, 1)
-        assert _address(third) in (address, other)  # recycled, not allocated anew
+        assert allocated == []  # recycled, not allocated anew
 
 
 async def test_tensor_views_outlive_release(root: Path) -> None:

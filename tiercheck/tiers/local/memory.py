@@ -12,7 +12,9 @@ a buffer lent out comes back to the pool once the last object that can reach its
 is a ``ctypes`` array over the buffer, and every such object holds a reference to it (a
 ``memoryview`` through its managed buffer, ``torch.frombuffer`` through the view it keeps, numpy
 through the buffer it exports), so its death, seen by a finalizer, proves the memory free. At
-most :data:`KEEP_FREE` idle buffers are kept.
+most :data:`KEEP_FREE` idle buffers are kept, in one pool per process (:data:`SHARED`) that
+every local tier of the process draws from -- a checkpointer reopened in the same process, and
+the peer tier's replica holder, reuse the same memory -- and none once no tier uses it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Final
 
 from tiercheck.tiers.local.files import ANONYMOUS_FROM, anonymous_memory, read_exactly
 
-__all__ = ["KEEP_FREE", "POOL_FROM", "MemoryPool"]
+__all__ = ["KEEP_FREE", "POOL_FROM", "SHARED", "MemoryPool"]
 
 #: Idle buffers kept for the next reservation or read. One is enough for a job saving in a
 #: loop: a save's buffer comes back once its version is encoded, and the next save's prepare
@@ -43,19 +45,32 @@ class MemoryPool:
     thread) give a buffer; :meth:`lend` hands out a view of it that brings it back to the pool
     when the last reference to that memory dies; :meth:`give_back` returns one never lent.
     Idle buffers past :attr:`keep` are unmapped by :meth:`trim` (a worker thread's call:
-    unmapping takes time). Thread-safe; buffers come back from whatever thread drops the last
-    reference.
+    unmapping takes time). Users :meth:`attach` and :meth:`detach`; with none left, idle
+    buffers are unmapped and buffers coming back are not kept. Thread-safe; buffers come back
+    from whatever thread drops the last reference.
     """
 
-    def __init__(self, *, populate: bool, keep: int = KEEP_FREE) -> None:
-        self.populate = populate
+    def __init__(self, *, keep: int = KEEP_FREE) -> None:
         self.keep = keep
+        self._users = 0
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []
         # Filled by finalizers, which may run inside any code (even under self._lock, in the
         # thread that drops a last reference): a deque appends without a lock.
         self._returned: collections.deque[mmap.mmap] = collections.deque()
-        self._closed = False
+
+    def attach(self) -> None:
+        """One more user (a local tier, from its first use until it closes)."""
+        with self._lock:
+            self._users += 1
+
+    def detach(self) -> None:
+        """One user fewer; the last one gone unmaps the idle buffers."""
+        with self._lock:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.drop_free()
 
     @property
     def free_bytes(self) -> int:
@@ -75,10 +90,11 @@ class MemoryPool:
             self._free.remove(chosen)
             return chosen
 
-    def allocate(self, nbytes: int, *, populate: bool | None = None) -> mmap.mmap:
-        """A new buffer of ``nbytes`` (> 0), faulted in if ``populate`` (by default: if the pool
-        populates); a worker thread's call."""
-        return anonymous_memory(nbytes, populate=self.populate if populate is None else populate)
+    @staticmethod
+    def allocate(nbytes: int, *, populate: bool) -> mmap.mmap:
+        """A new buffer of ``nbytes`` (> 0), faulted in if ``populate``; a worker thread's
+        call."""
+        return anonymous_memory(nbytes, populate=populate)
 
     def read(self, fd: int, nbytes: int, offset: int = 0) -> memoryview:
         """``nbytes`` of ``fd`` from ``offset``, read into a lent buffer (a bytearray when
@@ -121,13 +137,8 @@ class MemoryPool:
             memory.close()
         return bool(dropped)
 
-    def close(self) -> None:
-        """Unmap the idle buffers; buffers still lent are unmapped when their users let go."""
-        self._closed = True
-        self.drop_free()
-
     def _come_back(self, memory: mmap.mmap) -> None:
-        if not self._closed:
+        if self._users > 0:
             self._returned.append(memory)
         # Else dropped here: unmapped once the finalizer lets go of it.
 
@@ -137,3 +148,7 @@ class MemoryPool:
         while self._returned:
             back.append(self._returned.popleft())
         return back
+
+
+#: The pool every local tier of this process draws from.
+SHARED = MemoryPool()

@@ -39,6 +39,7 @@ class _Reserving(_Space):
     """The local tier's reservations and prepared memory (see :class:`LocalReservation`)."""
 
     _fsync: bool
+    _populate: bool
     _reservations: set[LocalReservation]
     _memory: MemoryPool
 
@@ -101,7 +102,7 @@ class _Reserving(_Space):
         """A pooled buffer for a reservation of ``nbytes`` (``None``: small, a bytearray)."""
         if nbytes < POOL_FROM:
             return None
-        return self._memory.take(nbytes) or self._memory.allocate(nbytes)
+        return self._memory.take(nbytes) or self._memory.allocate(nbytes, populate=self._populate)
 
     def _lend(self, memory: mmap.mmap | None, nbytes: int) -> memoryview:
         if memory is None:
@@ -233,7 +234,9 @@ class _Reserving(_Space):
                 self._abort_sync(reservation)
         for path in victims:
             atomic.discard(path)
-        self._memory.close()
+        if self._attached:
+            self._attached = False
+            self._memory.detach()
 
     def _released(self, reservation: LocalReservation) -> None:
         with self._lock:

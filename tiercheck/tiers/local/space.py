@@ -79,6 +79,7 @@ class _Space:
     _spare_bytes: int
     _fallocate_ok: bool
     _memory: MemoryPool
+    _attached: bool
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -99,6 +100,9 @@ class _Space:
         with self._lock:
             self._sizes = sizes
             self._stored = sum(sizes.values())
+            if not self._attached and not self._closed:
+                self._attached = True  # detached when the tier closes
+                self._memory.attach()
         self._scanned = True
 
     def _check_root(self) -> None:

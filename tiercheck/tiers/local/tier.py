@@ -29,7 +29,7 @@ from tiercheck.tiers.base import (
 )
 from tiercheck.tiers.local.blobs import _BlobFiles
 from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate, typed_os_error
-from tiercheck.tiers.local.memory import MemoryPool
+from tiercheck.tiers.local.memory import SHARED, MemoryPool
 from tiercheck.tiers.local.reservation import LocalReservation, _Reserving
 from tiercheck.tiers.local.space import _Prepared, _Spare
 
@@ -62,10 +62,10 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
     Reads
         ``get`` returns a private, writable ``memoryview`` (read once from the file with
         ``preadv``, into memory recycled from earlier reads and reservations once nothing made
-        from them is left) because the file may be replaced, recycled or cut short afterwards. A get holds a
-        shared ``flock`` on the file while it reads, which keeps the file from being recycled
-        under it. ``get_range`` (:class:`~tiercheck.tiers.SupportsRangedGet`) reads only the
-        slice asked for, the same way.
+        from them is left) because the file may be replaced, recycled or cut short afterwards.
+        A get holds a shared ``flock`` on the file while it reads, which keeps the file from
+        being recycled under it. ``get_range`` (:class:`~tiercheck.tiers.SupportsRangedGet`)
+        reads only the slice asked for, the same way.
 
     Files others change
         No file of the tier is ever mapped into memory, so nothing another process does to
@@ -112,9 +112,10 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         simply removed. ``spare_files=0`` turns recycling off. Spares and temporary files left
         by a process that died are removed by the next instance that opens the root.
 
-        The memory reservations and reads hand out is recycled too: one idle buffer of this
-        process is kept (:mod:`tiercheck.tiers.local.memory`), reused only once nothing made
-        from it (views, tensors) is left.
+        The memory reservations and reads hand out is recycled too: one idle buffer is kept
+        per process, for all its local tiers (:mod:`tiercheck.tiers.local.memory`), reused only
+        once nothing made from it (views, tensors) is left, and freed when the last tier
+        closes.
 
     ``populate=True`` faults a reservation's memory in when it is allocated, inside
     :meth:`reserve`'s or :meth:`prepare`'s worker thread, so that the copy into the buffer runs
@@ -158,8 +159,10 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         self._capacity = capacity
         self._spare_limit = spare_files
         self._fsync = fsync
-        # The memory reservations hand out, recycled across them.
-        self._memory = MemoryPool(populate=populate)
+        self._populate = populate
+        # The memory reservations and reads hand out, recycled (shared by the process's tiers).
+        self._memory: MemoryPool = SHARED
+        self._attached = False
 
         # Guards the accounting below; held only for dictionary work and renames, never for
         # data transfer, so event-loop code that reads the properties never waits long.
