@@ -30,6 +30,7 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -156,24 +157,41 @@ class Attacker:
             self.done.append((time.monotonic(), kind, str(target.relative_to(self.node)), new))
             return
 
-    def while_running(self, proc: subprocess.Popen[str], kinds: tuple[str, ...] = KINDS) -> None:
+    def while_running(self, proc: Worker, kinds: tuple[str, ...] = KINDS) -> None:
         while proc.poll() is None:
             self.strike(kinds)
 
 
-def start(root: Path, mode: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(root), mode, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@dataclass
+class Worker:
+    """A worker process and the files its output goes to (a pipe nobody reads while the
+    attack lasts would fill up and stall it)."""
+
+    proc: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
 
 
-def outcome(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=300)
+def start(root: Path, mode: str, *args: str) -> Worker:
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    n = len(list(logs.iterdir())) // 2
+    out_file, err_file = logs / f"{n}.out", logs / f"{n}.err"
+    with out_file.open("w") as out, err_file.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(root), mode, *args], stdout=out, stderr=err
+        )
+    return Worker(proc, out_file, err_file)
+
+
+def outcome(worker: Worker) -> dict[str, Any]:
+    worker.proc.wait(timeout=300)
+    out, err = worker.out.read_text(), worker.err.read_text()
     # A signal (SIGBUS above all) is a negative return code.
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{err[-4000:]}"
+    assert worker.proc.returncode == 0, f"rc={worker.proc.returncode}\n{out}\n{err[-4000:]}"
     result: dict[str, Any] = json.loads(out.splitlines()[-1])
     return result
 

@@ -459,15 +459,19 @@ def test_a_journal_cut_short_while_in_use(tmp_path: Path) -> None:
     path = tmp_path / "m"
     stop = tmp_path / "stop"
     Manifest(path).close()
-    writers = [
-        subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(path), str(rank), str(stop)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
+    # Their output goes to files: a pipe nobody reads while the storm lasts fills up, and a
+    # writer blocked on it (logging what it repairs, the lock held) would stall the other.
+    logs = [(tmp_path / f"out{rank}", tmp_path / f"err{rank}") for rank in (0, 1)]
+    writers = []
+    for rank, (out_file, err_file) in enumerate(logs):
+        with out_file.open("w") as out, err_file.open("w") as err:
+            writers.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", WRITER, str(path), str(rank), str(stop)],
+                    stdout=out,
+                    stderr=err,
+                )
+            )
     rng = random.Random(7)
     cuts = 0
     deadline = time.monotonic() + 3.0
@@ -477,8 +481,9 @@ def test_a_journal_cut_short_while_in_use(tmp_path: Path) -> None:
         os.truncate(journal(path), rng.choice([0, rng.randrange(size + 1), size // 2, 3]))
         cuts += 1
     stop.touch()
-    outcomes = [w.communicate(timeout=60) for w in writers]
-    for w, (out, err) in zip(writers, outcomes, strict=True):
+    for w, (out_file, err_file) in zip(writers, logs, strict=True):
+        w.wait(timeout=60)
+        out, err = out_file.read_text(), err_file.read_text()
         assert w.returncode == 0, f"rc={w.returncode}\n{out}\n{err[-3000:]}"
         assert out.split() == ["0"], err[-3000:]  # no call failed
     assert cuts > 50

@@ -201,52 +201,63 @@ def _record(fields: Any, where: str) -> Record:
 
 @dataclass
 class _Parsed:
-    """Frames read from the journal: their bodies, where the last complete one ends (and its
-    header, which tells later whether the file was rewritten under it)."""
+    """Frames read from the journal: their bodies, where the last complete one ends, and that
+    frame itself (where it starts and its bytes: what tells later whether the file was cut or
+    rewritten under it)."""
 
     bodies: list[dict[str, Any]]
     end: int
     last: tuple[int, bytes] | None
+    #: Where each frame starts (in the file).
+    starts: list[int]
 
 
-def _parse(data: bytes, start: int, path: str) -> _Parsed:
+def _parse(data: bytes, start: int, path: str, *, tolerant: bool = False) -> _Parsed:
     """The complete frames of ``data`` (the journal's bytes from offset ``start``).
 
     Bytes after the last complete frame that could be the start of one are left (an append cut
-    short); anything else that is not a valid frame raises :class:`ManifestError`.
+    short); anything else that is not a valid frame raises :class:`ManifestError` -- unless
+    ``tolerant``, where the frames before it are what is read (see ``Manifest._cut_tail``).
     """
     bodies: list[dict[str, Any]] = []
+    starts: list[int] = []
     pos, last = 0, None
     while len(data) - pos >= _HEADER.size:
         magic, length, body_check, head_check = _HEADER.unpack_from(data, pos)
         where = f"byte {start + pos} of {path}"
+        damage = None
         if magic != _MAGIC or xxhash.xxh32_intdigest(data[pos : pos + 12]) != head_check:
-            raise ManifestError(
-                f"the manifest journal is damaged at {where} (not a record header). Move the "
-                "manifest folder aside: recovery proceeds from what the tiers prove."
-            )
-        if length > _MAX_FRAME:
-            raise ManifestError(
-                f"the manifest journal is damaged at {where} (a frame of {length} B)"
-            )
-        if len(data) - pos - _HEADER.size < length:
+            damage = "not a record header"
+        elif length > _MAX_FRAME:
+            damage = f"a frame of {length} B"
+        elif len(data) - pos - _HEADER.size < length:
             break  # an append cut short (a writer died, or the file was truncated)
-        body = data[pos + _HEADER.size : pos + _HEADER.size + length]
-        if xxhash.xxh32_intdigest(body) != body_check:
+        else:
+            body = data[pos + _HEADER.size : pos + _HEADER.size + length]
+            if xxhash.xxh32_intdigest(body) != body_check:
+                damage = "a record fails its checksum"
+        decoded: Any = None
+        if damage is None:
+            try:
+                decoded = msgpack.unpackb(body, raw=False, strict_map_key=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                damage = repr(exc)
+            else:
+                if not isinstance(decoded, dict):
+                    damage = "not a frame"
+        if damage is not None:
+            if tolerant:
+                break
             raise ManifestError(
-                f"the manifest journal is damaged at {where} (a record fails its checksum). "
-                "Move the manifest folder aside: recovery proceeds from what the tiers prove."
+                f"the manifest journal is damaged at {where} ({damage}). Move the manifest "
+                "folder aside: recovery proceeds from what the tiers prove."
             )
-        try:
-            decoded = msgpack.unpackb(body, raw=False, strict_map_key=False)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise ManifestError(f"the manifest journal is damaged at {where}: {exc!r}") from exc
-        if not isinstance(decoded, dict):
-            raise ManifestError(f"the manifest journal is damaged at {where} (not a frame)")
         bodies.append(decoded)
-        last = (start + pos, bytes(data[pos : pos + _HEADER.size]))
-        pos += _HEADER.size + length
-    return _Parsed(bodies, start + pos, last)
+        starts.append(start + pos)
+        end = pos + _HEADER.size + length
+        last = (start + pos, bytes(data[pos:end]))
+        pos = end
+    return _Parsed(bodies, start + pos, last, starts)
 
 
 class _Undo:
@@ -295,6 +306,7 @@ class Manifest:
         self.path = os.path.realpath(os.fspath(path))
         self._journal = os.path.join(self.path, JOURNAL)
         self._lock = threading.Lock()
+        self._notes: list[tuple[int, str, tuple[object, ...]]] = []
         self._closed = False
         self._fd = -1
         self._reset()
@@ -373,6 +385,15 @@ class Manifest:
             finally:
                 with contextlib.suppress(OSError):
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
+                # Said once the lock is let go: a log handler that blocks (a full pipe) must
+                # not hold up the other ranks of the node.
+                notes, self._notes = self._notes, []
+                for level, message, args in notes:
+                    logger.log(level, message, *args)
+
+    def _note(self, level: int, message: str, *args: object) -> None:
+        """Log ``message`` once the journal's lock is let go (see ``_locked``)."""
+        self._notes.append((level, message, args))
 
     def _lock_current(self, exclusive: bool) -> int:
         """Lock the file that is the journal now (a compaction elsewhere may have replaced it,
@@ -388,7 +409,8 @@ class Manifest:
                 return mine.st_size
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             if now is None:
-                logger.error(
+                self._note(
+                    logging.ERROR,
                     "tiercheck: the manifest journal %s was removed while in use; starting a new "
                     "one (the history before is lost; checkpoints are not: restore trusts the "
                     "tiers)",
@@ -401,7 +423,8 @@ class Manifest:
     def _catch_up(self, size: int, exclusive: bool) -> None:
         """Apply the frames appended since this handle last read (another process's)."""
         if size < self._offset or (self._last is not None and not self._same_last()):
-            logger.error(
+            self._note(
+                logging.ERROR,
                 "tiercheck: the manifest journal %s was cut short or rewritten while in use "
                 "(now %d bytes, %d read before); reading it again from the start: the history "
                 "past the cut is lost (checkpoints are not: restore trusts the tiers)",
@@ -421,18 +444,73 @@ class Manifest:
         if exclusive and size > self._offset:
             # An append cut short (its writer died, or the file was truncated mid-frame):
             # nobody is writing now (this handle holds the lock), so those bytes are debris.
-            logger.warning(
+            self._note(
+                logging.WARNING,
                 "tiercheck: dropping %d bytes at the end of the manifest journal %s: an append "
                 "that never finished (its writer died, or the file was cut short)",
                 size - self._offset,
                 self._journal,
             )
-            os.ftruncate(self._fd, self._offset)
+            self._cut_tail()
 
     def _same_last(self) -> bool:
+        """Whether the last frame read is still where it was (its header: one small read)."""
         assert self._last is not None
-        start, header = self._last
-        return os.pread(self._fd, len(header), start) == header
+        start, frame = self._last
+        return os.pread(self._fd, _HEADER.size, start) == frame[: _HEADER.size]
+
+    def _intact(self) -> bool:
+        """Whether the journal ends exactly after the last frame read, which is still there."""
+        if os.fstat(self._fd).st_size != self._offset:
+            return False
+        if self._last is None:
+            return self._offset == 0
+        start, frame = self._last
+        return os.pread(self._fd, len(frame), start) == frame
+
+    def _cut_tail(self) -> None:
+        """Under the exclusive lock: end the journal at the last complete frame read.
+
+        ``ftruncate`` to a length lengthens a file that someone else cut shorter meanwhile
+        (with zeros, over the end of a frame): checked afterwards, and then the journal is
+        read again up to its first damage -- debris of that race, or of the cut -- and cut
+        there, until it holds.
+        """
+        for _attempt in range(_WRITE_ATTEMPTS):
+            if os.fstat(self._fd).st_size > self._offset:
+                os.ftruncate(self._fd, self._offset)
+            if self._intact():
+                return
+            self._replay_tolerant()
+        raise ManifestError(
+            f"cannot repair the manifest at {self.path}: the journal kept changing under its "
+            "writer. Is something else truncating it?"
+        )
+
+    def _replay_tolerant(self) -> None:
+        """Under the exclusive lock, after the journal changed under this writer: read it again
+        from its start up to the first frame that is not whole."""
+        self._note(
+            logging.ERROR,
+            "tiercheck: the manifest journal %s changed under its writer; reading it again up to "
+            "its first damaged record (the history past it is lost; checkpoints are not)",
+            self._journal,
+        )
+        self._reset()
+        data = self._read(0, os.fstat(self._fd).st_size)
+        parsed = _parse(data, 0, self._journal, tolerant=True)
+        self._offset, self._last = parsed.end, parsed.last
+        for i, body in enumerate(parsed.bodies):
+            if not self._formatted and "meta" not in body:
+                # Records where the format belongs (a frame that landed on a file cut to
+                # nothing): debris like the rest from here on.
+                self._offset = parsed.starts[i]
+                self._last = None
+                if i:
+                    begin = parsed.starts[i - 1]
+                    self._last = (begin, data[begin : parsed.starts[i]])
+                break
+            self._take(body)
 
     def _read(self, offset: int, size: int) -> bytes:
         parts, done = [], 0
@@ -486,14 +564,9 @@ class Manifest:
             # file position after it.
             return os.lseek(self._fd, 0, os.SEEK_CUR) - len(data)
         except OSError as exc:
-            self._cut_back_to(self._offset)
+            with contextlib.suppress(OSError):  # best effort: the next writer cuts it anyway
+                self._cut_tail()
             raise ManifestError(f"cannot write to the manifest at {self.path}: {exc}") from exc
-
-    def _cut_back_to(self, size: int) -> None:
-        """Cut the journal back to ``size`` bytes, never longer (best effort)."""
-        with contextlib.suppress(OSError):
-            if os.fstat(self._fd).st_size > size:
-                os.ftruncate(self._fd, size)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -518,25 +591,30 @@ class Manifest:
                 if start == self._offset:
                     self._records.extend(stamped)
                     self._formatted = True
-                    self._last = (start + len(data) - len(frame), frame[: _HEADER.size])
+                    self._last = (start + len(data) - len(frame), frame)
                     self._offset += len(data)
                     return
                 # Someone else cut the file short (or wrote to it) between reading its end and
-                # this write: the frame sits after whatever is there now. Take it back, read
-                # the journal again (dropping the unfinished frame the cut left) and retry.
+                # this write: the frame sits after whatever is there now. Read the journal again
+                # up to its first damage; the frame counts if it is whole there, else it is cut
+                # off with the rest and written again.
                 undo.rollback()
-                self._cut_back_to(start)
-                logger.error(
+                self._note(
+                    logging.ERROR,
                     "tiercheck: the manifest journal %s changed under its writer (it ended at "
-                    "byte %d, not %d); reading it again",
+                    "byte %d, not %d)",
                     self._journal,
                     start,
                     self._offset,
                 )
-                self._reset()
                 try:
-                    self._catch_up(os.fstat(self._fd).st_size, exclusive=True)
+                    self._replay_tolerant()
+                    if self._last == (start + len(data) - len(frame), frame):
+                        return  # read back whole where it landed: appended
+                    self._cut_tail()
                 except OSError as exc:
+                    if isinstance(exc, ManifestError):
+                        raise
                     raise ManifestError(f"cannot read the manifest at {self.path}: {exc}") from exc
         raise ManifestError(
             f"cannot append to the manifest at {self.path}: the journal kept changing under its "
