@@ -311,6 +311,7 @@ print(json.dumps(out))
 MANIFEST_DAMAGE = ["zero", "few-bytes", "half", "garbled-format", "garbled-record", "old-lmdb"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_damaged_manifest_costs_history_never_data(tmp_path: Path) -> None:
     """The node's manifest cut to nothing, to a few bytes, to half, garbled in its format frame

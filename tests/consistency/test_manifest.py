@@ -366,6 +366,7 @@ CUTS = ["zero", "few-bytes", "half", "inside-a-record", "at-a-record"]
 GARBLES = ["format-header", "first-record-header", "middle-record-body", "last-byte"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_journal_cut_short_or_garbled_at_rest_never_kills_its_reader(tmp_path: Path) -> None:
     """Truncated at rest (to nothing, a few bytes, half, inside or at the end of an append),

@@ -294,6 +294,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_files_cut_short_by_someone_else_never_kill_the_process(shm_root: Path) -> None:
     """Blobs, temporary files of reservations, prepared memory and spares truncated by another
