@@ -87,7 +87,7 @@ class FaultyManifest:
 
     Wraps the real :class:`Manifest` (everything else is forwarded as is): each counts as one
     write of the plan, in the same sequence as the tiers' writes, so the process
-    can die at it (before it reaches LMDB), exactly as at a tier's write.
+    can die at it (before it reaches the journal), exactly as at a tier's write.
     """
 
     def __init__(self, inner: Manifest, plan: FaultPlan) -> None:
@@ -301,8 +301,8 @@ class CrashMachine(RuleBasedStateMachine):
         if not blobs:
             return
         path = blobs[pick % len(blobs)]
-        # In place, as bit rot would: rewriting the file would truncate it for a moment
-        # under the pipeline's live mapping of it.
+        # In place, as bit rot would (rewriting the file would also cut it short for a
+        # moment, another fault: tests/test_truncation.py).
         with path.open("r+b") as f:
             size = f.seek(0, 2)
             f.seek(byte % size)

@@ -430,10 +430,11 @@ def test_memory_of_another_run_is_not_restored(tmp_path: Path) -> None:
         pytest.raises(
             StaleMemory,
             match=r"(?s)another durable location.*experiment-1.*holds versions \[1, 2\]",
-        ),
+        ) as refused,
         job(tmp_path, 0, 1, None, durable="experiment-2") as new,
     ):
         new.restore()
+    assert refused.value.damaged == ()  # another run's memory, not a damaged record
     # Nothing was touched: the first run restores from its memory.
     (restored,) = restore_all(tmp_path, 1, durable="experiment-1")
     assert restored.version == 2

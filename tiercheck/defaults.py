@@ -9,9 +9,9 @@ integrations and the command line find the same places without re-deriving a pat
 * the **node root** -- this node's memory for one job, ``/dev/shm/tiercheck/<job_id>/<node>``
   (:func:`default_root`; under the temporary folder where ``/dev/shm`` cannot be written),
   laid out as :class:`NodeRoot` says: ``blobs/`` (the local tier), ``replicas/<job_id>/r<rank>/``
-  (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the LMDB
-  log), ``identity.json`` (which incarnation of the job the memory belongs to) and ``locks/``
-  (one ``r<rank>.lock`` per writer);
+  (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the
+  journal of what happened to each version), ``identity.json`` (which incarnation of the job
+  the memory belongs to) and ``locks/`` (one ``r<rank>.lock`` per writer);
 * how many versions each tier keeps by default (:data:`DEFAULT_KEEP`);
 * the **name grammar** of job ids and node names (:func:`check_job_id`,
   :func:`check_node_name`): each is always exactly one folder name and one URL path segment.
@@ -70,7 +70,7 @@ MEMORY_DIR: Final = "tiercheck"
 BLOBS_DIR: Final = "blobs"
 #: A node root's folder of the replicas this node keeps for ranks on other nodes (peer tier).
 REPLICAS_DIR: Final = "replicas"
-#: A node root's LMDB manifest folder.
+#: A node root's manifest folder (its journal: tiercheck.consistency.manifest).
 MANIFEST_DIR: Final = "manifest"
 #: The node identity file, in a node root (not a tier key).
 IDENTITY_FILE: Final = "identity.json"
@@ -196,7 +196,7 @@ class NodeRoot:
 
     @property
     def manifest(self) -> Path:
-        """The node's LMDB manifest folder."""
+        """The node's manifest folder (see :mod:`tiercheck.consistency.manifest`)."""
         return self.path / MANIFEST_DIR
 
     @property

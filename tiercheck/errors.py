@@ -176,7 +176,19 @@ class JobDeleted(ConfigError):
 
 
 class StaleMemory(ConfigError):
-    """A node's shared memory holds data of another incarnation of the job (same name)."""
+    """A node's shared memory holds data of another incarnation of the job (same name), or data
+    whose incarnation cannot be told.
+
+    :attr:`damaged` tells the second case apart: the nodes (by index) whose identity record
+    (``identity.json``) is damaged -- cut short, garbled, not a record at all -- so that nobody
+    can say whose checkpoints their memory holds. Empty when every node refused names another
+    run.
+    """
+
+    def __init__(self, *args: object, damaged: tuple[int, ...] = ()) -> None:
+        super().__init__(*args)
+        #: Nodes whose identity record is damaged (not another run's: nobody's that can be told).
+        self.damaged = damaged
 
 
 class Superseded(TiercheckError, RuntimeError):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import gc
+import json
 import logging
+import mmap
 import os
 import random
 import shutil
@@ -22,6 +25,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -31,6 +35,7 @@ from tiercheck import defaults
 from tiercheck.errors import ConfigError, StorageError, TierClosed, TierFull
 from tiercheck.testing import TierStateMachine
 from tiercheck.tiers import LocalTier, SupportsPrepare, SupportsReserve, Tier
+from tiercheck.tiers.local import memory
 
 MiB = 1024 * 1024
 
@@ -200,6 +205,117 @@ async def test_blobs_survive_sigkill_of_the_writer(shm_root: Path, delay: float)
         assert not await tier.exists("recycled")
         # Opening the root removed what the dead writer left half done.
         assert temp_files_under(shm_root) == []
+
+
+# --- files that someone else cuts short ---------------------------------------------------------
+
+CUT_SHORT = r"""
+import asyncio, json, os, random, sys
+from pathlib import Path
+from tiercheck.errors import StorageError
+from tiercheck.tiers import LocalTier
+from tiercheck.tiers.local import reservation as reservation_module
+
+MiB = 1 << 20
+root = Path(sys.argv[1])
+data = lambda seed, n=4 * MiB: random.Random(seed).randbytes(n)
+done = []
+
+def hidden(where):
+    return sorted(p for p in where.rglob("*") if p.is_file() and "#" in p.name)
+
+async def main():
+    async with LocalTier(root, spare_files=2) as tier:
+        # A large read, then its file is cut short: the copy is private.
+        await tier.put("read", data(1))
+        view = await tier.get("read")
+        os.truncate(root / "read", 100)
+        assert bytes(view) == data(1)
+        assert len(bytes(await tier.get("read"))) == 100  # what is left reads as it is
+        done.append("read")
+        # A reservation whose temporary file is cut to nothing before it is filled.
+        r = await tier.reserve("reserved", 4 * MiB)
+        (temp,) = hidden(root)
+        os.truncate(temp, 0)
+        r.buffer[:] = data(2)
+        await r.commit()
+        assert bytes(r.buffer) == data(2)
+        r.release()
+        assert bytes(await tier.get("reserved")) == data(2)
+        done.append("reserved")
+        # Prepared memory whose file is cut short before the reserve that takes it.
+        assert await tier.prepare(4 * MiB)
+        for path in hidden(root):
+            os.truncate(path, 3)
+        r = await tier.reserve("prepared", 4 * MiB)
+        r.buffer[:] = data(3)
+        await r.commit()
+        r.release()
+        assert bytes(await tier.get("prepared")) == data(3)
+        done.append("prepared")
+        # A spare cut short, then recycled by a put and by a reserve.
+        for key in ("read", "reserved"):
+            await tier.delete(key)
+        assert tier.spare_count == 2
+        for path in hidden(root):
+            os.truncate(path, 1)
+        await tier.put("recycled/put", data(4))
+        r = await tier.reserve("recycled/reserve", 4 * MiB)
+        r.buffer[:] = data(5)
+        await r.commit()
+        r.release()
+        assert bytes(await tier.get("recycled/put")) == data(4)
+        assert bytes(await tier.get("recycled/reserve")) == data(5)
+        done.append("spares")
+        # The temporary file cut short while the commit writes it: the commit fails, typed,
+        # and the key keeps its previous blob.
+        real = reservation_module.write_exactly
+        def cut_halfway(fd, view, offset):
+            real(fd, view[: view.nbytes // 2], offset)
+            os.ftruncate(fd, 4096)  # what another process's truncate does to the file
+            real(fd, view[view.nbytes // 2 :], offset + view.nbytes // 2)
+        reservation_module.write_exactly = cut_halfway
+        r = await tier.reserve("prepared", 4 * MiB)
+        r.buffer[:] = data(6)
+        try:
+            await r.commit()
+        except StorageError as exc:
+            assert "hole" in str(exc), exc
+        else:
+            raise AssertionError("a commit over a file cut short succeeded")
+        reservation_module.write_exactly = real
+        await r.abort()
+        r.release()
+        assert bytes(await tier.get("prepared")) == data(3)
+        done.append("commit")
+    print(json.dumps(done))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_files_cut_short_by_someone_else_never_kill_the_process(shm_root: Path) -> None:
+    """Blobs, temporary files of reservations, prepared memory and spares truncated by another
+    process (here: by the same one, with ``truncate``, at the worst moments) are damage the tier
+    reports or repairs, never a ``SIGBUS``. Run in a child process: a signal is a negative
+    return code, not a dead test run."""
+    run = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, str(shm_root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, f"rc={run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    assert json.loads(run.stdout.splitlines()[-1]) == [
+        "read",
+        "reserved",
+        "prepared",
+        "spares",
+        "commit",
+    ]
 
 
 # --- layout and permissions --------------------------------------------------------------------
@@ -415,7 +531,7 @@ async def test_file_work_runs_in_worker_threads(root: Path) -> None:
     with _FileCalls.record() as calls:
         async with LocalTier(root) as tier:
             await tier.put("a/b", blob(MiB, 1))
-            await tier.get("a/b")  # large: mapped
+            await tier.get("a/b")  # large: read into pooled memory
             await tier.put("a/s", b"small")
             await tier.get("a/s")  # small: read
             reservation = await tier.reserve("a/c", 100)
@@ -760,28 +876,130 @@ async def test_deleted_blobs_are_recycled(root: Path) -> None:
         assert tier.spare_count == 2
 
 
-async def test_a_held_reservation_is_never_recycled(root: Path) -> None:
-    """Deleting a key whose committed buffer is still held removes the file instead of reusing it.
-
-    The held buffer keeps showing its own bytes while the tier stores new blobs of the same
-    size; once released, files are recycled again.
-    """
+async def test_a_held_buffer_keeps_its_bytes_while_its_file_is_recycled(root: Path) -> None:
+    """A committed buffer is private memory, not the stored file: deleting its key lets the
+    file be recycled at once, and the held buffer keeps showing its own bytes."""
     async with LocalTier(root) as tier:
         held = await tier.reserve("held", MiB)
         held.buffer[:] = blob(MiB, 1)
         await held.commit()
+        inode = (root / "held").stat().st_ino
         await tier.delete("held")
-        assert tier.spare_count == 0
+        assert tier.spare_count == 1
         for i in range(3):
-            await tier.put(f"other{i}", blob(MiB, 10 + i))
+            await tier.put(f"other{i}", blob(MiB, 10 + i))  # refills that very file
+            assert (root / f"other{i}").stat().st_ino == inode
             await tier.delete(f"other{i}")
         assert held.buffer == blob(MiB, 1)
         held.release()
-        assert tier.spare_count == 1
+
+
+def _address(view: memoryview) -> int:
+    return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+
+
+def idle_addresses() -> list[int]:
+    """Where the idle buffers of the process's pool of local-tier memory start."""
+    pool = memory.SHARED
+    pool.trim()  # takes in what came back (keeping one)
+    with pool._lock:
+        return [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in pool._free]
+
+
+@contextlib.contextmanager
+def counted_allocations() -> Iterator[list[int]]:
+    """The sizes of the buffers the local tiers allocate anew meanwhile."""
+    sizes: list[int] = []
+    real = memory.anonymous_memory
+
+    def counting(size: int, *, populate: bool = False) -> mmap.mmap:
+        sizes.append(size)
+        return real(size, populate=populate)
+
+    memory.anonymous_memory = counting  # type: ignore[assignment]
+    try:
+        yield sizes
+    finally:
+        memory.anonymous_memory = real
+
+
+def _made_from(view: memoryview, holder: str) -> object:
+    """Something made from ``view`` that keeps its memory reachable (only that)."""
+    if holder == "tensor":
+        return torch.frombuffer(view, dtype=torch.uint8)
+    if holder == "tensor-slice":
+        return torch.frombuffer(view, dtype=torch.uint8)[MiB:]
+    if holder == "view-slice":
+        return view[MiB:]
+    if holder == "cast":
+        return view.cast("I")
+    return np.frombuffer(view, dtype="u1")[MiB:]
+
+
+@pytest.mark.parametrize("holder", ["tensor", "tensor-slice", "view-slice", "cast", "numpy"])
+async def test_memory_is_recycled_only_once_nothing_made_from_it_lives(
+    root: Path, holder: str
+) -> None:
+    """Whatever keeps a reservation's memory reachable (a tensor, a slice of one, a slice or a
+    cast of the view, a numpy array) keeps it from being handed to another reservation after
+    release; once that is gone, the memory is recycled."""
+    size = 4 * MiB  # pooled (small reservations get a bytearray each)
+    async with LocalTier(root) as tier:
+        first = await tier.reserve("a", size)
+        address = _address(first.buffer)
+        first.buffer[:] = b"\x07" * size
+        kept = _made_from(first.buffer, holder)
+        await first.commit()
+        first.release()
+        del first
+        gc.collect()
+        second = await tier.reserve("b", size)
+        other = _address(second.buffer)
+        assert other != address  # still reachable: not handed out again
+        second.buffer[:] = b"\x09" * size
+        await second.commit()
+        second.release()
+        del second
+        assert np.asarray(kept).view(np.uint8)[:16].tobytes() == b"\x07" * 16
+        assert address not in idle_addresses()
+        del kept
+        gc.collect()
+        assert address in idle_addresses()  # back, once nothing reaches it
+        with counted_allocations() as allocated:
+            third = await tier.reserve("c", size)
+        assert allocated == []  # recycled, not allocated anew
+        await third.abort()
+        third.release()
+
+
+async def test_reads_reuse_memory_that_nothing_holds(root: Path) -> None:
+    """A large get is read into the memory of an earlier get (or reservation) once nothing
+    made from that is left, never while something is."""
+    size = 4 * MiB
+    async with LocalTier(root) as tier:
+        await tier.put("a", blob(size, 1))
+        await tier.put("b", blob(size, 2))
+        first = await tier.get("a")
+        address = _address(first)
+        kept = torch.frombuffer(first, dtype=torch.uint8)[1:]
+        del first
+        gc.collect()
+        second = await tier.get("b")
+        other = _address(second)
+        assert other != address  # the tensor still reaches the first read's memory
+        assert bytes(kept[:15].numpy()) == blob(size, 1)[1:16]
+        assert address not in idle_addresses()
+        del kept, second
+        gc.collect()
+        assert {address, other} & set(idle_addresses())  # back, once nothing reaches them
+        with counted_allocations() as allocated:
+            third = await tier.get("a")
+        assert bytes(third) == blob(size, 1)
+        assert allocated == []  # recycled, not allocated anew
 
 
 async def test_tensor_views_outlive_release(root: Path) -> None:
-    """Tensors made from a buffer stay valid after release, and keep their file from recycling."""
+    """Tensors made from a buffer stay valid after release, whatever happens to the file."""
     async with LocalTier(root) as tier:
         reservation = await tier.reserve("t", MiB)
         tensor = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
@@ -789,17 +1007,12 @@ async def test_tensor_views_outlive_release(root: Path) -> None:
         await reservation.commit()
         reservation.release()
         await tier.delete("t")
-        assert tier.spare_count == 0
-        other = await tier.reserve("u", MiB)
+        other = await tier.reserve("u", MiB)  # refills t's file
         torch.frombuffer(other.buffer, dtype=torch.uint8).fill_(9)
         await other.commit()
         other.release()
         assert int(tensor.min()) == 7
         assert int(tensor.max()) == 7
-        del tensor
-        gc.collect()
-        await tier.delete("u")
-        assert tier.spare_count == 1
 
 
 async def test_a_reader_in_another_process_blocks_recycling(root: Path) -> None:
@@ -974,9 +1187,9 @@ async def test_aborting_a_prepared_reservation_leaves_nothing(tmp_path: Path) ->
     await tier.aclose()
 
 
-async def test_large_reads_are_private_mappings_that_pin_their_file(tmp_path: Path) -> None:
-    """A large get is zero-copy yet private: writing to it changes nothing stored, and while
-    it is alive its file is never recycled under it (deleting the key only unlinks it)."""
+async def test_large_reads_are_private_copies(tmp_path: Path) -> None:
+    """A large get is a private copy: writing to it changes nothing stored, and its file may be
+    deleted, recycled and refilled while the copy lives, which keeps its bytes."""
     tier = LocalTier(tmp_path / "root")
     original = blob(4 * MiB, 7)
     await tier.put("big", original)
@@ -984,9 +1197,9 @@ async def test_large_reads_are_private_mappings_that_pin_their_file(tmp_path: Pa
     assert not memoryview(view).readonly
     memoryview(view)[:4] = b"XXXX"  # private: the stored blob is untouched
     assert bytes(await tier.get("big")) == original
-    await tier.delete("big")  # the file cannot become a spare while mapped here
-    assert tier.spare_count == 0
-    await tier.put("next", blob(4 * MiB, 8))  # a fresh file, not ours
+    await tier.delete("big")  # nothing pins the file
+    assert tier.spare_count == 1
+    await tier.put("next", blob(4 * MiB, 8))  # refills big's file
     assert bytes(memoryview(view)[4:]) == original[4:]
     del view
     await tier.aclose()

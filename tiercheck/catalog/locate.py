@@ -308,7 +308,7 @@ class OpenLocation:
             self.tier = LocalTier(blobs, spare_files=0, sweep=False)
         self.manifest: Manifest | None = None
         self.manifest_error: str | None = None
-        # LMDB calls are quick but blocking, and transactions belong to a thread: one thread.
+        # Manifest calls are quick but blocking file work: one thread of their own.
         self._manifest_thread = ThreadPoolExecutor(1, thread_name_prefix="tiercheck-manifest")
 
     @property

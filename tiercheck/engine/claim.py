@@ -22,11 +22,13 @@ from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
 from tiercheck.engine.tier import commit_versions, location
 from tiercheck.errors import (
+    FormatError,
     JobLocked,
     StaleMemory,
     StorageError,
     Superseded,
     TiercheckError,
+    UnsupportedFormat,
     WorldSizeMismatch,
 )
 from tiercheck.guard import (
@@ -57,7 +59,8 @@ logger = logging.getLogger("tiercheck")
 class Stale:
     """Why a node's memory is not taken as this run's.
 
-    ``kind``: ``"damaged"`` (its identity record cannot be read), ``"predates"`` (checkpoints
+    ``kind``: ``"damaged"`` (its identity record is cut short or garbled), ``"unreadable"``
+    (it cannot be read: written by a newer build, or an I/O error), ``"predates"`` (checkpoints
     without an identity, and a durable location that holds nothing), ``"another-location"``
     (this job's memory of another durable location), ``"another-run"`` (another job, or
     another incarnation of this one at the same location).
@@ -108,6 +111,11 @@ def stale_message(
             "To continue the run that memory belongs to, point persistent= at its durable "
             "location (named above). stale_memory='discard' deletes it; versions it holds "
             "that that location does not are then lost."
+        )
+    if "unreadable" in kinds:
+        advice.append(
+            "Read the identity record's error above: a newer tiercheck wrote it (upgrade), or the "
+            "memory cannot be read; stale_memory='discard' deletes that memory."
         )
     if "another-run" in kinds:
         advice.append(
@@ -237,6 +245,10 @@ class Claim:
             mine["identity"] = None if identity is None else identity.to_bytes().decode()
         except (TiercheckError, OSError) as exc:
             mine["identity_error"] = str(exc)
+            # Cut short or garbled (not written by a newer build): damaged, not another run's.
+            mine["identity_damaged"] = isinstance(exc, FormatError) and not isinstance(
+                exc, UnsupportedFormat
+            )
         try:
             mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
         except OSError:
@@ -388,10 +400,20 @@ class Claim:
         stale: dict[int, Stale] = {}
         for n, e in nodes.items():
             if e.get("identity_error"):
-                stale[n] = Stale(
-                    "damaged", f"its identity record is damaged ({e['identity_error']})"
-                )
                 identities[n] = None
+                if e.get("identity_damaged") and not e["has_data"]:
+                    continue  # nothing to protect: the record is written anew
+                if e.get("identity_damaged"):
+                    stale[n] = Stale(
+                        "damaged",
+                        f"its identity record is damaged ({e['identity_error']}): whose "
+                        "checkpoints it holds cannot be told",
+                    )
+                else:
+                    stale[n] = Stale(
+                        "unreadable",
+                        f"its identity record cannot be read ({e['identity_error']})",
+                    )
                 continue
             text = e.get("identity")
             identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
@@ -541,7 +563,8 @@ class Claim:
             self._adopted = sorted(stale)
             return deleted
         root = str(cfg.job.node_root)
-        raise StaleMemory(stale_message(cfg.job.job_id, root, stale, first, nodes))
+        damaged = tuple(sorted(n for n, why in stale.items() if why.kind == "damaged"))
+        raise StaleMemory(stale_message(cfg.job.job_id, root, stale, first, nodes), damaged=damaged)
 
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""

@@ -49,7 +49,7 @@ from tiercheck.defaults import NodeRoot
 from tiercheck.engine.held import WithHeld
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
-from tiercheck.tiers.base import Buffer, SupportsRangedGet, SupportsReserve, Tier
+from tiercheck.tiers.base import Buffer, SupportsRangedGet, Tier
 from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
@@ -242,9 +242,9 @@ class ElasticReader:
         ranged reads where the tier serves them, else slices of the whole blob (read once)."""
         loop = asyncio.get_running_loop()
         stats, lock = self.ctx.stats, self._lock
-        # A tier that maps its blobs into memory (the local tier: SupportsReserve) hands out the
-        # mapping without reading: slicing it beats a ranged read, which copies.
-        if isinstance(tier, SupportsRangedGet) and not isinstance(tier, SupportsReserve):
+        # Every tier's get copies the whole blob (the local tier's too: it never maps a file
+        # others may truncate), so a tier that serves ranges reads only what is needed.
+        if isinstance(tier, SupportsRangedGet):
             ranged = tier
 
             def fetch(start: int, end: int) -> Buffer:

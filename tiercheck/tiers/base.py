@@ -282,10 +282,12 @@ class Reservation(Protocol):
 
 @runtime_checkable
 class SupportsReserve(Protocol):
-    """A tier that can hand out its own memory to be written in place (zero-copy staging).
+    """A tier that can hand out memory to be filled in place and stored from there.
 
-    The local tier does: a snapshot copied straight into the reservation's buffer is, once
-    committed, the stored blob, so saving to the local tier costs one memory copy.
+    The local tier does: a snapshot is copied once, on the save's critical path, straight into
+    the reservation's buffer (memory of this process, faulted in ahead by ``prepare`` and
+    recycled from save to save); the commit stores it, off that path. The buffer is never a
+    mapping of the stored file, which other processes may truncate.
     """
 
     async def reserve(self, key: str, nbytes: int) -> Reservation: ...
@@ -295,10 +297,10 @@ class SupportsReserve(Protocol):
 class SupportsPrepare(Protocol):
     """A reserving tier that can ready memory ahead of the next ``reserve`` of a given size.
 
-    Sizing and mapping memory is most of what a reserve costs; a caller that knows the size of
-    its next snapshot calls ``prepare`` in the background so that the reserve on its critical
-    path costs next to nothing. Returns whether memory was prepared (``False`` when it would
-    not fit the tier's capacity).
+    Sizing storage and faulting memory in is most of what a reserve costs; a caller that knows
+    the size of its next snapshot calls ``prepare`` in the background so that the reserve on
+    its critical path costs next to nothing. Returns whether memory was prepared (``False``
+    when it would not fit the tier's capacity).
     """
 
     async def prepare(self, nbytes: int) -> bool: ...

@@ -7,8 +7,9 @@ See :class:`LocalTier`.
 The tier is split by job: :mod:`~tiercheck.tiers.local.tier` (the class, its options and public
 operations), :mod:`~tiercheck.tiers.local.blobs` (reading and writing blob files),
 :mod:`~tiercheck.tiers.local.reservation` (memory handed out to be committed as a blob),
+:mod:`~tiercheck.tiers.local.memory` (the private memory reservations and reads use, recycled),
 :mod:`~tiercheck.tiers.local.space` (capacity, spares, prepared memory, preallocation) and
-:mod:`~tiercheck.tiers.local.files` (stateless file helpers).
+:mod:`~tiercheck.tiers.local.files` (stateless file helpers; why no file is ever mapped).
 """
 
 # default_root lives with the rest of the node layout in tiercheck.defaults; importable here too.

@@ -15,10 +15,8 @@ from typing import TypeVar
 from tiercheck.errors import BlobNotFound, StorageError
 from tiercheck.tiers import atomic
 from tiercheck.tiers.local.files import (
-    MAP_READS_FROM,
     READ_ATTEMPTS,
-    map_private,
-    read_exactly,
+    check_written,
     walk_keys,
 )
 from tiercheck.tiers.local.space import _Space
@@ -55,6 +53,7 @@ class _BlobFiles(_Space):
                 atomic.write_all(fd, views)
                 if self._fsync:
                     os.fsync(fd)
+                check_written(fd, nbytes)  # not cut short by someone else meanwhile
             finally:
                 os.close(fd)
             self._publish(key, temp_path, target, nbytes)
@@ -65,17 +64,15 @@ class _BlobFiles(_Space):
             raise
 
     def _get_sync(self, key: str) -> memoryview:
-        def whole(fd: int, size: int) -> memoryview:
-            if size >= MAP_READS_FROM:
-                return map_private(fd, size)
-            return read_exactly(fd, size)
-
-        return self._read_locked(key, whole)
+        # Read, never mapped (see tiercheck.tiers.local.files): the blob's file may be cut
+        # short by anyone, and a mapping of it would then kill this process. Into recycled
+        # memory where there is some: fresh pages cost more than the copy.
+        return self._read_locked(key, self._memory.read)
 
     def _get_range_sync(self, key: str, start: int, end: int) -> memoryview:
         def part(fd: int, size: int) -> memoryview:
             begin = min(start, size)
-            return read_exactly(fd, min(end, size) - begin, begin)
+            return self._memory.read(fd, min(end, size) - begin, begin)
 
         return self._read_locked(key, part)
 

@@ -1,6 +1,15 @@
-"""The local tier's file layer: its constants, and reading, mapping and walking blob files.
+"""The local tier's file layer: its constants, and reading, writing and walking blob files.
 
 Stateless helpers shared by the pieces of :mod:`tiercheck.tiers.local`.
+
+No file of the tier is ever mapped into memory. A file in shared memory can be cut short by
+anyone who can open it -- an operator's cleanup script, ``truncate``, a second job pointed at
+the same root -- and a process that touches a page of a mapping past its file's new end dies of
+``SIGBUS``, a signal Python cannot handle (its handler runs only after the faulting instruction,
+which faults again). Private copy-on-write mappings are no exception: pages not yet copied are
+the file's. So bytes move between files and memory only through ``preadv``/``pwritev``, into
+and out of anonymous memory of this process, which nobody else can shrink: a file cut short
+gives a short read or a hole, which the tier reports as an error, never a signal.
 """
 
 from __future__ import annotations
@@ -9,7 +18,6 @@ import contextlib
 import errno
 import mmap
 import os
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -24,11 +32,6 @@ SPARES_DIR: Final = ".tiercheck#spares"
 # A get retries when the file it opened was replaced or recycled before it could lock it; each
 # retry sees a newer blob, so a few are plenty unless a writer rewrites the key nonstop.
 READ_ATTEMPTS: Final = 64
-
-# Pre-faults the pages of a mapping (Linux); elsewhere pages are faulted in on first touch.
-MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
-# Blobs from this size on are read by mapping them (no copy); smaller ones are copied.
-MAP_READS_FROM: Final = 1 << 20
 
 # Reads at least this large go to anonymous memory rather than a bytearray (see read_exactly).
 ANONYMOUS_FROM: Final = 1 << 20
@@ -54,28 +57,6 @@ def valid_key(key: str) -> bool:
     except InvalidKey:
         return False
     return True
-
-
-def map_private(fd: int, size: int) -> memoryview:
-    """The file behind ``fd`` as private, copy-on-write memory: a zero-copy read.
-
-    The caller holds a shared ``flock`` on ``fd``. A duplicate of the descriptor keeps that
-    lock for as long as the mapping lives, so the file can be deleted but never recycled (nor
-    written) under it; writes to the mapping stay private to this process. The stored blob
-    is therefore as safe from the caller, and the caller from later writers, as with a copy.
-    """
-    keeper = os.dup(fd)  # shares the open file description, hence the lock
-    try:
-        # No MAP_POPULATE: on a private writable mapping it faults every page for writing,
-        # copying the whole blob; lazily, reads map the shared pages and only writes copy.
-        mapping = mmap.mmap(
-            keeper, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    except BaseException:
-        os.close(keeper)
-        raise
-    weakref.finalize(mapping, os.close, keeper)
-    return memoryview(mapping)
 
 
 def walk_keys(root: str, start: str) -> Iterator[str]:
@@ -104,17 +85,36 @@ def walk_keys(root: str, start: str) -> Iterator[str]:
                 yield key
 
 
-def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
-    """Read ``size`` bytes of ``fd`` from ``offset`` into new private memory (one copy).
+def anonymous_memory(size: int, *, populate: bool = False) -> mmap.mmap:
+    """``size`` bytes (> 0) of new private memory, not backed by any file.
 
-    Large blobs land in anonymous memory: allocating it is instant and its pages are zeroed by
-    the kernel inside the read, with the GIL released. A ``bytearray`` would be zero-filled by
-    Python while holding the GIL, stalling the event loop for the whole time.
+    With ``populate``, every page is faulted in now (``MAP_POPULATE``), so that writing into it
+    later runs at memory speed; without, pages come on first touch (a read into it faults them
+    in as it goes: faulting them first would cost the same again). Call it in a worker thread:
+    faulting in pages takes time (the GIL is released meanwhile). No huge pages are asked for:
+    where the kernel defragments for them on demand (its default for memory that asks), a fault
+    can stall for a long time; the system's own policy applies.
     """
-    memory: bytearray | mmap.mmap = (
-        mmap.mmap(-1, size) if size >= ANONYMOUS_FROM else bytearray(size)
-    )
-    view = memoryview(memory)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, size, flags=flags)
+
+
+def read_exactly(fd: int, size: int, offset: int = 0, into: memoryview | None = None) -> memoryview:
+    """Read ``size`` bytes of ``fd`` from ``offset`` into private memory (one copy).
+
+    Into ``into`` (``size`` bytes, writable) when given, else into new memory: anonymous memory
+    for large reads (:func:`anonymous_memory`: allocating it is instant and its pages are
+    zeroed by the kernel inside the read, with the GIL released; a ``bytearray`` would be
+    zero-filled by Python while holding the GIL, stalling the event loop for the whole time).
+    A file that ends early (cut short by someone else) is an ``EIO`` :class:`OSError`, never a
+    partly filled buffer.
+    """
+    if into is not None:
+        view = into
+    else:
+        view = memoryview(anonymous_memory(size) if size >= ANONYMOUS_FROM else bytearray(size))
     done = 0
     while done < size:
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -122,6 +122,43 @@ def read_exactly(fd: int, size: int, offset: int = 0) -> memoryview:
             raise OSError(errno.EIO, f"file ended after {done} of {size} bytes")
         done += got
     return view
+
+
+def write_exactly(fd: int, view: memoryview, offset: int = 0) -> None:
+    """Write all of ``view`` into ``fd`` at ``offset`` (``pwritev``, short writes continued)."""
+    done, size = 0, view.nbytes
+    while done < size:
+        written = os.pwritev(fd, [view[done:]], offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += written
+
+
+def check_written(fd: int, nbytes: int) -> None:
+    """After writing ``nbytes`` from offset 0: raise if the file is not exactly that, whole.
+
+    Someone else may have cut the file short while it was written (``truncate`` on a temporary
+    file in shared memory): it then ends early, or, where the writer went on past the cut, it
+    has a hole of zeros where pages were dropped. Either is an ``EIO`` :class:`OSError`. The
+    allocated blocks answer in one ``fstat``; only where they fall short of the size (a hole,
+    or a filesystem that compresses) does ``SEEK_HOLE`` look for a hole.
+    """
+    st = os.fstat(fd)
+    if st.st_size != nbytes:
+        raise OSError(
+            errno.EIO,
+            f"the file holds {st.st_size} bytes after {nbytes} were written: something else "
+            "changed it meanwhile (truncated it?)",
+        )
+    if nbytes and st.st_blocks * 512 < nbytes:
+        seek_hole = getattr(os, "SEEK_HOLE", None)
+        hole = nbytes if seek_hole is None else os.lseek(fd, 0, seek_hole)
+        if hole < nbytes:
+            raise OSError(
+                errno.EIO,
+                f"the file has a hole at byte {hole} of {nbytes} after it was written: "
+                "something else cut it short meanwhile (truncate?)",
+            )
 
 
 def scan_sizes(root: str, *, sweep: bool = True) -> dict[str, int]:

@@ -1,14 +1,20 @@
-"""Reservations of the local tier: shared memory handed out, to become a blob once committed.
+"""Reservations of the local tier: memory handed out, to become a blob once committed.
 
 :class:`LocalReservation` is what :meth:`~tiercheck.tiers.local.LocalTier.reserve` returns;
 ``_Reserving`` is the tier's side of it (preparing memory ahead, reserving, committing and
 aborting), run in worker threads.
+
+The memory handed out is private to this process (:mod:`tiercheck.tiers.local.memory`), never a
+mapping of the file it becomes: the file is sized and backed at reserve time (so a full
+filesystem is :class:`~tiercheck.errors.TierFull` then), written with ``pwritev`` at commit and
+checked whole before it is renamed over its key. Someone cutting the file short meanwhile makes
+that commit fail; nothing they do to the tier's files can reach the buffer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import mmap
 import os
 import weakref
@@ -17,20 +23,25 @@ from typing import TYPE_CHECKING, TypeVar
 
 from tiercheck.errors import TierFull
 from tiercheck.tiers import atomic
-from tiercheck.tiers.local.files import DIR_MODE, FULL_ERRNOS, MAP_POPULATE
+from tiercheck.tiers.local.files import DIR_MODE, FULL_ERRNOS, check_written, write_exactly
+from tiercheck.tiers.local.memory import POOL_FROM, MemoryPool
 from tiercheck.tiers.local.space import _Prepared, _Space
 
 _T = TypeVar("_T")
 
 _OPEN, _COMMITTING, _COMMITTED, _ABORTED = "open", "committing", "committed", "aborted"
 
+# Memory that cannot be had is, for prepare, memory that does not fit.
+_NO_ROOM_ERRNOS = FULL_ERRNOS | {errno.ENOMEM}
+
 
 class _Reserving(_Space):
     """The local tier's reservations and prepared memory (see :class:`LocalReservation`)."""
 
-    _populate: bool
     _fsync: bool
+    _populate: bool
     _reservations: set[LocalReservation]
+    _memory: MemoryPool
 
     if TYPE_CHECKING:
 
@@ -49,6 +60,7 @@ class _Reserving(_Space):
             self._prepared = None
         if current is not None:
             self._drop_prepared(current)
+        self._memory.trim()
         if nbytes == 0:
             return True
         try:
@@ -56,8 +68,8 @@ class _Reserving(_Space):
         except TierFull:
             return False
         except OSError as exc:
-            if exc.errno in FULL_ERRNOS:
-                return False  # the filesystem is full: nothing prepared, nothing left behind
+            if exc.errno in _NO_ROOM_ERRNOS:
+                return False  # no room for it: nothing prepared, nothing left behind
             raise
         with self._lock:
             if self._prepared is None and not self._closed:
@@ -70,19 +82,32 @@ class _Reserving(_Space):
         spare = self._claim("", nbytes)
         fd = -1
         path: str | None = None
+        memory: mmap.mmap | None = None
         try:
             fd, path = self._open_temp(self._spares_dir, spare)
             self._size_and_back(fd, nbytes)
-            flags = mmap.MAP_SHARED | (MAP_POPULATE if self._populate else 0)
-            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            memory = self._memory_for(nbytes)
         except BaseException:
+            if memory is not None:
+                self._memory.give_back(memory)
             if fd >= 0:
                 os.close(fd)
             if path is not None:
                 atomic.discard(path)
             self._unclaim(nbytes)
             raise
-        return _Prepared(fd, path, mapping, memoryview(mapping), nbytes)
+        return _Prepared(fd, path, memory, nbytes)
+
+    def _memory_for(self, nbytes: int) -> mmap.mmap | None:
+        """A pooled buffer for a reservation of ``nbytes`` (``None``: small, a bytearray)."""
+        if nbytes < POOL_FROM:
+            return None
+        return self._memory.take(nbytes) or self._memory.allocate(nbytes, populate=self._populate)
+
+    def _lend(self, memory: mmap.mmap | None, nbytes: int) -> memoryview:
+        if memory is None:
+            return memoryview(bytearray(nbytes))
+        return self._memory.lend(memory, nbytes)
 
     def _take_prepared(self, key: str, nbytes: int) -> LocalReservation | None:
         """A reservation made of the prepared memory, if it has the right size (no I/O).
@@ -100,8 +125,7 @@ class _Reserving(_Space):
             target=self._path(key),
             temp_path=prepared.path,
             fd=prepared.fd,
-            mapping=prepared.mapping,
-            view=prepared.view,
+            view=self._lend(prepared.memory, nbytes),
         )
         with self._lock:
             self._reservations.add(reservation)
@@ -119,38 +143,30 @@ class _Reserving(_Space):
         spare = self._claim(key, nbytes)
         fd = -1
         temp_path: str | None = None
-        mapping: mmap.mmap | None = None
-        view: memoryview | None = None
+        memory: mmap.mmap | None = None
         try:
             fd, temp_path = self._open_temp(os.path.dirname(target), spare)
-            # Backed before it is mapped: the caller copies straight into these pages.
+            # Storage held now, before the caller fills the buffer: a full filesystem is
+            # TierFull here rather than at commit, after the copy.
             self._size_and_back(fd, nbytes)
-            if nbytes:
-                flags = mmap.MAP_SHARED | (MAP_POPULATE if self._populate else 0)
-                mapping = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                view = memoryview(mapping)
-            else:
-                view = memoryview(bytearray())
-            reservation = LocalReservation(
-                self,
-                key=key,
-                target=target,
-                temp_path=temp_path,
-                fd=fd,
-                mapping=mapping,
-                view=view,
-            )
+            memory = self._memory_for(nbytes)
         except BaseException:
-            if view is not None:
-                view.release()
-            if mapping is not None:
-                mapping.close()
+            if memory is not None:
+                self._memory.give_back(memory)
             if fd >= 0:
                 os.close(fd)
             if temp_path is not None:
                 atomic.discard(temp_path)
             self._unclaim(nbytes)
             raise
+        reservation = LocalReservation(
+            self,
+            key=key,
+            target=target,
+            temp_path=temp_path,
+            fd=fd,
+            view=self._lend(memory, nbytes),
+        )
         with self._lock:
             self._reservations.add(reservation)
         return reservation
@@ -165,13 +181,13 @@ class _Reserving(_Space):
                 )
             reservation._state = _COMMITTING
         try:
+            fd = reservation._file.fd
+            write_exactly(fd, reservation._view, 0)
             if self._fsync:
-                if reservation._mapping is not None:
-                    reservation._mapping.flush()
-                os.fsync(reservation._fd)
-            # Held until release: while it is, deleting the key cannot recycle the file that
-            # the caller may still be reading through the buffer.
-            fcntl.flock(reservation._fd, fcntl.LOCK_SH)
+                os.fsync(fd)
+            # The one moment someone else's truncate of the temporary file shows: a file cut
+            # short under the write is refused here, never published as a blob.
+            check_written(fd, reservation.nbytes)
             target_dir = os.path.dirname(reservation._target)
             if os.path.dirname(reservation._temp_path) != target_dir:
                 atomic.make_dirs(target_dir, DIR_MODE)  # prepared memory lives elsewhere
@@ -184,8 +200,11 @@ class _Reserving(_Space):
             raise
         with self._lock:
             reservation._state = _COMMITTED
+        # The buffer is private: the file is not needed to keep it readable.
+        reservation._file.close()
         if self._fsync:
             atomic.fsync_dir_of(reservation._target)
+        self._memory.trim()
 
     def _abort_sync(self, reservation: LocalReservation, *, releasing: bool = False) -> None:
         with self._lock:
@@ -195,6 +214,7 @@ class _Reserving(_Space):
                 raise RuntimeError(f"cannot abort {reservation!r}: it is {reservation._state}")
             reservation._state = _ABORTED
             self._pending -= reservation.nbytes
+        reservation._file.close()
         atomic.discard(reservation._temp_path)
 
     def _close_sync(self) -> None:
@@ -214,24 +234,44 @@ class _Reserving(_Space):
                 self._abort_sync(reservation)
         for path in victims:
             atomic.discard(path)
+        if self._attached:
+            self._attached = False
+            self._memory.detach()
 
     def _released(self, reservation: LocalReservation) -> None:
         with self._lock:
             self._reservations.discard(reservation)
 
 
+class _File:
+    """A reservation's temporary file descriptor, closed once (by commit, abort or the GC)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class LocalReservation:
-    """Shared memory that becomes a blob of the local tier when committed.
+    """Memory that becomes a blob of the local tier when committed.
 
     Returned by :meth:`~tiercheck.tiers.local.LocalTier.reserve`; implements
     :class:`~tiercheck.tiers.Reservation`.
 
     1. Fill :attr:`buffer` completely (for example ``torch.frombuffer(r.buffer, dtype=...)``
        and ``copy_`` into it). Until commit, readers of the key see the previous blob or none.
-    2. ``await commit()`` publishes it atomically, or ``await abort()`` discards it.
-    3. The buffer stays readable after commit; call :meth:`release` when done with it. The
-       memory stays mapped as long as any view or tensor made from the buffer lives, and while
-       it is mapped, deleting the key never lets the file be recycled under it.
+    2. ``await commit()`` writes it to the tier's file and publishes that atomically, or
+       ``await abort()`` discards it. A commit whose file was cut short meanwhile (by another
+       process) fails with :class:`~tiercheck.errors.StorageError`; the reservation stays open.
+    3. The buffer stays readable after commit; call :meth:`release` when done with it. It is
+       private memory of this process, not the stored file: deleting or recycling the key, or
+       anything done to the file, never changes it. It lives as long as any view or tensor made
+       from it, and goes back to the tier for a later reservation only after the last is gone.
 
     ``release()`` without commit or abort discards the temporary file inline (a file removal
     on the calling thread; prefer ``await abort()`` on an event loop).
@@ -239,9 +279,8 @@ class LocalReservation:
 
     __slots__ = (
         "__weakref__",
-        "_fd",
+        "_file",
         "_key",
-        "_mapping",
         "_nbytes",
         "_released_flag",
         "_state",
@@ -259,24 +298,19 @@ class LocalReservation:
         target: str,
         temp_path: str,
         fd: int,
-        mapping: mmap.mmap | None,
         view: memoryview,
     ) -> None:
         self._tier = tier
         self._key = key
         self._target = target
         self._temp_path = temp_path
-        self._fd = fd
-        self._mapping = mapping
+        self._file = _File(fd)
         self._view = view
         self._nbytes = view.nbytes
         self._state = _OPEN
         self._released_flag = False
-        if mapping is None:
-            # Nothing maps the (empty) file: the descriptor only has to outlive commit.
-            weakref.finalize(self, os.close, fd)
-        else:
-            weakref.finalize(mapping, os.close, fd)
+        # Commit and abort close the file; a reservation dropped without either closes it here.
+        weakref.finalize(self, self._file.close)
 
     def __repr__(self) -> str:
         return f"LocalReservation(key={self._key!r}, nbytes={self._nbytes}, state={self._state})"
@@ -326,21 +360,19 @@ class LocalReservation:
         await self._tier._run("abort", self._key, self._tier._abort_sync, self)
 
     def release(self) -> None:
-        """Give the buffer back; the file may be recycled once its key is deleted.
+        """Give the buffer back; the tier reuses its memory once nothing references it.
 
-        Idempotent. Tensors and views made from the buffer stay valid: the memory is unmapped
-        (and the file becomes recyclable) when the last of them is gone.
+        Idempotent. Tensors and views made from the buffer stay valid: the memory goes back to
+        the tier only when the last of them is gone.
         """
         if self._released_flag:
             return
         # Discards the file if neither committed nor aborted; raises while a commit runs.
         self._tier._abort_sync(self, releasing=True)
         self._released_flag = True
-        # Never unmap explicitly: torch.frombuffer and friends keep a reference to the view
-        # object but no buffer export, so an explicit munmap would leave their tensors
-        # pointing at freed memory. Dropping our references unmaps at once if nobody else
-        # holds the view, or later when the last tensor goes; the finalizer registered in
-        # __init__ then closes the file, which drops the lock that keeps it from recycling.
+        # Never freed explicitly: torch.frombuffer and friends keep a reference to the view
+        # object but no buffer export, so freeing now would leave their tensors pointing at
+        # memory handed to the next reservation. Dropping our reference returns it at once if
+        # nobody else holds it, or later, when the last tensor goes.
         self._view = memoryview(b"")
-        self._mapping = None
         self._tier._released(self)

@@ -2,8 +2,9 @@
 
 Counts stored bytes and writes in flight against the capacity, keeps deleted files as spares
 for recycling and one region of prepared memory, and sizes files with storage behind every
-byte (``posix_fallocate``) so that a full filesystem is a :class:`~tiercheck.errors.TierFull`,
-never a ``SIGBUS``. See "Capacity" and "Recycling" in :class:`~tiercheck.tiers.local.LocalTier`.
+byte (``posix_fallocate``) so that a full filesystem is a :class:`~tiercheck.errors.TierFull`
+as soon as memory is reserved, not once it is filled. See "Capacity" and "Recycling" in
+:class:`~tiercheck.tiers.local.LocalTier`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tiercheck.tiers.local.files import (
     posix_fallocate,
     scan_sizes,
 )
+from tiercheck.tiers.local.memory import MemoryPool
 
 _T = TypeVar("_T")
 
@@ -44,12 +46,12 @@ class _Spare:
 
 @dataclass(eq=False)
 class _Prepared:
-    """Memory made ready ahead of a reserve: a sized, mapped, populated hidden file."""
+    """Made ready ahead of a reserve: a sized, backed hidden file and the memory to fill
+    (``None`` for a small size, which gets a ``bytearray``)."""
 
     fd: int
     path: str
-    mapping: mmap.mmap
-    view: memoryview
+    memory: mmap.mmap | None
     nbytes: int
 
 
@@ -77,6 +79,8 @@ class _Space:
     _prepared: _Prepared | None
     _spare_bytes: int
     _fallocate_ok: bool
+    _memory: MemoryPool
+    _attached: bool
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -97,6 +101,9 @@ class _Space:
         with self._lock:
             self._sizes = sizes
             self._stored = sum(sizes.values())
+            if not self._attached and not self._closed:
+                self._attached = True  # detached when the tier closes
+                self._memory.attach()
         self._scanned = True
 
     def _check_root(self) -> None:
@@ -191,7 +198,8 @@ class _Space:
         """Free the prepared region and every spare; whether there was any to free.
 
         Both are memory kept only to make the next write faster, and both occupy the
-        filesystem: when it is full, a write needs their room more.
+        filesystem: when it is full, a write needs their room more. (Idle pooled buffers are
+        process memory, not the filesystem's, and stay.)
         """
         with self._lock:
             prepared, self._prepared = self._prepared, None
@@ -221,14 +229,14 @@ class _Space:
     def _size_and_back(self, fd: int, nbytes: int) -> None:
         """Make the file behind ``fd`` ``nbytes`` long, with storage held for every byte.
 
-        A file that is going to be mapped must be backed before any page of it is touched:
-        where the filesystem (a full tmpfs) cannot give a page to a shared mapping, the
-        process that touches it dies of SIGBUS (and ``MAP_POPULATE`` fails silently), whereas
-        ``posix_fallocate`` fails here with ``ENOSPC``, which is :class:`TierFull`. Pages a
-        recycled file already holds are not allocated again: ``st_blocks`` tells whether every
-        byte kept is backed (an ``fstat``: microseconds, where allocating the present pages of
-        256 MiB anew costs 4-6 ms, a quarter to a third of a recycled reserve, on the save's
-        critical path). Where the filesystem cannot preallocate at all, the file is only sized.
+        A reservation's file is backed before its buffer is handed out: where the filesystem
+        (a full tmpfs) cannot hold it, ``posix_fallocate`` fails here with ``ENOSPC``, which is
+        :class:`TierFull`, before the caller copies a byte, rather than at commit (no file is
+        ever mapped, so it could not be a ``SIGBUS`` either way). Pages a recycled file already
+        holds are not allocated again: ``st_blocks`` tells whether every byte kept is backed
+        (an ``fstat``: microseconds, where allocating the present pages of 256 MiB anew costs
+        4-6 ms, a quarter to a third of a recycled reserve, on the save's critical path). Where
+        the filesystem cannot preallocate at all, the file is only sized.
         """
         old_size = os.fstat(fd).st_size
         if old_size != nbytes:
@@ -316,9 +324,8 @@ class _Space:
         self._free_prepared(prepared)
         self._unclaim(prepared.nbytes)
 
-    @staticmethod
-    def _free_prepared(prepared: _Prepared) -> None:
-        prepared.view.release()
-        prepared.mapping.close()
+    def _free_prepared(self, prepared: _Prepared) -> None:
+        if prepared.memory is not None:
+            self._memory.give_back(prepared.memory)
         os.close(prepared.fd)
         atomic.discard(prepared.path)

@@ -29,6 +29,7 @@ from tiercheck.tiers.base import (
 )
 from tiercheck.tiers.local.blobs import _BlobFiles
 from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate, typed_os_error
+from tiercheck.tiers.local.memory import SHARED, MemoryPool
 from tiercheck.tiers.local.reservation import LocalReservation, _Reserving
 from tiercheck.tiers.local.space import _Prepared, _Spare
 
@@ -52,17 +53,27 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
     Writes
         ``put``/``putv`` write the caller's buffers straight into a temporary file (no join, no
         intermediate copy) and rename it over the key (see :mod:`tiercheck.tiers.atomic`).
-        :meth:`reserve` hands out the temporary file itself, mapped into memory, so that a
-        snapshot copied into it *is* the blob once committed. ``fsync=True`` syncs files and
-        folders, for a ``root`` on a disk; memory needs no syncing. All file work runs in
-        worker threads, never on the event loop.
+        :meth:`reserve` hands out memory to fill (private to this process, recycled from one
+        reservation to the next, see :mod:`tiercheck.tiers.local.memory`) together with a
+        temporary file sized for it; the commit writes the memory into the file and renames
+        it. ``fsync=True`` syncs files and folders, for a ``root`` on a disk; memory needs no
+        syncing. All file work runs in worker threads, never on the event loop.
 
     Reads
-        ``get`` returns a private, writable ``memoryview`` (read once from the file) because
-        the file may be replaced or recycled afterwards. A get holds a shared ``flock`` on the
-        file while it reads, which keeps the file from being recycled under it. ``get_range``
-        (:class:`~tiercheck.tiers.SupportsRangedGet`) reads only the slice asked for, the same
-        way.
+        ``get`` returns a private, writable ``memoryview`` (read once from the file with
+        ``preadv``, into memory recycled from earlier reads and reservations once nothing made
+        from them is left) because the file may be replaced, recycled or cut short afterwards.
+        A get holds a shared ``flock`` on the file while it reads, which keeps the file from
+        being recycled under it. ``get_range`` (:class:`~tiercheck.tiers.SupportsRangedGet`)
+        reads only the slice asked for, the same way.
+
+    Files others change
+        No file of the tier is ever mapped into memory, so nothing another process does to
+        them -- an operator's cleanup truncating them, a second job on the same root -- can
+        kill this one with ``SIGBUS``. A blob cut short reads as a short read or fails its
+        checksum: a damaged blob, which a restore sets aside and reads from the next tier. A
+        temporary file cut short while a put or commit writes it fails that write
+        (:class:`~tiercheck.errors.StorageError`); the key keeps its previous blob.
 
     Capacity
         With ``capacity`` (bytes), a put or reserve that would make the stored total (every
@@ -76,19 +87,17 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         flight until a reserve takes it; a write that fits only without it drops it instead of
         raising.
 
-        A full filesystem raises :class:`~tiercheck.errors.TierFull` too, and never kills the
-        process with ``SIGBUS``. Memory handed out to be written through a mapping
-        (:meth:`reserve`, :meth:`prepare`) is allocated in full (``posix_fallocate``) before it
-        is mapped, so a tmpfs that cannot hold it (Docker's default ``/dev/shm`` is 64 MB)
-        answers ``ENOSPC`` before any byte is copied, instead of faulting on the first copy into
-        the buffer. A recycled file that grows gets its new pages the same way before it is
-        written (the pages it has are not allocated again); a put into a new file learns of
-        ``ENOSPC`` from ``write``, which cannot fault. On failure the temporary file (recycled
-        or not) is removed, :attr:`usage` is as before and the key keeps its previous blob.
-        Spares and prepared memory occupy the filesystem: when it is full they are dropped and
-        the write is tried once more before it fails. Where the filesystem cannot preallocate
-        (``posix_fallocate`` unsupported), files are only sized, the tier logs that once, and a
-        full filesystem there may still show only when the memory is written.
+        A full filesystem raises :class:`~tiercheck.errors.TierFull` too. A reservation's
+        file (and prepared memory's) is allocated in full (``posix_fallocate``) before the
+        buffer is handed out, so a tmpfs that cannot hold it (Docker's default ``/dev/shm`` is
+        64 MB) answers ``ENOSPC`` before any byte is copied, not at commit. A recycled file
+        that grows gets its new pages the same way (the pages it has are not allocated
+        again); a put into a new file learns of ``ENOSPC`` from ``write``. On failure the
+        temporary file (recycled or not) is removed, :attr:`usage` is as before and the key
+        keeps its previous blob. Spares and prepared memory occupy the filesystem: when it is
+        full they are dropped and the write is tried once more before it fails. Where the
+        filesystem cannot preallocate (``posix_fallocate`` unsupported), files are only sized,
+        the tier logs that once, and a full filesystem there shows only at commit.
 
     Recycling
         Filling freshly created shared-memory pages costs a page fault and a zeroed page per
@@ -99,17 +108,20 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         ``capacity`` the tier keeps ``usage + spare_bytes <= capacity`` by dropping spares
         (largest first) as soon as room is needed; they never cause ``TierFull``. A file is only
         recycled if nobody can still read it: deletion takes an exclusive, non-blocking
-        ``flock`` on it, which fails while a ``get`` (in any process) reads it or while a
-        committed :class:`LocalReservation` that has not been released maps it; such a file is
-        simply removed (its pages live on until the last reader lets go). ``spare_files=0``
-        turns recycling off. Spares and temporary files left by a process that died are removed
-        by the next instance that opens the root (unless ``sweep=False``: tools that only read,
-        such as ``tiercheck ls``, list them instead, see :mod:`tiercheck.catalog.leftovers`).
+        ``flock`` on it, which fails while a ``get`` (in any process) reads it; such a file is
+        simply removed. ``spare_files=0`` turns recycling off. Spares and temporary files left
+        by a process that died are removed by the next instance that opens the root (unless
+        ``sweep=False``: tools that only read, such as ``tiercheck ls``, list them instead, see
+        :mod:`tiercheck.catalog.leftovers`).
 
-    ``populate=True`` pre-faults a reservation's pages when mapping it (``MAP_POPULATE``), inside
-    :meth:`reserve`'s worker thread, so that the copy into the buffer runs at memory speed. (It
-    cannot report a page the filesystem refuses; allocating the file first does, see
-    "Capacity".)
+        The memory reservations and reads hand out is recycled too: one idle buffer is kept
+        per process, for all its local tiers (:mod:`tiercheck.tiers.local.memory`), reused only
+        once nothing made from it (views, tensors) is left, and freed when the last tier
+        closes.
+
+    ``populate=True`` faults a reservation's memory in when it is allocated, inside
+    :meth:`reserve`'s or :meth:`prepare`'s worker thread, so that the copy into the buffer runs
+    at memory speed.
 
     Linux (and other POSIX systems with ``flock``) only. Thread-safe; one instance may be used
     from one event loop at a time.
@@ -157,6 +169,9 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         self._fsync = fsync
         self._populate = populate
         self._sweep = sweep
+        # The memory reservations and reads hand out, recycled (shared by the process's tiers).
+        self._memory: MemoryPool = SHARED
+        self._attached = False
 
         # Guards the accounting below; held only for dictionary work and renames, never for
         # data transfer, so event-loop code that reads the properties never waits long.
@@ -267,9 +282,9 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
             yield key
 
     async def reserve(self, key: str, nbytes: int) -> LocalReservation:
-        """Hand out ``nbytes`` of shared memory that becomes the blob ``key`` once committed.
+        """Hand out ``nbytes`` of memory that becomes the blob ``key`` once committed.
 
-        The buffer's initial contents are unspecified (a recycled file still holds old bytes):
+        The buffer's initial contents are unspecified (recycled memory still holds old bytes):
         fill all of it. See :class:`LocalReservation` for the rest of the lifecycle. Counts
         against the capacity from now on; raises :class:`~tiercheck.errors.TierFull` if it does
         not fit.
@@ -289,12 +304,13 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
     async def prepare(self, nbytes: int) -> bool:
         """Make memory ready for a coming :meth:`reserve` of exactly ``nbytes`` bytes.
 
-        Sizing a file and mapping its pages is most of what a reserve costs. Done here, ahead
-        of time and off the caller's critical path, the next ``reserve(key, nbytes)`` only
-        renames a file. At most one region is kept ready; it counts against the capacity like
-        a reservation, until a write of another size needs its room. The memory is allocated
-        here, in full (see "Capacity" in :class:`LocalTier`). Returns ``False`` (and prepares
-        nothing) when it would not fit, in the capacity or in the filesystem.
+        Sizing and backing a file and faulting in the memory to fill is most of what a reserve
+        costs. Done here, ahead of time and off the caller's critical path, the next
+        ``reserve(key, nbytes)`` only hands them out. At most one region is kept ready; it
+        counts against the capacity like a reservation, until a write of another size needs its
+        room. The file is allocated here, in full (see "Capacity" in :class:`LocalTier`).
+        Returns ``False`` (and prepares nothing) when it would not fit, in the capacity, in the
+        filesystem or in memory.
         """
         self._check_open()
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
