@@ -777,3 +777,95 @@ def test_s3_through_storage_options_and_a_wrong_endpoint_fails_at_open(
             persistent=url,
             storage_options={**wrong, "config_kwargs": {"retries": {"max_attempts": 1}}},
         ).open()
+
+
+_SHM_SCRIPT = """
+import os, signal, sys, threading, time, torch, tiercheck
+root, durable, keep, pending, kill = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+state = {"w": torch.randn(2_000_000)}  # 8 MB: each blob a little more
+peak = [0]
+done = threading.Event()
+
+def used():
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                size = os.stat(os.path.join(folder, name)).st_blocks * 512
+                total += size if size >= 1 << 20 else 0
+            except FileNotFoundError:
+                pass
+    return total
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], used())
+        time.sleep(0.001)
+
+threading.Thread(target=sample, daemon=True).start()
+ckpt = tiercheck.SyncCheckpointer(
+    "shm", persistent=durable, local_root=root, tiers=["local"], keep=keep, max_pending=pending
+)
+for v in range(30):
+    state["w"].add_(1.0)
+    ckpt.save(v, state)
+if kill:
+    os.kill(os.getpid(), signal.SIGKILL)
+ckpt.close()
+done.set()
+print(peak[0], flush=True)
+"""
+
+
+def _shm_used(root: Path) -> int:
+    """Bytes of the node root's state-sized files (blobs, temporaries, spares; the small
+    records -- manifest, identity, locks -- are not what the bound is about)."""
+    sizes = (p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+    return sum(s for s in sizes if s >= 1 << 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pending", [1, 2])
+def test_shared_memory_stays_within_its_stated_bound(tmp_path: Path, pending: int) -> None:
+    """#19: the README's bound on /dev/shm, kept while saving, after a SIGKILL, and after the
+    next opening: at most keep + max_pending + 2 blobs of the state (the kept versions, up to
+    max_pending + 1 being written, one spare), and once the job opens again, the kept ones."""
+    keep = 2
+    script = tmp_path / "shm.py"
+    script.write_text(_SHM_SCRIPT)
+    durable = (tmp_path / "durable").as_uri()
+    blob = None
+    for kill in (0, 1):
+        root = tmp_path / f"node{kill}"
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                str(root),
+                durable + str(kill),
+                str(keep),
+                str(pending),
+                str(kill),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        blobs = sorted(root.rglob("r00000.full"))
+        assert blobs, done.stderr
+        blob = blobs[0].stat().st_blocks * 512
+        bound = (keep + pending + 2) * blob
+        if kill:
+            assert done.returncode == -signal.SIGKILL, done.stderr
+            assert _shm_used(root) <= bound  # what a crash leaves
+            with SyncCheckpointer(
+                "shm", persistent=durable + "1", local_root=root, tiers=["local"], keep=keep
+            ) as again:
+                assert again.restore() is not None
+                # The opening removed the dead writer's temporary files and spare.
+                assert _shm_used(root) <= keep * blob
+        else:
+            assert done.returncode == 0, done.stderr
+            assert int(done.stdout.split()[-1]) <= bound
+            assert _shm_used(root) <= (keep + 1) * blob  # the kept versions and a spare

@@ -326,7 +326,7 @@ def node_versions(node_root: Path) -> list[int]:
 
 
 def _manifest_is_empty(folder: Path) -> bool:
-    """Whether the LMDB manifest in ``folder`` holds no record (or there is none)."""
+    """Whether the manifest in ``folder`` holds no record (or there is none)."""
     if not folder.is_dir():
         return True
     try:
