@@ -37,6 +37,21 @@ class Refuses(Counter):
         raise ValueError("this object refuses everything")
 
 
+def _rank_of_two(tmp_path: Path, rank: int, group: Any) -> SyncCheckpointer:
+    """Rank ``rank`` of a job of two ranks on two nodes (threads, over ``group``)."""
+    return SyncCheckpointer(
+        "job",
+        rank=rank,
+        world_size=2,
+        ranks_per_node=1,
+        coordinator=group.coordinator(rank),
+        local_root=tmp_path / f"node{rank}",
+        persistent=(tmp_path / "durable").as_uri(),
+        tiers=["local", "persistent"],
+        peer_timeout=30,
+    )
+
+
 def _ckpt(tmp_path: Path) -> SyncCheckpointer:
     return SyncCheckpointer(
         "stateful", local_root=tmp_path / "shm", persistent=(tmp_path / "d").as_uri()
@@ -155,16 +170,7 @@ def test_load_state_dict_failing_on_one_rank_fails_the_restore_on_every_rank(
     from tiercheck.testing import LocalGroup
 
     def ckpt_of(rank: int, group: LocalGroup) -> SyncCheckpointer:
-        return SyncCheckpointer(
-            "job",
-            rank=rank,
-            world_size=2,
-            ranks_per_node=1,
-            coordinator=group.coordinator(rank),
-            local_root=tmp_path / f"node{rank}",
-            persistent=(tmp_path / "durable").as_uri(),
-            tiers=["local", "persistent"],
-        )
+        return _rank_of_two(tmp_path, rank, group)
 
     saving = LocalGroup(2)
 
@@ -282,17 +288,7 @@ def test_a_state_dict_that_raises_fails_the_restore_on_every_rank(tmp_path: Path
     from tiercheck.testing import LocalGroup
 
     def ckpt_of(rank: int, group: LocalGroup) -> SyncCheckpointer:
-        return SyncCheckpointer(
-            "job",
-            rank=rank,
-            world_size=2,
-            ranks_per_node=1,
-            coordinator=group.coordinator(rank),
-            local_root=tmp_path / f"node{rank}",
-            persistent=(tmp_path / "durable").as_uri(),
-            tiers=["local", "persistent"],
-            peer_timeout=30,
-        )
+        return _rank_of_two(tmp_path, rank, group)
 
     saving = LocalGroup(2)
 
