@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +108,32 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def mount_tmpfs(where: Path, size: int) -> None:
+    """Mount a new tmpfs of ``size`` bytes on ``where``; skip the test where that is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (this test runs the real full filesystem)")
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command on this machine")
+    if done.returncode != 0:
+        pytest.skip(f"this machine refuses to mount a tmpfs: {done.stderr.strip()}")
+
+
+def unmount(where: Path) -> None:
+    """Unmount what :func:`mount_tmpfs` mounted (lazily if a straggler keeps it busy)."""
+    done = subprocess.run(["umount", str(where)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        # Still busy (a child that outlived its timeout): detach it now, freed when idle.
+        lazy = subprocess.run(
+            ["umount", "-l", str(where)], capture_output=True, text=True, check=False
+        )
+        if lazy.returncode != 0:
+            raise RuntimeError(f"could not unmount the test tmpfs {where}: {lazy.stderr}")

@@ -40,7 +40,7 @@ from tiercheck import (
 from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX, JobRecord
 from tiercheck.testing import LocalGroup
 
-from .helpers import TinyTrainer, assert_state_equal, clone_state
+from .helpers import TinyTrainer, assert_state_equal, clone_state, mount_tmpfs, unmount
 from .tiers import conftest as tier_fixtures
 from .tiers.conftest import S3Server
 
@@ -781,91 +781,120 @@ def test_s3_through_storage_options_and_a_wrong_endpoint_fails_at_open(
 
 _SHM_SCRIPT = """
 import os, signal, sys, threading, time, torch, tiercheck
-root, durable, keep, pending, kill = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+mount, durable, peak_file = sys.argv[1:4]
+keep, pending, kill, capacity = map(int, sys.argv[4:8])
+torch.manual_seed(0)
 state = {"w": torch.randn(2_000_000)}  # 8 MB: each blob a little more
-peak = [0]
 done = threading.Event()
 
 def used():
-    total = 0
-    for folder, _, files in os.walk(root):
-        for name in files:
-            try:
-                size = os.stat(os.path.join(folder, name)).st_blocks * 512
-                total += size if size >= 1 << 20 else 0
-            except FileNotFoundError:
-                pass
-    return total
+    # The filesystem's own count: one consistent figure (a walk of the folder is not, while
+    # files move between names), and what a full /dev/shm would really be short of.
+    st = os.statvfs(mount)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 def sample():
+    peak = 0
     while not done.is_set():
-        peak[0] = max(peak[0], used())
-        time.sleep(0.001)
+        now = used()
+        if now > peak:
+            peak = now
+            with open(peak_file, "w") as f:
+                f.write(str(peak))
+        time.sleep(0.0005)
 
 threading.Thread(target=sample, daemon=True).start()
 ckpt = tiercheck.SyncCheckpointer(
-    "shm", persistent=durable, local_root=root, tiers=["local"], keep=keep, max_pending=pending
+    "shm", persistent=durable, local_root=os.path.join(mount, "node"), tiers=["local"],
+    keep=keep, max_pending=pending, local_capacity=capacity or None,
 )
 for v in range(30):
     state["w"].add_(1.0)
     ckpt.save(v, state)
+ckpt.wait()
+time.sleep(0.05)  # a last sample
 if kill:
     os.kill(os.getpid(), signal.SIGKILL)
 ckpt.close()
 done.set()
-print(peak[0], flush=True)
 """
 
+# The small records beside the blobs (manifest journal, identity, locks): a few KiB.
+_SHM_RECORDS = 1 << 20
 
-def _shm_used(root: Path) -> int:
-    """Bytes of the node root's state-sized files (blobs, temporaries, spares; the small
-    records -- manifest, identity, locks -- are not what the bound is about)."""
-    sizes = (p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
-    return sum(s for s in sizes if s >= 1 << 20)
+
+def _shm_used(mount: Path) -> int:
+    """Bytes in use on the test's own tmpfs."""
+    st = os.statvfs(mount)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _shm_state(version: int) -> dict[str, torch.Tensor]:
+    """What the script's state holds after saving ``version``."""
+    torch.manual_seed(0)
+    w = torch.randn(2_000_000)
+    for _ in range(version + 1):
+        w.add_(1.0)
+    return {"w": w}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pending", [1, 2])
-def test_shared_memory_stays_within_its_stated_bound(tmp_path: Path, pending: int) -> None:
-    """#19: the README's bound on /dev/shm, kept while saving, after a SIGKILL, and after the
-    next opening: at most keep + max_pending + 2 blobs of the state (the kept versions, up to
-    max_pending + 1 being written, one spare), and once the job opens again, the kept ones."""
+def test_shared_memory_stays_within_its_stated_bound(tmp_path: Path) -> None:
+    """#19: the README's account of /dev/shm, on a tmpfs of the test's own. Saves that come
+    faster than the local tier commits them hold more blobs than ``keep`` for a while (no fixed
+    number: measured, not promised); ``local_capacity`` is the hard bound, kept at every
+    instant of saving and after a SIGKILL, with every version still committed; a closed job
+    leaves its kept versions and a spare, and the next opening after a crash removes the dead
+    writer's temporary files and spares."""
     keep = 2
     script = tmp_path / "shm.py"
     script.write_text(_SHM_SCRIPT)
     durable = (tmp_path / "durable").as_uri()
-    blob = None
-    for kill in (0, 1):
-        root = tmp_path / f"node{kill}"
+    mounts: list[Path] = []
+
+    def run(name: str, *, pending: int, kill: int, capacity: int) -> tuple[Path, int]:
+        mount, peak = tmp_path / name, tmp_path / f"{name}.peak"
+        mount.mkdir()
+        mount_tmpfs(mount, 256 << 20)
+        mounts.append(mount)
+        args = (mount, f"{durable}-{name}", peak, keep, pending, kill, capacity)
         done = subprocess.run(
-            [
-                sys.executable,
-                str(script),
-                str(root),
-                durable + str(kill),
-                str(keep),
-                str(pending),
-                str(kill),
-            ],
+            [sys.executable, str(script), *map(str, args)],
             capture_output=True,
             text=True,
             timeout=300,
             check=False,
         )
-        blobs = sorted(root.rglob("r00000.full"))
-        assert blobs, done.stderr
+        assert done.returncode == (-signal.SIGKILL if kill else 0), done.stderr
+        return mount, int(peak.read_text())
+
+    try:
+        # Uncapped, closed normally: the kept versions and at most one spare stay.
+        mount, _ = run("free", pending=1, kill=0, capacity=0)
+        blobs = sorted((mount / "node").rglob("r*.full"))
+        assert [p.parent.name for p in blobs] == ["v000000000028", "v000000000029"]
         blob = blobs[0].stat().st_blocks * 512
-        bound = (keep + pending + 2) * blob
-        if kill:
-            assert done.returncode == -signal.SIGKILL, done.stderr
-            assert _shm_used(root) <= bound  # what a crash leaves
-            with SyncCheckpointer(
-                "shm", persistent=durable + "1", local_root=root, tiers=["local"], keep=keep
-            ) as again:
-                assert again.restore() is not None
-                # The opening removed the dead writer's temporary files and spare.
-                assert _shm_used(root) <= keep * blob
-        else:
-            assert done.returncode == 0, done.stderr
-            assert int(done.stdout.split()[-1]) <= bound
-            assert _shm_used(root) <= (keep + 1) * blob  # the kept versions and a spare
+        assert _shm_used(mount) <= (keep + 1) * blob + _SHM_RECORDS
+
+        # Capped at two blobs more than kept, with two saves encoding at once: the cap holds
+        # at every instant, and the job commits every version in its memory all the same.
+        capacity = (keep + 2) * blob
+        mount, peak = run("capped", pending=2, kill=1, capacity=capacity)
+        assert 0 < peak <= capacity + _SHM_RECORDS
+        assert _shm_used(mount) <= capacity + _SHM_RECORDS  # what a crash leaves
+        with SyncCheckpointer(
+            "shm",
+            persistent=f"{durable}-capped",
+            local_root=mount / "node",
+            tiers=["local"],
+            keep=keep,
+        ) as again:
+            restored = again.restore()
+            assert restored is not None
+            assert (restored.version, restored.source_tier) == (29, "local")
+            assert_state_equal(restored.state, _shm_state(29))
+            # The opening removed the dead writer's temporary files and spares.
+            assert _shm_used(mount) <= keep * blob + _SHM_RECORDS
+    finally:
+        for mount in mounts:
+            unmount(mount)

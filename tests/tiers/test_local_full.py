@@ -8,7 +8,6 @@ fails the tests below with the signal and the output instead of killing pytest.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,39 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import mount_tmpfs, unmount
 from tests.tiers import local_full_scenarios as scenarios
 
 # One child process that imports torch: seconds, not milliseconds.
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(scenarios.__file__)
-
-
-def _mount_tmpfs(where: Path, size: int) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (this test runs the real full filesystem)")
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command on this machine")
-    if done.returncode != 0:
-        pytest.skip(f"this machine refuses to mount a tmpfs: {done.stderr.strip()}")
-
-
-def _unmount(where: Path) -> None:
-    done = subprocess.run(["umount", str(where)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        # Still busy (a child that outlived its timeout): detach it now, freed when idle.
-        lazy = subprocess.run(
-            ["umount", "-l", str(where)], capture_output=True, text=True, check=False
-        )
-        if lazy.returncode != 0:
-            raise RuntimeError(f"could not unmount the test tmpfs {where}: {lazy.stderr}")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +35,7 @@ def full_fs_run(
         args = []
         for name in scenarios.SCENARIOS:
             where = tmp_path_factory.mktemp(f"tmpfs-{name}")
-            _mount_tmpfs(where, scenarios.FS_SIZE)
+            mount_tmpfs(where, scenarios.FS_SIZE)
             mounted.append(where)
             args.append(f"{name}={where}")
         yield subprocess.run(
@@ -74,7 +47,7 @@ def full_fs_run(
         )
     finally:
         for where in mounted:
-            _unmount(where)
+            unmount(where)
 
 
 def _explain(done: subprocess.CompletedProcess[str], name: str) -> str:

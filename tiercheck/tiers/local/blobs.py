@@ -44,7 +44,7 @@ class _BlobFiles(_Space):
         spare = self._claim(key, nbytes)
         temp_path: str | None = None
         try:
-            fd, temp_path = self._open_temp(os.path.dirname(target), spare)
+            fd, temp_path = self._open_temp(os.path.dirname(target), spare, nbytes)
             try:
                 if spare is not None:
                     # A fresh file needs no backing (write reports ENOSPC, it cannot fault);
@@ -149,12 +149,10 @@ class _BlobFiles(_Space):
             except FileNotFoundError:
                 self._forget(key)
                 return
-            self._forget(key)
-        try:
-            self._keep_or_remove(private)
-        except BaseException:
-            atomic.discard(private)
-            raise
+            size = self._forget(key)
+            # Off its key but still on the filesystem: counted until kept or removed.
+            self._leaving += size
+        self._keep_or_remove(private, size)
         atomic.prune_empty_dirs(folder, self._root)
 
     def _list_sync(self, head: str, prefix: str) -> Sequence[str]:

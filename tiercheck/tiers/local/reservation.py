@@ -84,7 +84,7 @@ class _Reserving(_Space):
         path: str | None = None
         memory: mmap.mmap | None = None
         try:
-            fd, path = self._open_temp(self._spares_dir, spare)
+            fd, path = self._open_temp(self._spares_dir, spare, nbytes)
             self._size_and_back(fd, nbytes)
             memory = self._memory_for(nbytes)
         except BaseException:
@@ -145,7 +145,7 @@ class _Reserving(_Space):
         temp_path: str | None = None
         memory: mmap.mmap | None = None
         try:
-            fd, temp_path = self._open_temp(os.path.dirname(target), spare)
+            fd, temp_path = self._open_temp(os.path.dirname(target), spare, nbytes)
             # Storage held now, before the caller fills the buffer: a full filesystem is
             # TierFull here rather than at commit, after the copy.
             self._size_and_back(fd, nbytes)
@@ -214,8 +214,9 @@ class _Reserving(_Space):
                 raise RuntimeError(f"cannot abort {reservation!r}: it is {reservation._state}")
             reservation._state = _ABORTED
             self._pending -= reservation.nbytes
+            self._leaving += reservation.nbytes  # until its file is gone
         reservation._file.close()
-        atomic.discard(reservation._temp_path)
+        self._remove_leaving(reservation._temp_path, reservation.nbytes)
 
     def _close_sync(self) -> None:
         """Closing: drop prepared memory and spares, abort reservations not committed."""
@@ -224,16 +225,16 @@ class _Reserving(_Space):
         if prepared is not None:
             self._drop_prepared(prepared)
         with self._lock:
-            victims = [s.path for s in self._spares]
-            self._spares.clear()
+            victims, self._spares = self._spares, []
             self._spare_bytes = 0
+            self._leaving += sum(v.size for v in victims)
             uncommitted = [r for r in self._reservations if r._state == _OPEN]
         for reservation in uncommitted:
             with contextlib.suppress(RuntimeError):
                 # Raced with its own commit, which then owns it.
                 self._abort_sync(reservation)
-        for path in victims:
-            atomic.discard(path)
+        for victim in victims:
+            self._remove_leaving(victim.path, victim.size)
         if self._attached:
             self._attached = False
             self._memory.detach()

@@ -33,6 +33,9 @@ from tiercheck.tiers.local.memory import MemoryPool
 
 _T = TypeVar("_T")
 
+# Seconds a write waits at most for room that files being removed are about to free.
+_LEAVING_WAIT = 30.0
+
 logger = logging.getLogger("tiercheck")
 
 
@@ -70,6 +73,7 @@ class _Space:
     _spare_limit: int
     _closed: bool
     _lock: threading.Lock
+    _left: threading.Condition  # on _lock: notified when bytes stop leaving
     _scan_lock: threading.Lock
     _scanned: bool
     _sizes: dict[str, int]
@@ -78,6 +82,9 @@ class _Space:
     _spares: list[_Spare]
     _prepared: _Prepared | None
     _spare_bytes: int
+    # Bytes of files no longer counted as blobs, spares or in flight but not removed yet: they
+    # still occupy the filesystem, so the capacity counts them until they are gone.
+    _leaving: int
     _fallocate_ok: bool
     _memory: MemoryPool
     _attached: bool
@@ -143,7 +150,19 @@ class _Space:
         dropped: _Prepared | None = None
         with self._lock:
             if self._capacity is not None:
-                after = self._stored - self._sizes.get(key, 0) + self._pending + nbytes
+                capacity = self._capacity
+
+                def count() -> int:
+                    return (
+                        self._stored - self._sizes.get(key, 0) + self._pending + self._leaving
+                    ) + nbytes
+
+                # Room being freed (a deleted blob on its way to the spares or out) is only
+                # milliseconds away: wait for it rather than refuse the write.
+                self._left.wait_for(
+                    lambda: count() <= capacity or self._leaving == 0, timeout=_LEAVING_WAIT
+                )
+                after = count()
                 prepared = self._prepared
                 if (
                     after > self._capacity
@@ -154,6 +173,7 @@ class _Space:
                     # to serve the next reserve of its size.
                     self._prepared = None
                     self._pending -= prepared.nbytes
+                    self._leaving += prepared.nbytes  # until its file is gone, below
                     after -= prepared.nbytes
                     dropped = prepared
                 if after > self._capacity:
@@ -163,18 +183,29 @@ class _Space:
                         f"{self._capacity}; nothing was written. Delete old versions first."
                     )
             spare = self._take_spare(nbytes) if nbytes > 0 else None
+            if spare is not None and spare.size > nbytes:
+                # The spare's pages beyond nbytes stay until _open_temp cuts them off.
+                self._leaving += spare.size - nbytes
             if self._capacity is not None:
+                if spare is not None:
+                    after += max(spare.size - nbytes, 0)
                 # Spares are droppable: keep blobs + spares within capacity, largest first.
                 self._spares.sort(key=lambda s: s.size)
                 while self._spares and after + self._spare_bytes > self._capacity:
                     victim = self._spares.pop()
                     self._spare_bytes -= victim.size
+                    self._leaving += victim.size
                     victims.append(victim)
             self._pending += nbytes
         if dropped is not None:
-            self._free_prepared(dropped)
+            try:
+                self._free_prepared(dropped)
+            finally:
+                with self._lock:
+                    self._leaving -= dropped.nbytes
+                    self._left.notify_all()
         for victim in victims:
-            atomic.discard(victim.path)
+            self._remove_leaving(victim.path, victim.size)
         return spare
 
     def _take_spare(self, nbytes: int) -> _Spare | None:
@@ -205,10 +236,11 @@ class _Space:
             prepared, self._prepared = self._prepared, None
             spares, self._spares = self._spares, []
             self._spare_bytes = 0
+            self._leaving += sum(s.size for s in spares)
         if prepared is not None:
             self._drop_prepared(prepared)
         for spare in spares:
-            atomic.discard(spare.path)
+            self._remove_leaving(spare.path, spare.size)
         return prepared is not None or bool(spares)
 
     def _retry_when_full(self, attempt: Callable[[], _T]) -> _T:
@@ -272,21 +304,46 @@ class _Space:
             self._stored += nbytes - self._sizes.get(key, 0)
             self._sizes[key] = nbytes
 
-    def _open_temp(self, directory: str, spare: _Spare | None) -> tuple[int, str]:
+    def _open_temp(self, directory: str, spare: _Spare | None, nbytes: int) -> tuple[int, str]:
+        """A temporary file in ``directory`` for ``nbytes``: ``spare`` renamed there (cut to
+        ``nbytes`` if longer), or a fresh one."""
         if spare is not None:
+            excess = max(spare.size - nbytes, 0)
             try:
-                return atomic.adopt_temp(spare.path, directory, dir_mode=DIR_MODE)
+                fd, path = atomic.adopt_temp(spare.path, directory, dir_mode=DIR_MODE)
+                if excess:
+                    try:
+                        os.ftruncate(fd, nbytes)
+                    except BaseException:
+                        os.close(fd)
+                        atomic.discard(path)
+                        raise
+                return fd, path
             except FileNotFoundError:
                 # Removed behind our back (a cleanup by another process); use a fresh file.
                 pass
+            finally:
+                if excess:
+                    with self._lock:
+                        self._leaving -= excess
+                        self._left.notify_all()
         return atomic.create_temp(directory, file_mode=FILE_MODE, dir_mode=DIR_MODE)
 
-    def _keep_or_remove(self, path: str) -> None:
-        """Keep the unreachable file ``path`` as a spare if nobody can read it; else remove it."""
+    def _keep_or_remove(self, path: str, nbytes: int) -> None:
+        """Keep the unreachable file ``path`` as a spare if nobody can read it; else remove it.
+
+        Its ``nbytes`` were counted as leaving when it was taken off its key (under the lock),
+        so that no write counts its room as free while the file still holds it.
+        """
         if self._spare_limit == 0 or self._closed:
-            atomic.discard(path)
+            self._remove_leaving(path, nbytes)
             return
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            self._remove_leaving(path, nbytes)
+            raise
+        kept = False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -300,24 +357,39 @@ class _Space:
                 atomic.make_dirs(self._spares_dir, DIR_MODE)
                 spare_path = os.path.join(self._spares_dir, atomic.temp_name())
                 os.rename(path, spare_path)
+                kept = True
                 victims: list[_Spare] = []
                 with self._lock:
+                    self._leaving -= nbytes
+                    self._left.notify_all()
                     self._spares.append(_Spare(spare_path, size))
                     self._spare_bytes += size
                     if len(self._spares) > self._spare_limit:
                         self._spares.sort(key=lambda s: s.size)
                         victims.append(self._spares.pop(0))
                         self._spare_bytes -= victims[0].size
+                        self._leaving += victims[0].size
                 for victim in victims:
-                    atomic.discard(victim.path)
-                return
+                    self._remove_leaving(victim.path, victim.size)
         finally:
             os.close(fd)
-        atomic.discard(path)
+            if not kept:
+                self._remove_leaving(path, nbytes)
 
-    def _forget(self, key: str) -> None:
-        """Under the lock: the blob under ``key`` is gone."""
-        self._stored -= self._sizes.pop(key, 0)
+    def _remove_leaving(self, path: str, nbytes: int) -> None:
+        """Remove ``path``, then stop counting its ``nbytes`` as leaving."""
+        try:
+            atomic.discard(path)
+        finally:
+            with self._lock:
+                self._leaving -= nbytes
+                self._left.notify_all()
+
+    def _forget(self, key: str) -> int:
+        """Under the lock: the blob under ``key`` is gone; its size as counted."""
+        size = self._sizes.pop(key, 0)
+        self._stored -= size
+        return size
 
     def _drop_prepared(self, prepared: _Prepared) -> None:
         """Free the prepared region and give back the bytes it counted as in flight."""

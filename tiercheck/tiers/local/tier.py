@@ -176,6 +176,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         # Guards the accounting below; held only for dictionary work and renames, never for
         # data transfer, so event-loop code that reads the properties never waits long.
         self._lock = threading.Lock()
+        self._left = threading.Condition(self._lock)
         self._scan_lock = threading.Lock()
         self._scanned = False
         self._sizes: dict[str, int] = {}
@@ -184,6 +185,7 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         self._spares: list[_Spare] = []
         self._prepared: _Prepared | None = None
         self._spare_bytes = 0
+        self._leaving = 0
         self._reservations: set[LocalReservation] = set()
         # Turned off for good, for this root, the first time its filesystem cannot preallocate.
         self._fallocate_ok = posix_fallocate() is not None
