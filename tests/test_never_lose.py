@@ -827,9 +827,10 @@ def _shm_used(root: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("pending", [1, 2])
 def test_shared_memory_stays_within_its_stated_bound(tmp_path: Path, pending: int) -> None:
-    """#19: the README's bound on /dev/shm, kept while saving, after a SIGKILL, and after the
-    next opening: at most keep + max_pending + 2 blobs of the state (the kept versions, up to
-    max_pending + 1 being written, one spare), and once the job opens again, the kept ones."""
+    """#19: the documented bound on /dev/shm (docs/use.md, "Memory"), kept while saving, after
+    a SIGKILL, and after the next opening: at most keep + max_pending + 2 blobs of the state
+    (the kept versions, up to max_pending + 1 being written, one spare), and once the job
+    opens again, the kept ones."""
     keep = 2
     script = tmp_path / "shm.py"
     script.write_text(_SHM_SCRIPT)
