@@ -33,8 +33,8 @@ Usage::
 
     python bench/compare.py [--sizes-mb 50 250 1024 2048] [--repeats 5]
 
-Results: ``bench/results/compare.json`` (medians, spread, raw values, environment) and
-``bench/results/compare.png``; markdown tables on stdout.
+Results: ``bench/results/compare.json`` (medians, spread, raw values, environment) and the plot
+``docs/img/compare.png`` (shown in the docs); markdown tables on stdout.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ from save import PlainCopy, make_state, perturb, tensors
 import tiercheck
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: The docs show the plot (docs/performance.md).
+PLOTS = Path(__file__).resolve().parent.parent / "docs" / "img"
 HEADLINE_MB = 1024
 
 # Targets of issue 7 (measured on the same state in the same run).
@@ -595,7 +597,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path, default=RESULTS / "compare.json")
-    parser.add_argument("--png", type=Path, default=RESULTS / "compare.png")
+    parser.add_argument("--png", type=Path, default=PLOTS / "compare.png")
     args = parser.parse_args()
     quiet_dcp()
 

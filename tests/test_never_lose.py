@@ -840,12 +840,12 @@ def _shm_state(version: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_shared_memory_stays_within_its_stated_bound(tmp_path: Path) -> None:
-    """#19: the README's account of /dev/shm, on a tmpfs of the test's own. Saves that come
-    faster than the local tier commits them hold more blobs than ``keep`` for a while (no fixed
-    number: measured, not promised); ``local_capacity`` is the hard bound, kept at every
-    instant of saving and after a SIGKILL, with every version still committed; a closed job
-    leaves its kept versions and a spare, and the next opening after a crash removes the dead
-    writer's temporary files and spares."""
+    """#19: the documented account of /dev/shm (docs/use.md, "Memory"), on a tmpfs of its
+    own. Saves that come faster than the local tier commits them hold more blobs than ``keep``
+    for a while (no fixed number: measured, not promised); ``local_capacity`` is the hard
+    bound, kept at every sampled instant of saving and after a SIGKILL, with every version
+    still committed; a closed job leaves its kept versions and a spare, and the next opening
+    after a crash removes the dead writer's temporary files and spares."""
     keep = 2
     script = tmp_path / "shm.py"
     script.write_text(_SHM_SCRIPT)

@@ -1,12 +1,19 @@
-"""The README's examples run as written.
+"""The examples of the README and of the documentation under ``docs/`` run as written.
 
-Each example marked ``<!-- readme-example: NAME -->`` is run in a fresh interpreter. Only the
-places it stores to are changed (the durable URL and the job name), so that test runs do not
-share storage with each other or with a user's own runs.
+Each example marked ``<!-- readme-example: NAME -->`` (in ``README.md`` or ``docs/**/*.md``; a
+name is used once across them) is run in a fresh interpreter. Only the places it stores to are
+changed (the durable URL and the job name), so that test runs do not share storage with each
+other or with a user's own runs.
+
+Every ```` ```python ```` block of those files carries one of three markers on the line above
+it, so that no example slips in untested: ``readme-example: NAME`` (run by a test here),
+``copy-of: NAME`` (word for word the example ``NAME``, which a test here runs) or
+``not-run: WHY`` (not complete on its own, and why). The first tests below check that.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -18,17 +25,143 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+#: The marker above a ```python block: what it is, and its name or reason.
+_MARKER = re.compile(r"^<!-- (readme-example|copy-of|not-run): (.*?) -->$")
+_FENCE = re.compile(r"^(`{3,})(\S*)")
+
+
+def doc_files() -> list[Path]:
+    """The files whose examples are tested: the README and every page under ``docs/``."""
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def python_blocks(path: Path) -> list[tuple[int, str | None, str, str]]:
+    """Every ```python block of ``path``: its line number (1-based, the fence), the marker kind
+    on the line right above it (``None`` when there is none), the marker's name or reason, and
+    the code. Fences nested in longer fences are skipped, as Markdown does."""
+    lines = path.read_text().splitlines()
+    out: list[tuple[int, str | None, str, str]] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        fence, info = m.group(1), m.group(2)
+        end = i + 1
+        while end < len(lines) and not (
+            lines[end].startswith(fence) and lines[end].strip() == lines[end][: len(fence)]
+        ):
+            end += 1
+        if info == "python":
+            above = _MARKER.match(lines[i - 1]) if i > 0 else None
+            kind, what = (above.group(1), above.group(2)) if above else (None, "")
+            out.append((i + 1, kind, what, "\n".join(lines[i + 1 : end])))
+        i = end + 1
+    return out
+
+
+def _marked(kind: str) -> dict[str, list[tuple[Path, str]]]:
+    """Blocks marked ``kind``, by name: where each is, and its code."""
+    found: dict[str, list[tuple[Path, str]]] = {}
+    for path in doc_files():
+        for _, k, name, code in python_blocks(path):
+            if k == kind:
+                found.setdefault(name, []).append((path, code))
+    return found
 
 
 def example(name: str) -> str:
-    """The code block that follows the marker ``<!-- readme-example: name -->``."""
-    text = README.read_text()
-    m = re.search(
-        rf"<!-- readme-example: {re.escape(name)} -->\n```python\n(.*?)\n```", text, re.DOTALL
+    """The code block that follows the marker ``<!-- readme-example: name -->`` in the README
+    or a page under ``docs/``; the name must be used exactly once across them."""
+    found = []
+    for path in doc_files():
+        for m in re.finditer(
+            rf"<!-- readme-example: {re.escape(name)} -->\n```python\n(.*?)\n```",
+            path.read_text(),
+            re.DOTALL,
+        ):
+            found.append((path, m.group(1)))
+    where = [str(path.relative_to(ROOT)) for path, _ in found]
+    assert found, f"neither the README nor docs/ has the example {name!r}"
+    assert len(found) == 1, f"the example {name!r} is marked {len(found)} times: {where}"
+    return found[0][1]
+
+
+def _names_run_here() -> set[str]:
+    """The example names this module's tests run: the string given to ``example(...)``, and
+    the second argument of ``_script(...)`` (which calls ``example`` with it)."""
+    names = set()
+    for node in ast.walk(ast.parse(Path(__file__).read_text())):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+            continue
+        position = {"example": 0, "_script": 1}.get(node.func.id)
+        if position is None or len(node.args) <= position:
+            continue
+        arg = node.args[position]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            names.add(arg.value)
+    return names
+
+
+def test_every_python_block_is_run_or_says_why_not() -> None:
+    unmarked = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in doc_files()
+        for line, kind, _, _ in python_blocks(path)
+        if kind is None
+    ]
+    assert not unmarked, (
+        "these ```python blocks have no marker on the line above them: mark a complete example "
+        "<!-- readme-example: NAME --> and run it in tests/test_readme.py, or say "
+        f"<!-- not-run: why --> (or <!-- copy-of: NAME -->): {unmarked}"
     )
-    assert m is not None, f"README has no example {name!r}"
-    return m.group(1)
+    reasonless = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in doc_files()
+        for line, kind, why, _ in python_blocks(path)
+        if kind == "not-run" and not why.strip()
+    ]
+    assert not reasonless, f"a not-run marker says why: {reasonless}"
+
+
+def test_every_marker_stands_above_a_python_block() -> None:
+    dangling = []
+    for path in doc_files():
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if _MARKER.match(line) and not (i + 1 < len(lines) and lines[i + 1] == "```python"):
+                dangling.append(f"{path.relative_to(ROOT)}:{i + 1}")
+    assert not dangling, f"markers not followed by a ```python block: {dangling}"
+
+
+def test_each_marked_example_is_run_by_a_test_and_marked_once() -> None:
+    marked = _marked("readme-example")
+    twice = {
+        name: [str(path.relative_to(ROOT)) for path, _ in at]
+        for name, at in marked.items()
+        if len(at) > 1
+    }
+    assert not twice, f"example names marked more than once: {twice}"
+    run = _names_run_here()
+    assert set(marked) == run, (
+        f"marked but run by no test: {sorted(set(marked) - run)}; "
+        f"run by a test but marked nowhere: {sorted(run - set(marked))}"
+    )
+    # The README keeps its one complete example (its front door), run like the others.
+    assert "<!-- readme-example: use -->" in README.read_text()
+
+
+def test_every_copy_is_word_for_word_its_example() -> None:
+    copies = _marked("copy-of")
+    assert copies, "the docs repeat the README's example (getting-started.md)"
+    for name, at in copies.items():
+        original = example(name)
+        for path, code in at:
+            assert code == original, f"{path.relative_to(ROOT)}: the copy of {name!r} differs"
 
 
 @pytest.mark.multiprocess

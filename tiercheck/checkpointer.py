@@ -23,8 +23,11 @@ Lifecycle of one save (the order things happen in)
 
 Restore: every rank inventories what it can reach, the ranks agree on the newest version every
 one of them can rebuild, each reads it from its fastest source, verifying checksums and falling
-back to the next tier on any missing or corrupt blob. Versions newer than the restored one are
-then removed everywhere, so a later save can never be mixed with a blob of an abandoned future.
+back to the next tier on any missing or corrupt blob. A restore changes nothing stored: the
+first save after it takes the versions newer than the restored one off the run's timeline (set
+aside whole under ``abandoned/`` in durable tiers, dropped from memory tiers; see
+:mod:`tiercheck.engine.timeline`), so a later save can never be mixed with a blob of an
+abandoned future.
 
 Errors in the background never reach training: they are logged (logger ``"tiercheck"``),
 counted in :attr:`Checkpointer.stats`, raised from ``handle.done(tier)``, and the version simply
@@ -39,8 +42,9 @@ This module is the public face. The engine behind it is :mod:`tiercheck.engine`:
 in ``options`` (:func:`~tiercheck.engine.options.resolve_options`), the parts put together in
 ``engine`` (:class:`~tiercheck.engine.engine.Engine`), step 1 in ``schedule`` and ``stage``, step
 2 in ``encode``, steps 3 and 4 in ``tier`` (one :class:`~tiercheck.engine.tier.TierPipeline` per
-tier) and ``commit``; restore in ``restore`` and ``read``; the checks on opening in ``claim``;
-closing in ``shutdown``.
+tier), ``lane`` and ``commit``; restore in ``restore``, ``read`` and ``elastic``; the first save
+after a restore in ``timeline``; the checks on opening in ``claim``; closing in ``shutdown``. The
+walk file by file: ``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def test_processes_that_would_each_train_alone_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Under torchrun on CPUs without use_cpu=True, transformers runs every process NOT_PARALLEL
-    # (world size 1): each would train and save alone. Seen with the README's example.
+    # (world size 1): each would train and save alone. Seen with the docs' example.
     trainer = _covered("NO", "not_parallel")
     trainer.args = _args(tmp_path)
     assert trainer.args.world_size == 1
