@@ -55,6 +55,7 @@ from tiercheck.staging import fence_before_forward, fence_before_step
 from tiercheck.stateful import Replicated
 from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers import LocalTier, PersistentTier
+from tiercheck.tiers.atomic import atomic_write_file
 from tiercheck.tiers.base import FailureScope, Tier
 
 __version__ = "0.1.0"
@@ -105,6 +106,7 @@ __all__ = [
     "VersionError",
     "WorldSizeMismatch",
     "__version__",
+    "atomic_write_file",
     "fence_before_forward",
     "fence_before_step",
 ]

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from tiercheck import PersistentTier
 from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.consistency.identity import JOB_KEY
 from tiercheck.consistency.keys import MAX_VERSION, check_version
@@ -232,8 +233,6 @@ class Session:
 
 async def _durable_holds(folder: str, storage_options: Mapping[str, Any] | None) -> bool:
     """Whether the persistent job folder holds a job record, or anything else at all."""
-    from tiercheck.tiers.persistent import PersistentTier
-
     tier = PersistentTier(folder, storage_options=storage_options)
     try:
         if await tier.exists(JOB_KEY):

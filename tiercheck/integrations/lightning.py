@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tiercheck import atomic_write_file
 from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.consistency.keys import MAX_VERSION
 from tiercheck.errors import ConfigError, FormatError, RestoreError
@@ -116,7 +117,6 @@ from tiercheck.integrations._lightning_strategies import (
 )
 from tiercheck.statetree import own_copy
 from tiercheck.sync import SyncCheckpointer
-from tiercheck.tiers.atomic import atomic_write
 
 try:
     import lightning.pytorch as pl
@@ -333,7 +333,7 @@ class TiercheckCheckpointIO(CheckpointIO):
         ).encode()
         fs, fspath = fsspec.core.url_to_fs(str(path))
         if isinstance(fs, LocalFileSystem):
-            atomic_write(fspath, [memoryview(data)])
+            atomic_write_file(fspath, data)
         else:
             # Object stores publish a single put whole.
             fs.makedirs(fs._parent(fspath), exist_ok=True)
