@@ -44,28 +44,44 @@ Appends are not synced (``fsync``): a node root lives in memory, which a power l
 Every method is synchronous and quick (microseconds; a compaction or an opening reads the whole
 file: about a millisecond per thousand records); async callers run them in a thread, as they do
 all file work.
+
+The journal file itself (opening, locking, catching up, cutting off an append cut short) is
+:class:`~tiercheck.consistency.journal_file.JournalFile`, which :class:`Manifest` extends with the
+index, appending, compaction and the queries; the records and the frame format are in
+:mod:`tiercheck.consistency.records` (the records are importable from here).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import logging
 import os
 import secrets
-import socket
-import struct
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-import msgpack
-import xxhash
-
+from tiercheck.consistency.journal_file import (
+    COMPACTING,
+    HOST,
+    JOURNAL,
+    WRITE_ATTEMPTS,
+    JournalFile,
+)
+from tiercheck.consistency.records import (
+    FORMAT_VERSION,
+    RECORDS_PER_FRAME,
+    Abort,
+    Begin,
+    Commit,
+    Durable,
+    Evict,
+    Record,
+    pack_frame,
+    record_fields,
+)
 from tiercheck.errors import ManifestError
 
 __all__ = [
@@ -79,185 +95,7 @@ __all__ = [
     "Record",
 ]
 
-logger = logging.getLogger("tiercheck")
-
-FORMAT_VERSION = 1
-#: The journal's file name in the manifest folder.
-JOURNAL = "journal"
-#: What manifests of tiercheck before the journal left (LMDB): never opened, never mapped.
-_LMDB_FILES = ("data.mdb", "lock.mdb")
-# A compaction writes the new journal under this name first (host and pid: debris of a process
-# that died is recognised and removed).
-_COMPACTING = "journal#compacting#"
-_HOST = socket.gethostname().replace("#", "_") or "localhost"
-
-# A frame: magic, body length, xxh32 of the body, xxh32 of the 12 bytes before; then the body.
-# The header's own checksum tells a damaged length (corruption) from a file that ends inside a
-# frame (an append cut short: ignored, then cut off by the next writer).
-_HEADER = struct.Struct(">4sIII")
-_MAGIC = b"TCMJ"
-#: No frame is larger (a compaction writes the kept records in frames of at most this).
-_MAX_FRAME = 1 << 24
-_RECORDS_PER_FRAME = 10_000
-# An append whose frame someone else's truncation displaced is written again, a few times.
-_WRITE_ATTEMPTS = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Begin:
-    """A rank started saving ``version``."""
-
-    op: ClassVar[str] = "begin"
-    version: int
-    rank: int
-    kind: Literal["base", "delta"]
-    base: int | None = None
-    time: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Durable:
-    """A rank's blob of ``version`` is durable in ``tier``."""
-
-    op: ClassVar[str] = "durable"
-    version: int
-    rank: int
-    tier: str
-    key: str
-    size: int
-    checksum: int
-    raw_digest: int
-    #: The base version this blob is a delta against, or ``None`` for a self-contained blob.
-    base: int | None = None
-    time: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    """``version`` is committed in ``tier``: whole for every rank, base included."""
-
-    op: ClassVar[str] = "commit"
-    version: int
-    tier: str
-    time: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Evict:
-    """A rank removed its blob of ``version`` from ``tier``."""
-
-    op: ClassVar[str] = "evict"
-    version: int
-    rank: int
-    tier: str
-    reason: str = "retention"
-    time: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """A rank gave up ``version``: the whole save (skipped, or its staging or encoding failed)."""
-
-    op: ClassVar[str] = "abort"
-    version: int
-    rank: int
-    reason: str
-    time: float = 0.0
-
-
-Record = Begin | Durable | Commit | Evict | Abort
-_RECORD_TYPES: dict[str, type[Record]] = {
-    cls.op: cls for cls in (Begin, Durable, Commit, Evict, Abort)
-}
-
-
 _MISSING = object()
-
-
-def _frame(body: dict[str, Any]) -> bytes:
-    data = msgpack.packb(body, use_bin_type=True)
-    if len(data) > _MAX_FRAME:
-        raise ManifestError(f"a manifest append of {len(data)} bytes is over {_MAX_FRAME}")
-    head = _HEADER.pack(_MAGIC, len(data), xxhash.xxh32_intdigest(data), 0)[:12]
-    return head + struct.pack(">I", xxhash.xxh32_intdigest(head)) + data
-
-
-def _fields(record: Record) -> dict[str, Any]:
-    return {"op": record.op, **dataclasses.asdict(record)}
-
-
-def _record(fields: Any, where: str) -> Record:
-    try:
-        fields = dict(fields)
-        cls = _RECORD_TYPES[fields.pop("op")]
-        if cls is Abort:
-            # Logs written before Abort lost its `tier` field (always "", the whole save)
-            # still carry it.
-            fields.pop("tier", None)
-        return cls(**fields)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ManifestError(f"manifest record at {where} is not a valid record: {exc!r}") from exc
-
-
-@dataclass
-class _Parsed:
-    """Frames read from the journal: their bodies, where the last complete one ends, and that
-    frame itself (where it starts and its bytes: what tells later whether the file was cut or
-    rewritten under it)."""
-
-    bodies: list[dict[str, Any]]
-    end: int
-    last: tuple[int, bytes] | None
-    #: Where each frame starts (in the file).
-    starts: list[int]
-
-
-def _parse(data: bytes, start: int, path: str, *, tolerant: bool = False) -> _Parsed:
-    """The complete frames of ``data`` (the journal's bytes from offset ``start``).
-
-    Bytes after the last complete frame that could be the start of one are left (an append cut
-    short); anything else that is not a valid frame raises :class:`ManifestError` -- unless
-    ``tolerant``, where the frames before it are what is read (see ``Manifest._cut_tail``).
-    """
-    bodies: list[dict[str, Any]] = []
-    starts: list[int] = []
-    pos, last = 0, None
-    while len(data) - pos >= _HEADER.size:
-        magic, length, body_check, head_check = _HEADER.unpack_from(data, pos)
-        where = f"byte {start + pos} of {path}"
-        damage = None
-        if magic != _MAGIC or xxhash.xxh32_intdigest(data[pos : pos + 12]) != head_check:
-            damage = "not a record header"
-        elif length > _MAX_FRAME:
-            damage = f"a frame of {length} B"
-        elif len(data) - pos - _HEADER.size < length:
-            break  # an append cut short (a writer died, or the file was truncated)
-        else:
-            body = data[pos + _HEADER.size : pos + _HEADER.size + length]
-            if xxhash.xxh32_intdigest(body) != body_check:
-                damage = "a record fails its checksum"
-        decoded: Any = None
-        if damage is None:
-            try:
-                decoded = msgpack.unpackb(body, raw=False, strict_map_key=False)
-            except (ValueError, msgpack.UnpackException) as exc:
-                damage = repr(exc)
-            else:
-                if not isinstance(decoded, dict):
-                    damage = "not a frame"
-        if damage is not None:
-            if tolerant:
-                break
-            raise ManifestError(
-                f"the manifest journal is damaged at {where} ({damage}). Move the manifest "
-                "folder aside: recovery proceeds from what the tiers prove."
-            )
-        bodies.append(decoded)
-        starts.append(start + pos)
-        end = pos + _HEADER.size + length
-        last = (start + pos, bytes(data[pos:end]))
-        pos = end
-    return _Parsed(bodies, start + pos, last, starts)
 
 
 class _Undo:
@@ -277,24 +115,7 @@ class _Undo:
                 table[key] = old
 
 
-def _dead_compaction(name: str) -> bool:
-    """Whether ``name`` is the unfinished new journal of a compaction whose process is gone."""
-    if not name.startswith(_COMPACTING):
-        return False
-    host, _, rest = name[len(_COMPACTING) :].partition("#")
-    pid_text = rest.partition("#")[0]
-    if host != _HOST or not pid_text.isdigit():
-        return False
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-class Manifest:
+class Manifest(JournalFile):
     """The log (appended to, compacted now and then) and its index for one node. See the module
     docstring.
 
@@ -302,271 +123,12 @@ class Manifest:
         path: the manifest folder (created if missing, mode 0700); the journal is a file in it.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.path.realpath(os.fspath(path))
-        self._journal = os.path.join(self.path, JOURNAL)
-        self._lock = threading.Lock()
-        self._notes: list[tuple[int, str, tuple[object, ...]]] = []
-        self._closed = False
-        self._fd = -1
-        self._reset()
-        try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-            self._remove_debris()
-            self._open_journal()
-        except OSError as exc:
-            self._close_fd()
-            raise ManifestError(
-                f"cannot open the manifest at {self.path}: {exc}. Recovery proceeds from what "
-                "the tiers prove."
-            ) from exc
-        try:
-            with self._locked(exclusive=False):
-                pass  # reads the whole journal: a damaged one fails here
-        except BaseException:
-            self._close_fd()
-            self._closed = True
-            raise
-        if any(os.path.exists(os.path.join(self.path, name)) for name in _LMDB_FILES):
-            logger.info(
-                "tiercheck: %s holds an LMDB manifest of an older tiercheck (data.mdb); it is "
-                "not read (the history in it is not shown) and may be deleted",
-                self.path,
-            )
+    # --- the index ----------------------------------------------------------------------------
 
-    # --- the file -----------------------------------------------------------------------------
-
-    def _reset(self) -> None:
-        """Forget everything read: the next call replays the journal from its start."""
-        self._offset = 0
-        self._formatted = False  # the journal's first frame, its format, was read
-        self._last: tuple[int, bytes] | None = None
-        self._records: list[Record] = []
+    def _reset_index(self) -> None:
         self._blobs: dict[tuple[str, int, int], Durable] = {}
         self._commits: dict[tuple[str, int], Commit] = {}
         self._versions: dict[int, dict[str, Any]] = {}
-        self._compacted = 0
-
-    def _open_journal(self) -> None:
-        fd = os.open(self._journal, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self._close_fd()
-        self._fd = fd
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def _remove_debris(self) -> None:
-        with os.scandir(self.path) as entries:
-            for entry in entries:
-                if _dead_compaction(entry.name):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-
-    @contextlib.contextmanager
-    def _locked(self, *, exclusive: bool) -> Iterator[None]:
-        """Hold the journal's ``flock`` (shared to read, exclusive to write) with the index
-        caught up with everything appended before."""
-        with self._lock:
-            self._check_open()
-            try:
-                size = self._lock_current(exclusive)
-            except OSError as exc:
-                raise ManifestError(f"cannot read the manifest at {self.path}: {exc}") from exc
-            try:
-                try:
-                    self._catch_up(size, exclusive)
-                except ManifestError:
-                    raise
-                except OSError as exc:
-                    raise ManifestError(f"cannot read the manifest at {self.path}: {exc}") from exc
-                yield
-            finally:
-                with contextlib.suppress(OSError):
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
-                # Said once the lock is let go: a log handler that blocks (a full pipe) must
-                # not hold up the other ranks of the node.
-                notes, self._notes = self._notes, []
-                for level, message, args in notes:
-                    logger.log(level, message, *args)
-
-    def _note(self, level: int, message: str, *args: object) -> None:
-        """Log ``message`` once the journal's lock is let go (see ``_locked``)."""
-        self._notes.append((level, message, args))
-
-    def _lock_current(self, exclusive: bool) -> int:
-        """Lock the file that is the journal now (a compaction elsewhere may have replaced it,
-        someone may have removed it); return its size."""
-        while True:
-            fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            mine = os.fstat(self._fd)
-            try:
-                now = os.stat(self._journal)
-            except FileNotFoundError:
-                now = None
-            if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                return mine.st_size
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            if now is None:
-                self._note(
-                    logging.ERROR,
-                    "tiercheck: the manifest journal %s was removed while in use; starting a new "
-                    "one (the history before is lost; checkpoints are not: restore trusts the "
-                    "tiers)",
-                    self._journal,
-                )
-                os.makedirs(self.path, mode=0o700, exist_ok=True)
-            self._open_journal()
-            self._reset()
-
-    def _catch_up(self, size: int, exclusive: bool) -> None:
-        """Apply the frames appended since this handle last read (another process's)."""
-        if size < self._offset or (self._last is not None and not self._same_last()):
-            self._note(
-                logging.ERROR,
-                "tiercheck: the manifest journal %s was cut short or rewritten while in use "
-                "(now %d bytes, %d read before); reading it again from the start: the history "
-                "past the cut is lost (checkpoints are not: restore trusts the tiers)",
-                self._journal,
-                size,
-                self._offset,
-            )
-            self._reset()
-        if size > self._offset:
-            data = self._read(self._offset, size - self._offset)
-            parsed = _parse(data, self._offset, self._journal)
-            for body in parsed.bodies:
-                self._take(body)
-            self._offset = parsed.end
-            if parsed.last is not None:
-                self._last = parsed.last
-        if exclusive and size > self._offset:
-            # An append cut short (its writer died, or the file was truncated mid-frame):
-            # nobody is writing now (this handle holds the lock), so those bytes are debris.
-            self._note(
-                logging.WARNING,
-                "tiercheck: dropping %d bytes at the end of the manifest journal %s: an append "
-                "that never finished (its writer died, or the file was cut short)",
-                size - self._offset,
-                self._journal,
-            )
-            self._cut_tail()
-
-    def _same_last(self) -> bool:
-        """Whether the last frame read is still where it was (its header: one small read)."""
-        assert self._last is not None
-        start, frame = self._last
-        return os.pread(self._fd, _HEADER.size, start) == frame[: _HEADER.size]
-
-    def _intact(self) -> bool:
-        """Whether the journal ends exactly after the last frame read, which is still there."""
-        if os.fstat(self._fd).st_size != self._offset:
-            return False
-        if self._last is None:
-            return self._offset == 0
-        start, frame = self._last
-        return os.pread(self._fd, len(frame), start) == frame
-
-    def _cut_tail(self) -> None:
-        """Under the exclusive lock: end the journal at the last complete frame read.
-
-        ``ftruncate`` to a length lengthens a file that someone else cut shorter meanwhile
-        (with zeros, over the end of a frame): checked afterwards, and then the journal is
-        read again up to its first damage -- debris of that race, or of the cut -- and cut
-        there, until it holds.
-        """
-        for _attempt in range(_WRITE_ATTEMPTS):
-            if os.fstat(self._fd).st_size > self._offset:
-                os.ftruncate(self._fd, self._offset)
-            if self._intact():
-                return
-            self._replay_tolerant()
-        raise ManifestError(
-            f"cannot repair the manifest at {self.path}: the journal kept changing under its "
-            "writer. Is something else truncating it?"
-        )
-
-    def _replay_tolerant(self) -> None:
-        """Under the exclusive lock, after the journal changed under this writer: read it again
-        from its start up to the first frame that is not whole."""
-        self._note(
-            logging.ERROR,
-            "tiercheck: the manifest journal %s changed under its writer; reading it again up to "
-            "its first damaged record (the history past it is lost; checkpoints are not)",
-            self._journal,
-        )
-        self._reset()
-        data = self._read(0, os.fstat(self._fd).st_size)
-        parsed = _parse(data, 0, self._journal, tolerant=True)
-        self._offset, self._last = parsed.end, parsed.last
-        for i, body in enumerate(parsed.bodies):
-            if not self._formatted and "meta" not in body:
-                # Records where the format belongs (a frame that landed on a file cut to
-                # nothing): debris like the rest from here on.
-                self._offset = parsed.starts[i]
-                self._last = None
-                if i:
-                    begin = parsed.starts[i - 1]
-                    self._last = (begin, data[begin : parsed.starts[i]])
-                break
-            self._take(body)
-
-    def _read(self, offset: int, size: int) -> bytes:
-        parts, done = [], 0
-        while done < size:
-            chunk = os.pread(self._fd, size - done, offset + done)
-            if not chunk:  # cut short since the fstat: what is there is what counts
-                break
-            parts.append(chunk)
-            done += len(chunk)
-        return b"".join(parts)
-
-    def _take(self, body: dict[str, Any]) -> None:
-        """Apply one frame read from the journal."""
-        meta = body.get("meta")
-        if meta is not None:
-            version = meta.get("format") if isinstance(meta, dict) else None
-            if version != FORMAT_VERSION:
-                raise ManifestError(
-                    f"the manifest at {self.path} has format {version}, this build reads format "
-                    f"{FORMAT_VERSION}"
-                )
-            self._compacted = int(meta.get("compacted", 0))
-            self._formatted = True
-            return
-        if not self._formatted:
-            raise ManifestError(
-                f"the manifest journal {self._journal} does not start with its format: it is not "
-                "a journal this build wrote. Move the manifest folder aside."
-            )
-        records = body.get("records")
-        if not isinstance(records, list):
-            raise ManifestError(f"the manifest journal {self._journal} holds an unknown frame")
-        for fields in records:
-            record = _record(fields, f"record #{len(self._records)} of {self._journal}")
-            self._apply(record)
-            self._records.append(record)
-
-    def _write(self, data: bytes) -> int:
-        """Append ``data`` (whole frames) at the end of the journal; return where it landed.
-
-        On failure, what was written of it is cut off again.
-        """
-        try:
-            view = memoryview(data)
-            while view.nbytes:
-                written = os.write(self._fd, view)
-                if written <= 0:
-                    raise OSError(errno.EIO, "write made no progress")
-                view = view[written:]
-            # O_APPEND: the write went to the end of the file as it was then, and left the
-            # file position after it.
-            return os.lseek(self._fd, 0, os.SEEK_CUR) - len(data)
-        except OSError as exc:
-            with contextlib.suppress(OSError):  # best effort: the next writer cuts it anyway
-                self._cut_tail()
-            raise ManifestError(f"cannot write to the manifest at {self.path}: {exc}") from exc
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -574,12 +136,12 @@ class Manifest:
         """Append ``records`` to the log and apply them to the index, all or none."""
         now = time.time()
         stamped = [r if r.time else dataclasses.replace(r, time=now) for r in records]
-        frame = _frame({"records": [_fields(r) for r in stamped]})
+        frame = pack_frame({"records": [record_fields(r) for r in stamped]})
         with self._locked(exclusive=True):
-            for _attempt in range(_WRITE_ATTEMPTS):
+            for _attempt in range(WRITE_ATTEMPTS):
                 data = frame
                 if self._offset == 0:  # an empty journal starts with its format
-                    data = _frame({"meta": {"format": FORMAT_VERSION, "compacted": 0}}) + frame
+                    data = pack_frame({"meta": {"format": FORMAT_VERSION, "compacted": 0}}) + frame
                 undo = _Undo()
                 try:
                     for record in stamped:
@@ -618,7 +180,7 @@ class Manifest:
                     raise ManifestError(f"cannot read the manifest at {self.path}: {exc}") from exc
         raise ManifestError(
             f"cannot append to the manifest at {self.path}: the journal kept changing under its "
-            f"writer ({_WRITE_ATTEMPTS} attempts). Is something else writing or truncating it?"
+            f"writer ({WRITE_ATTEMPTS} attempts). Is something else writing or truncating it?"
         )
 
     def _apply(self, record: Record, undo: _Undo | None = None) -> None:
@@ -706,11 +268,11 @@ class Manifest:
         live = {v for _, v, _ in self._blobs} | {v for _, v in self._commits}
         kept = [r for r in self._records if r.version >= keep_after or r.version in live]
         left = len(kept) if compacted is None else compacted
-        frames = [_frame({"meta": {"format": FORMAT_VERSION, "compacted": left}})]
-        for i in range(0, len(kept), _RECORDS_PER_FRAME):
-            part = kept[i : i + _RECORDS_PER_FRAME]
-            frames.append(_frame({"records": [_fields(r) for r in part]}))
-        temp = os.path.join(self.path, f"{_COMPACTING}{_HOST}#{os.getpid()}#{secrets.token_hex(4)}")
+        frames = [pack_frame({"meta": {"format": FORMAT_VERSION, "compacted": left}})]
+        for i in range(0, len(kept), RECORDS_PER_FRAME):
+            part = kept[i : i + RECORDS_PER_FRAME]
+            frames.append(pack_frame({"records": [record_fields(r) for r in part]}))
+        temp = os.path.join(self.path, f"{COMPACTING}{HOST}#{os.getpid()}#{secrets.token_hex(4)}")
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -800,17 +362,6 @@ class Manifest:
             }
 
     # --- lifecycle ----------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Close this handle (other handles, in this process or others, are not affected)."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._close_fd()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ManifestError(f"the manifest at {self.path} is closed")
 
     def __enter__(self) -> Manifest:
         return self
