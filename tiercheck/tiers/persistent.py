@@ -1,27 +1,22 @@
 """The persistent tier: durable storage at any fsspec URL (a folder, ``s3://``, ``memory://``...).
 
-See :class:`PersistentTier` and :class:`RetryPolicy`.
+See :class:`PersistentTier` and :class:`RetryPolicy`. How it reaches fsspec (retries, the blocking
+calls in worker threads) is in :mod:`tiercheck.tiers.storage`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import math
 import os
-import random
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Final, Literal
 
 import fsspec
-from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from tiercheck.errors import BlobNotFound, ConfigError, InvalidKey, StorageError, TiercheckError
+from tiercheck.errors import BlobNotFound, ConfigError
 from tiercheck.tiers import atomic
 from tiercheck.tiers.base import (
     Buffer,
@@ -31,10 +26,23 @@ from tiercheck.tiers.base import (
     TierSetup,
     WriterClaim,
     check_range,
-    validate_key,
+)
+from tiercheck.tiers.storage import (
+    DEFAULT_RETRY,
+    FsspecCalls,
+    RetryPolicy,
+    is_transient,
+    open_filesystem,
 )
 
-__all__ = ["CLOCK_SKEW", "DEFAULT_RETRY", "STALE_AFTER", "PersistentTier", "RetryPolicy"]
+__all__ = [
+    "CLOCK_SKEW",
+    "DEFAULT_RETRY",
+    "STALE_AFTER",
+    "PersistentTier",
+    "RetryPolicy",
+    "is_transient",
+]
 
 #: Seconds a leftover whose writer cannot be judged from here (another host) must stay
 #: unchanged, once a newer opening superseded its writer, before it counts as dead (see
@@ -44,130 +52,117 @@ STALE_AFTER: Final = 3600.0
 #: :meth:`PersistentTier.leftovers` that mix them.
 CLOCK_SKEW: Final = 300.0
 
-_T = TypeVar("_T")
-
 _logger = logging.getLogger("tiercheck")
 
 # Inside the class, "list" names the listing method.
 _Leftovers = list[Leftover]
 
-# What to install for a protocol whose fsspec backend is missing (fsspec's own hint otherwise).
-_EXTRAS: Final = {"s3": "tiercheck[s3]", "s3a": "tiercheck[s3]"}
 
-# OS errors that no amount of waiting fixes: retrying them only delays the report.
-_PERMANENT_ERRNOS: Final = frozenset(
-    {
-        errno.EACCES,
-        errno.EPERM,
-        errno.EROFS,
-        errno.ENOSPC,
-        errno.EDQUOT,
-        errno.ENAMETOOLONG,
-        errno.EINVAL,
-        errno.EFBIG,
-        errno.ELOOP,
-        errno.EEXIST,
-        errno.EISDIR,
-        errno.ENOTDIR,
-        errno.ENOENT,
-        errno.ENOTEMPTY,
-        errno.EBADF,
-    }
-)
-_MISSING: Final = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+class _LeftoverJudging(FsspecCalls):
+    """How :meth:`PersistentTier.leftovers` finds and judges what killed writers left (see
+    there for the rule), and removes one once it is judged dead again."""
 
+    _stale_after: float
 
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How often, and how patiently, the persistent tier retries a failed storage call.
+    def _judge_temp(self, temp: atomic.TempFile, writer: WriterClaim | None) -> Leftover:
+        verdict, why = atomic.process_verdict(temp.owner)
+        age = max(0.0, time.time() - temp.mtime)
+        if verdict == "unknown":
+            tag = temp.owner.tag
+            if writer is None:
+                superseded, whose = True, "no writer of the job is known"
+            elif tag is not None:
+                superseded = tag != writer.session
+                whose = "a newer opening superseded its writer"
+            else:
+                superseded = temp.mtime < writer.since - CLOCK_SKEW
+                whose = "it was last written before the current writer opened the job"
+            verdict, why = _stale_verdict(why, superseded, whose, age, self._stale_after)
+        name = os.path.relpath(temp.path, self._base)
+        return Leftover("temporary", name, temp.size, age, verdict, why, temp.path)
 
-    An operation is tried at most ``attempts`` times. Before retry number *n* (1 for the first
-    retry) it waits a random time between half and all of
-    ``min(max_delay, initial_delay * multiplier ** (n - 1))`` seconds: exponential backoff,
-    bounded, with jitter so that many ranks failing together do not retry in lockstep.
+    def _temp_leftovers(self, writer: WriterClaim | None) -> _Leftovers:
+        if not self._base:
+            return []  # a tier over the whole filesystem: not walked
+        return [self._judge_temp(t, writer) for t in atomic.find_temps(self._base)]
 
-    Only transient errors are retried (connection and timeout errors, I/O errors without a
-    permanent cause, HTTP client errors of botocore and aiohttp). A missing blob, a permission
-    error, a full or read-only filesystem are reported at once. ``RetryPolicy(attempts=1)``
-    never retries.
-    """
-
-    #: Total tries, the first included (>= 1).
-    attempts: int = 5
-    #: Upper bound of the first wait, in seconds.
-    initial_delay: float = 0.1
-    #: Upper bound of any wait, in seconds.
-    max_delay: float = 5.0
-    #: Growth of the bound from one retry to the next (>= 1).
-    multiplier: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool):
-            raise ConfigError(f"RetryPolicy.attempts must be an int, got {self.attempts!r}")
-        if self.attempts < 1:
-            raise ConfigError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if not (math.isfinite(self.initial_delay) and self.initial_delay >= 0):
-            raise ConfigError(
-                f"RetryPolicy.initial_delay must be a finite number >= 0, got {self.initial_delay}"
-            )
-        if not (math.isfinite(self.max_delay) and self.max_delay >= self.initial_delay):
-            raise ConfigError(
-                f"RetryPolicy.max_delay must be finite and >= initial_delay, got {self.max_delay}"
-            )
-        if not (math.isfinite(self.multiplier) and self.multiplier >= 1):
-            raise ConfigError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
-
-    def bound(self, retry: int) -> float:
-        """The longest wait before retry number ``retry`` (1 for the first retry)."""
-        if retry < 1:
-            raise ValueError(f"retry numbers start at 1, got {retry}")
+    def _remove_one(self, item: Leftover, writer: WriterClaim | None) -> Leftover | None:
+        if item.kind == "upload":
+            path, upload_id, started = _split_upload_handle(item.handle)
+            fresh = self._judge_upload(path, upload_id, started, item.size, writer)
+            if not fresh.removable:
+                return None
+            bucket, key, _ = self._fs.split_path(path)
+            self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            return fresh
+        path = item.handle
+        owner = atomic.parse_temp_owner(os.path.basename(path))
+        if owner is None or not path.startswith(self._prefix):
+            return None  # not one of ours: never removed
         try:
-            grown = self.initial_delay * self.multiplier ** (retry - 1)
-        except OverflowError:
-            grown = math.inf
-        return min(self.max_delay, grown)
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None  # renamed over its key by its writer, or removed by someone else
+        judged = self._judge_temp(atomic.TempFile(path, owner, st.st_size, st.st_mtime), writer)
+        if not judged.removable:
+            return None
+        atomic.discard(path)
+        atomic.prune_empty_dirs(os.path.dirname(path), self._base)
+        return judged
 
-    def delay(self, retry: int) -> float:
-        """A random wait before retry number ``retry``, in ``[bound / 2, bound]``."""
-        bound = self.bound(retry)
-        return bound / 2 + random.uniform(0, bound / 2)
+    def _upload_leftovers(self, writer: WriterClaim | None) -> _Leftovers:
+        bucket, key_prefix, _ = self._fs.split_path(self._prefix)
+        query: dict[str, Any] = {"Bucket": bucket, "Prefix": key_prefix}
+        found: _Leftovers = []
+        while True:
+            page = self._fs.call_s3("list_multipart_uploads", **query)
+            for upload in page.get("Uploads", []):
+                key, upload_id = str(upload["Key"]), str(upload["UploadId"])
+                started = float(upload["Initiated"].timestamp())
+                size = self._upload_size(bucket, key, upload_id)
+                found.append(
+                    self._judge_upload(f"{bucket}/{key}", upload_id, started, size, writer)
+                )
+            if not page.get("IsTruncated"):
+                return found
+            query["KeyMarker"] = page.get("NextKeyMarker", "")
+            query["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def _upload_size(self, bucket: str, key: str, upload_id: str) -> int | None:
+        query: dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
+        total = 0
+        while True:
+            try:
+                page = self._fs.call_s3("list_parts", **query)
+            except Exception as exc:  # sizes are for people; the upload is listed regardless
+                _logger.debug("tiercheck: cannot list the parts of upload %s: %r", upload_id, exc)
+                return None
+            total += sum(int(part.get("Size", 0)) for part in page.get("Parts", []))
+            if not page.get("IsTruncated"):
+                return total
+            query["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
+
+    def _judge_upload(
+        self,
+        path: str,
+        upload_id: str,
+        started: float,
+        size: int | None,
+        writer: WriterClaim | None,
+    ) -> Leftover:
+        age = max(0.0, time.time() - started)
+        why = f"an unfinished multipart upload (id {upload_id[:16]}) started {_ago(age)} ago"
+        if writer is None:
+            superseded, whose = True, "no writer of the job is known"
+        else:
+            superseded = started < writer.since - CLOCK_SKEW
+            whose = "it was started before the current writer opened the job"
+        verdict, why = _stale_verdict(why, superseded, whose, age, self._stale_after)
+        name = path[len(self._prefix) :] if path.startswith(self._prefix) else path
+        return Leftover("upload", name, size, age, verdict, why, f"{path}\n{upload_id}\n{started}")
 
 
-#: The retry policy a :class:`PersistentTier` uses unless given another.
-DEFAULT_RETRY: Final = RetryPolicy()
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether a storage error is worth retrying (see :class:`RetryPolicy`)."""
-    if isinstance(exc, (PermissionError, FileExistsError, *_MISSING)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError):
-        return exc.errno not in _PERMANENT_ERRNOS
-    return isinstance(exc, _network_errors())
-
-
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """HTTP client errors of the libraries an object-store backend may use, if loaded.
-
-    Looked up in ``sys.modules`` so that checking an error never imports anything.
-    """
-    found: list[type[BaseException]] = []
-    botocore_exceptions = sys.modules.get("botocore.exceptions")
-    if botocore_exceptions is not None:
-        for name in ("HTTPClientError", "ConnectionError"):
-            cls = getattr(botocore_exceptions, name, None)
-            if isinstance(cls, type) and issubclass(cls, BaseException):
-                found.append(cls)
-    aiohttp = sys.modules.get("aiohttp")
-    cls = getattr(aiohttp, "ClientError", None) if aiohttp is not None else None
-    if isinstance(cls, type) and issubclass(cls, BaseException):
-        found.append(cls)
-    return tuple(found)
-
-
-class PersistentTier(Tier):
+class PersistentTier(_LeftoverJudging, Tier):
     """Blobs at an fsspec URL: a local or mounted folder, ``s3://bucket/prefix``, ``memory://``.
 
     ``PersistentTier(url, *, storage_options=None, retry=DEFAULT_RETRY, fsync=True,
@@ -253,7 +248,7 @@ class PersistentTier(Tier):
         self._url = os.fspath(url)
         if not isinstance(self._url, str) or not self._url:
             raise ConfigError(f"the persistent tier needs a non-empty URL or path, got {url!r}")
-        self._fs, root = _open_filesystem(self._url, dict(storage_options or {}))
+        self._fs, root = open_filesystem(self._url, dict(storage_options or {}))
         self._local = isinstance(self._fs, LocalFileSystem)
         self._base = str(root).rstrip("/")
         self._prefix = f"{self._base}/" if self._base else str(self._fs.root_marker)
@@ -283,9 +278,6 @@ class PersistentTier(Tier):
     def retry(self) -> RetryPolicy:
         """The retry policy in force."""
         return self._retry
-
-    def _path(self, key: str) -> str:
-        return f"{self._prefix}{key}"
 
     # --- the Tier interface -------------------------------------------------------------------
 
@@ -401,230 +393,6 @@ class PersistentTier(Tier):
                 removed.append(fresh)
         return removed
 
-    def _judge_temp(self, temp: atomic.TempFile, writer: WriterClaim | None) -> Leftover:
-        verdict, why = atomic.process_verdict(temp.owner)
-        age = max(0.0, time.time() - temp.mtime)
-        if verdict == "unknown":
-            tag = temp.owner.tag
-            if writer is None:
-                superseded, whose = True, "no writer of the job is known"
-            elif tag is not None:
-                superseded = tag != writer.session
-                whose = "a newer opening superseded its writer"
-            else:
-                superseded = temp.mtime < writer.since - CLOCK_SKEW
-                whose = "it was last written before the current writer opened the job"
-            verdict, why = _stale_verdict(why, superseded, whose, age, self._stale_after)
-        name = os.path.relpath(temp.path, self._base)
-        return Leftover("temporary", name, temp.size, age, verdict, why, temp.path)
-
-    def _temp_leftovers(self, writer: WriterClaim | None) -> _Leftovers:
-        if not self._base:
-            return []  # a tier over the whole filesystem: not walked
-        return [self._judge_temp(t, writer) for t in atomic.find_temps(self._base)]
-
-    def _remove_one(self, item: Leftover, writer: WriterClaim | None) -> Leftover | None:
-        if item.kind == "upload":
-            path, upload_id, started = _split_upload_handle(item.handle)
-            fresh = self._judge_upload(path, upload_id, started, item.size, writer)
-            if not fresh.removable:
-                return None
-            bucket, key, _ = self._fs.split_path(path)
-            self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            return fresh
-        path = item.handle
-        owner = atomic.parse_temp_owner(os.path.basename(path))
-        if owner is None or not path.startswith(self._prefix):
-            return None  # not one of ours: never removed
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return None  # renamed over its key by its writer, or removed by someone else
-        judged = self._judge_temp(atomic.TempFile(path, owner, st.st_size, st.st_mtime), writer)
-        if not judged.removable:
-            return None
-        atomic.discard(path)
-        atomic.prune_empty_dirs(os.path.dirname(path), self._base)
-        return judged
-
-    def _upload_leftovers(self, writer: WriterClaim | None) -> _Leftovers:
-        bucket, key_prefix, _ = self._fs.split_path(self._prefix)
-        query: dict[str, Any] = {"Bucket": bucket, "Prefix": key_prefix}
-        found: _Leftovers = []
-        while True:
-            page = self._fs.call_s3("list_multipart_uploads", **query)
-            for upload in page.get("Uploads", []):
-                key, upload_id = str(upload["Key"]), str(upload["UploadId"])
-                started = float(upload["Initiated"].timestamp())
-                size = self._upload_size(bucket, key, upload_id)
-                found.append(
-                    self._judge_upload(f"{bucket}/{key}", upload_id, started, size, writer)
-                )
-            if not page.get("IsTruncated"):
-                return found
-            query["KeyMarker"] = page.get("NextKeyMarker", "")
-            query["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
-
-    def _upload_size(self, bucket: str, key: str, upload_id: str) -> int | None:
-        query: dict[str, Any] = {"Bucket": bucket, "Key": key, "UploadId": upload_id}
-        total = 0
-        while True:
-            try:
-                page = self._fs.call_s3("list_parts", **query)
-            except Exception as exc:  # sizes are for people; the upload is listed regardless
-                _logger.debug("tiercheck: cannot list the parts of upload %s: %r", upload_id, exc)
-                return None
-            total += sum(int(part.get("Size", 0)) for part in page.get("Parts", []))
-            if not page.get("IsTruncated"):
-                return total
-            query["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
-
-    def _judge_upload(
-        self,
-        path: str,
-        upload_id: str,
-        started: float,
-        size: int | None,
-        writer: WriterClaim | None,
-    ) -> Leftover:
-        age = max(0.0, time.time() - started)
-        why = f"an unfinished multipart upload (id {upload_id[:16]}) started {_ago(age)} ago"
-        if writer is None:
-            superseded, whose = True, "no writer of the job is known"
-        else:
-            superseded = started < writer.since - CLOCK_SKEW
-            whose = "it was started before the current writer opened the job"
-        verdict, why = _stale_verdict(why, superseded, whose, age, self._stale_after)
-        name = path[len(self._prefix) :] if path.startswith(self._prefix) else path
-        return Leftover("upload", name, size, age, verdict, why, f"{path}\n{upload_id}\n{started}")
-
-    # --- retries ------------------------------------------------------------------------------
-
-    async def _call(self, op: str, key: str, fn: Callable[..., _T], *args: object) -> _T:
-        """Run ``fn(*args)`` in a worker thread, retrying transient failures per the policy."""
-        attempt = 1
-        while True:
-            try:
-                return await asyncio.to_thread(fn, *args)
-            except TiercheckError:
-                raise
-            except Exception as exc:
-                if attempt >= self._retry.attempts or not is_transient(exc):
-                    tries = f"after {attempt} attempts" if attempt > 1 else "(not retried)"
-                    raise StorageError(
-                        f"{op} of key {key!r} in the persistent tier at {self._url} failed "
-                        f"{tries}: {type(exc).__name__}: {exc}"
-                    ) from exc
-            await asyncio.sleep(self._retry.delay(attempt))
-            attempt += 1
-
-    # --- blocking operations (run in worker threads) --------------------------------------------
-
-    def _put_local(self, key: str, views: Sequence[memoryview]) -> None:
-        atomic.atomic_write(self._path(key), views, fsync=self._fsync, tag=self._writer_tag)
-
-    def _pipe(self, key: str, views: Sequence[memoryview]) -> None:
-        whole = views[0].obj if len(views) == 1 else None
-        body: bytes | bytearray
-        if isinstance(whole, (bytes, bytearray)) and views[0].nbytes == len(whole):
-            body = whole
-        else:
-            # Object stores take bytes or bytearray only. Joining happens here, in the worker:
-            # bytes.join copies large buffers with the GIL released.
-            body = b"".join(views)
-        self._fs.pipe_file(self._path(key), body)
-
-    def _copy_sync(self, src: str, dst: str) -> None:
-        source, target = self._path(src), self._path(dst)
-        if self._local:
-            if not os.path.isfile(source):
-                raise BlobNotFound(f"no blob {src!r} in the persistent tier at {self._url}")
-            if atomic.link_over(source, target, fsync=self._fsync):
-                return
-            # No hard links here: copy through this process, published atomically.
-            with open(source, "rb") as f:
-                atomic.atomic_write(target, [memoryview(f.read())], fsync=self._fsync)
-            return
-        self._fs.invalidate_cache(source)
-        try:
-            self._fs.copy(source, target)
-        except _MISSING:
-            raise BlobNotFound(f"no blob {src!r} in the persistent tier at {self._url}") from None
-        finally:
-            self._fs.invalidate_cache(target)
-
-    def _get_sync(self, key: str) -> bytes:
-        path = self._path(key)
-        self._fs.invalidate_cache(path)
-        try:
-            data = self._fs.cat_file(path)
-        except _MISSING:
-            raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}") from None
-        return bytes(data)
-
-    def _range_sync(self, key: str, start: int, end: int) -> bytes:
-        if start == end:
-            # Nothing to read, but a missing blob is still missing.
-            if self._size_sync(key) is None:
-                raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}")
-            return b""
-        path = self._path(key)
-        self._fs.invalidate_cache(path)
-        try:
-            data = self._fs.cat_file(path, start=start, end=end)
-        except _MISSING:
-            raise BlobNotFound(f"no blob {key!r} in the persistent tier at {self._url}") from None
-        except Exception:
-            # Object stores refuse a range that starts past the end (S3: InvalidRange) where
-            # files and memory return nothing; the contract is the slice's. The size says which.
-            size = self._size_sync(key)
-            if size is None:
-                raise BlobNotFound(
-                    f"no blob {key!r} in the persistent tier at {self._url}"
-                ) from None
-            if start >= size:
-                return b""
-            raise
-        return bytes(data)
-
-    def _size_sync(self, key: str) -> int | None:
-        """Size of the blob, or ``None`` if there is none (a folder is not a blob)."""
-        path = self._path(key)
-        self._fs.invalidate_cache(path)
-        try:
-            info = self._fs.info(path)
-        except _MISSING:
-            return None
-        if info.get("type") != "file":
-            return None
-        return int(info["size"])
-
-    def _delete_sync(self, key: str) -> None:
-        path = self._path(key)
-        try:
-            self._fs.rm_file(path)
-        except _MISSING:
-            # Already gone, or only a folder of other keys: there is no blob to delete.
-            return
-        finally:
-            self._fs.invalidate_cache(path)
-        if self._local:
-            atomic.prune_empty_dirs(os.path.dirname(path), self._base or "/")
-
-    def _list_sync(self, head: str, prefix: str) -> Sequence[str]:
-        start = self._path(head) if head else (self._base or str(self._fs.root_marker))
-        self._fs.invalidate_cache()
-        found = self._fs.find(start)
-        cut = len(self._prefix)
-        keys = []
-        for path in found:
-            if not path.startswith(self._prefix):
-                continue
-            key = path[cut:]
-            if key.startswith(prefix) and _valid_key(key):
-                keys.append(key)
-        return keys
-
 
 def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether ``fs`` is s3fs's (the one object store whose unfinished uploads are listed)."""
@@ -660,40 +428,3 @@ def _stale_verdict(
         f"{why}; {whose}, but it changed {_ago(age)} ago: kept until it has not changed for "
         f"{_ago(stale_after)}"
     )
-
-
-def _valid_key(key: str) -> bool:
-    # Temporary files hold '#', which no key may; stray files with odd names are skipped too.
-    try:
-        validate_key(key)
-    except InvalidKey:
-        return False
-    return True
-
-
-def _open_filesystem(url: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
-    protocol = split_protocol(url)[0] or "file"
-    try:
-        fs, root = url_to_fs(url, **options)
-    except ImportError as exc:
-        hint = _EXTRAS.get(protocol)
-        what = f"pip install '{hint}'" if hint else str(exc)
-        raise ConfigError(
-            f"the persistent tier cannot open {url!r}: the {protocol}:// backend is not "
-            f"installed ({what})"
-        ) from exc
-    except ValueError as exc:
-        if protocol in fsspec.available_protocols():
-            raise ConfigError(f"the persistent tier cannot open {url!r}: {exc}") from exc
-        known = ", ".join(f"{p}://" for p in fsspec.available_protocols())
-        raise ConfigError(
-            f"the persistent tier cannot open {url!r}: unknown protocol {protocol!r}. "
-            f"Known protocols: {known} (some need an extra: 'tiercheck[s3]' for s3://), "
-            "or give a plain path."
-        ) from exc
-    except Exception as exc:
-        raise ConfigError(
-            f"the persistent tier cannot open {url!r} with storage options "
-            f"{sorted(options)}: {type(exc).__name__}: {exc}"
-        ) from exc
-    return fs, str(root)
