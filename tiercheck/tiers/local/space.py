@@ -17,6 +17,7 @@ import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from tiercheck.errors import StorageError, TiercheckError, TierFull
@@ -58,11 +59,11 @@ class _Prepared:
     nbytes: int
 
 
-class _Space:
+class _Accounting:
     """The local tier's accounting of stored, in-flight, spare and prepared bytes.
 
     A part of :class:`~tiercheck.tiers.local.LocalTier` (which sets these attributes up);
-    the methods run in worker threads.
+    the methods run in worker threads, the properties anywhere.
     """
 
     _root: str
@@ -88,6 +89,39 @@ class _Space:
     _fallocate_ok: bool
     _memory: MemoryPool
     _attached: bool
+
+    # --- properties ---------------------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        """The folder that holds this tier's blobs."""
+        return Path(self._root)
+
+    @property
+    def capacity(self) -> int | None:
+        """The configured capacity in bytes, or ``None`` for no limit."""
+        return self._capacity
+
+    @property
+    def usage(self) -> int:
+        """Bytes of stored blobs plus writes in flight, as this instance counts them.
+
+        Zero until the first operation has scanned the root.
+        """
+        with self._lock:
+            return self._stored + self._pending
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes held in spare files kept for recycling (see the class docstring)."""
+        with self._lock:
+            return self._spare_bytes
+
+    @property
+    def spare_count(self) -> int:
+        """Number of spare files kept for recycling."""
+        with self._lock:
+            return len(self._spares)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -258,6 +292,37 @@ class _Space:
                 raise
         return attempt()
 
+    def _remove_leaving(self, path: str, nbytes: int) -> None:
+        """Remove ``path``, then stop counting its ``nbytes`` as leaving."""
+        try:
+            atomic.discard(path)
+        finally:
+            with self._lock:
+                self._leaving -= nbytes
+                self._left.notify_all()
+
+    def _forget(self, key: str) -> int:
+        """Under the lock: the blob under ``key`` is gone; its size as counted."""
+        size = self._sizes.pop(key, 0)
+        self._stored -= size
+        return size
+
+    def _drop_prepared(self, prepared: _Prepared) -> None:
+        """Free the prepared region and give back the bytes it counted as in flight."""
+        self._free_prepared(prepared)
+        self._unclaim(prepared.nbytes)
+
+    def _free_prepared(self, prepared: _Prepared) -> None:
+        if prepared.memory is not None:
+            self._memory.give_back(prepared.memory)
+        os.close(prepared.fd)
+        atomic.discard(prepared.path)
+
+
+class _Space(_Accounting):
+    """The local tier's files as its accounting sees them: sized and backed, published under
+    their key, taken from the spares, and kept as spares or removed once off their key."""
+
     def _size_and_back(self, fd: int, nbytes: int) -> None:
         """Make the file behind ``fd`` ``nbytes`` long, with storage held for every byte.
 
@@ -375,29 +440,3 @@ class _Space:
             os.close(fd)
             if not kept:
                 self._remove_leaving(path, nbytes)
-
-    def _remove_leaving(self, path: str, nbytes: int) -> None:
-        """Remove ``path``, then stop counting its ``nbytes`` as leaving."""
-        try:
-            atomic.discard(path)
-        finally:
-            with self._lock:
-                self._leaving -= nbytes
-                self._left.notify_all()
-
-    def _forget(self, key: str) -> int:
-        """Under the lock: the blob under ``key`` is gone; its size as counted."""
-        size = self._sizes.pop(key, 0)
-        self._stored -= size
-        return size
-
-    def _drop_prepared(self, prepared: _Prepared) -> None:
-        """Free the prepared region and give back the bytes it counted as in flight."""
-        self._free_prepared(prepared)
-        self._unclaim(prepared.nbytes)
-
-    def _free_prepared(self, prepared: _Prepared) -> None:
-        if prepared.memory is not None:
-            self._memory.give_back(prepared.memory)
-        os.close(prepared.fd)
-        atomic.discard(prepared.path)

@@ -15,18 +15,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from tiercheck.defaults import NodeRoot, default_root
-from tiercheck.errors import (
-    ConfigError,
-    TiercheckError,
-)
+from tiercheck.errors import ConfigError, TiercheckError
 from tiercheck.tiers import atomic
-from tiercheck.tiers.base import (
-    Buffer,
-    FailureScope,
-    Tier,
-    TierSetup,
-    check_range,
-)
+from tiercheck.tiers.base import Buffer, FailureScope, Tier, TierSetup, check_range
 from tiercheck.tiers.local.blobs import _BlobFiles
 from tiercheck.tiers.local.files import SPARES_DIR, posix_fallocate, typed_os_error
 from tiercheck.tiers.local.memory import SHARED, MemoryPool
@@ -192,39 +183,6 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
 
     def __repr__(self) -> str:
         return f"LocalTier(root={self._root!r})"
-
-    # --- properties ---------------------------------------------------------------------------
-
-    @property
-    def root(self) -> Path:
-        """The folder that holds this tier's blobs."""
-        return Path(self._root)
-
-    @property
-    def capacity(self) -> int | None:
-        """The configured capacity in bytes, or ``None`` for no limit."""
-        return self._capacity
-
-    @property
-    def usage(self) -> int:
-        """Bytes of stored blobs plus writes in flight, as this instance counts them.
-
-        Zero until the first operation has scanned the root.
-        """
-        with self._lock:
-            return self._stored + self._pending
-
-    @property
-    def spare_bytes(self) -> int:
-        """Bytes held in spare files kept for recycling (see the class docstring)."""
-        with self._lock:
-            return self._spare_bytes
-
-    @property
-    def spare_count(self) -> int:
-        """Number of spare files kept for recycling."""
-        with self._lock:
-            return len(self._spares)
 
     # --- the Tier interface -------------------------------------------------------------------
 

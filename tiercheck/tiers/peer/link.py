@@ -33,6 +33,19 @@ class _Link:
     _down_lock: threading.Lock
     _down_until: dict[int, float]
 
+    def mark_down(self, rank: int, reason: str = "") -> None:
+        """Treat holder ``rank`` as unreachable for ``retry_after`` seconds (fail fast).
+
+        For a caller that learned by other means that the rank is gone. Logged once per
+        transition to down, like a failure the tier sees itself.
+        """
+        self._went_down(rank, reason or "marked down by the caller")
+
+    def is_down(self, rank: int) -> bool:
+        """Whether operations towards holder ``rank`` currently fail fast."""
+        with self._down_lock:
+            return time.monotonic() < self._down_until.get(rank, 0.0)
+
     def _store_here(self) -> Any:
         """A store connection for this thread: one connection serializes its calls."""
         store = getattr(self._local, "store", None)

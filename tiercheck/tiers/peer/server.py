@@ -11,10 +11,12 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 import msgpack
 
+from tiercheck._threads import DaemonExecutor
 from tiercheck.errors import BlobNotFound, ConfigError, TiercheckError, TierFull
 from tiercheck.tiers.base import check_range
 from tiercheck.tiers.local import LocalTier
@@ -27,10 +29,57 @@ logger = logging.getLogger("tiercheck")
 class _Holding(_Link):
     """The peer tier's server: answering requests and holding replicas for other ranks."""
 
+    timeout: float
     _holder: LocalTier
     _stop: threading.Event
+    _stopped: bool | None
+    _server: threading.Thread | None
+    _threads: DaemonExecutor
     _waiting_for: int | None
     _server_loop: asyncio.AbstractEventLoop
+
+    async def stop_serving(self, timeout: float | None = None) -> bool:
+        """Stop answering other ranks' requests; the last store traffic of this rank.
+
+        Queues a "stop" request to this rank's own server behind every earlier request and
+        waits for the server to finish them and exit, for at most ``timeout`` seconds
+        (default: the tier's ``timeout``). Returns whether it stopped in time; a store that
+        cannot be reached, or a server still busy at the deadline, is logged once (WARNING) and
+        left behind on its daemon thread. Idempotent: later calls return the first outcome.
+        """
+        if self._stopped is not None:
+            return self._stopped
+        self._stop.set()
+        if self._server is None:
+            self._stopped = True
+            return True
+        bound = self.timeout if timeout is None else max(0.0, float(timeout))
+        deadline = time.monotonic() + bound
+        loop = asyncio.get_running_loop()
+        problem = ""
+        try:
+            # Bounded: a store whose host is unreachable could block a store call for minutes.
+            await asyncio.wait_for(
+                loop.run_in_executor(self._threads, self._wake_server), timeout=bound
+            )
+        except TimeoutError:
+            problem = f"the store did not take the stop request within {bound:.0f}s"
+        except Exception as exc:  # the store is gone: the server's own wait fails and it exits
+            problem = f"the store could not be reached ({exc})"
+        left = max(0.0, deadline - time.monotonic())
+        server = self._server
+        await loop.run_in_executor(self._threads, server.join, left)
+        if server.is_alive():
+            problem = problem or f"the server was still busy after {bound:.0f}s"
+        self._stopped = not problem
+        if problem:
+            logger.warning(
+                "tiercheck: the peer server of rank %s was not stopped cleanly: %s; "
+                "left to end with the process",
+                self.topology.rank,
+                problem,
+            )
+        return self._stopped
 
     def _wake_server(self) -> None:
         """Queue a "stop" request to this rank's own server, behind every earlier request.

@@ -10,7 +10,6 @@ import datetime
 import logging
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -277,62 +276,6 @@ class PeerTier(_Requester, _Holding, Tier):
                     yield key
         if len(errors) == len(self.targets):
             raise errors[0]
-
-    def mark_down(self, rank: int, reason: str = "") -> None:
-        """Treat holder ``rank`` as unreachable for ``retry_after`` seconds (fail fast).
-
-        For a caller that learned by other means that the rank is gone. Logged once per
-        transition to down, like a failure the tier sees itself.
-        """
-        self._went_down(rank, reason or "marked down by the caller")
-
-    def is_down(self, rank: int) -> bool:
-        """Whether operations towards holder ``rank`` currently fail fast."""
-        with self._down_lock:
-            return time.monotonic() < self._down_until.get(rank, 0.0)
-
-    async def stop_serving(self, timeout: float | None = None) -> bool:
-        """Stop answering other ranks' requests; the last store traffic of this rank.
-
-        Queues a "stop" request to this rank's own server behind every earlier request and
-        waits for the server to finish them and exit, for at most ``timeout`` seconds
-        (default: the tier's ``timeout``). Returns whether it stopped in time; a store that
-        cannot be reached, or a server still busy at the deadline, is logged once (WARNING) and
-        left behind on its daemon thread. Idempotent: later calls return the first outcome.
-        """
-        if self._stopped is not None:
-            return self._stopped
-        self._stop.set()
-        if self._server is None:
-            self._stopped = True
-            return True
-        bound = self.timeout if timeout is None else max(0.0, float(timeout))
-        deadline = time.monotonic() + bound
-        loop = asyncio.get_running_loop()
-        problem = ""
-        try:
-            # Bounded: a store whose host is unreachable could block a store call for minutes.
-            await asyncio.wait_for(
-                loop.run_in_executor(self._threads, self._wake_server), timeout=bound
-            )
-        except TimeoutError:
-            problem = f"the store did not take the stop request within {bound:.0f}s"
-        except Exception as exc:  # the store is gone: the server's own wait fails and it exits
-            problem = f"the store could not be reached ({exc})"
-        left = max(0.0, deadline - time.monotonic())
-        server = self._server
-        await loop.run_in_executor(self._threads, server.join, left)
-        if server.is_alive():
-            problem = problem or f"the server was still busy after {bound:.0f}s"
-        self._stopped = not problem
-        if problem:
-            logger.warning(
-                "tiercheck: the peer server of rank %s was not stopped cleanly: %s; "
-                "left to end with the process",
-                self.topology.rank,
-                problem,
-            )
-        return self._stopped
 
     async def aclose(self) -> None:
         """Release everything (replicas stay in shared memory for a restarted process).
