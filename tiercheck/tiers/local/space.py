@@ -5,6 +5,10 @@ for recycling and one region of prepared memory, and sizes files with storage be
 byte (``posix_fallocate``) so that a full filesystem is a :class:`~tiercheck.errors.TierFull`
 as soon as memory is reserved, not once it is filled. See "Capacity" and "Recycling" in
 :class:`~tiercheck.tiers.local.LocalTier`.
+
+Two layers of the tier's class: :class:`_Accounting` keeps the counts (and the read-outs
+:attr:`~tiercheck.tiers.local.LocalTier.usage`, ``spare_bytes``...), :class:`_Space` the files
+as the counts see them (sizing and backing, publishing, spares in and out).
 """
 
 from __future__ import annotations
