@@ -179,8 +179,9 @@ class CallSteps:
     """The steps of every public call, and the private loop they run on (started on first
     use); :class:`~tiercheck.engine.core.CheckpointerCore` adds the configuration.
 
-    A face's method checks nothing and does nothing of its own: it drives the steps, with
-    :meth:`_drive` (blocking) or :meth:`_adrive` (awaiting)."""
+    A face's method does nothing of its own (the async ``open``'s one check aside): it drives
+    the steps, with :meth:`_drive` (blocking) or :meth:`_adrive` (awaiting). Each call's
+    arguments are checked in its steps, before anything is opened or exchanged."""
 
     _config: Options
     _loop: LoopThread | None
@@ -243,6 +244,8 @@ class CallSteps:
         return engine
 
     def _save_steps(self, version: int, state: Any) -> Steps[SaveHandle]:
+        """``save``: the caller's side (a confirmation point, the version counters, the state
+        walked), then one hand-off of the engine's save to the loop."""
         self._check_save_args(version)
         self._settle()  # a confirmation point for the saves before (never waits)
         marks = caller_marks()
@@ -255,12 +258,14 @@ class CallSteps:
     def _restore_steps(
         self, state: Any, version: int | None, strict: bool
     ) -> Steps[Restored | None]:
+        """``restore``: the copies in flight confirmed, then :func:`restore_steps`."""
         self._check_restore_args(version, strict)
         engine = yield from self._open_steps()
         yield Settle(engine.stager)
         return (yield from restore_steps(engine, state, version, strict))
 
     def _wait_steps(self) -> Steps[dict[str, int | None]]:
+        """``wait``: the copies in flight confirmed, every save finished, the newest versions."""
         engine = yield from self._open_steps()
         yield Settle(engine.stager)
         yield engine.wait()
@@ -268,6 +273,7 @@ class CallSteps:
         return newest
 
     def _versions_steps(self) -> Steps[dict[str, list[int]]]:
+        """``versions``: what each tier holds, as known to this rank."""
         engine = yield from self._open_steps()
         versions: dict[str, list[int]] = yield engine.versions()
         return versions
@@ -278,6 +284,8 @@ class CallSteps:
         yield from self._close_steps("now" if not flush else "bounded" if failed else "collective")
 
     def _close_steps(self, how: CloseMode) -> Steps[None]:
+        """Close (``how``: see :data:`~tiercheck.engine.options.CloseMode`); the loop thread
+        stops whatever happens, and the checkpointer stays closed."""
         self._closed = True
         if self._loop is None or self._engine is None:
             return
