@@ -38,7 +38,10 @@ computes, whether the caller is synchronous (use :class:`SyncCheckpointer`) or a
 
 Where each step lives
 ---------------------
-This module is the public face. The engine behind it is :mod:`tiercheck.engine`: configuration
+This module is the public face (the blocking one is :mod:`tiercheck.sync`); each of its calls
+is written once, as steps both faces drive, in ``engine/steps``
+(:class:`~tiercheck.engine.steps.CallSteps`), and the one constructor both inherit, with every
+option, is in ``engine/core``. The engine behind it is :mod:`tiercheck.engine`: configuration
 in ``options`` (:func:`~tiercheck.engine.options.resolve_options`), the parts put together in
 ``engine`` (:class:`~tiercheck.engine.engine.Engine`), step 1 in ``schedule`` and ``stage``, step
 2 in ``encode``, steps 3 and 4 in ``tier`` (one :class:`~tiercheck.engine.tier.TierPipeline` per
@@ -51,11 +54,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiercheck import stateful
-from tiercheck._loop import LoopThread
-from tiercheck.engine.core import CheckpointerCore, drive_async, restore_steps
-from tiercheck.engine.engine import Engine
-from tiercheck.engine.options import CloseMode, TierPolicy
+from tiercheck.engine.core import CheckpointerCore
+from tiercheck.engine.options import TierPolicy
 from tiercheck.engine.results import (
     OWN_STORAGE_BYTES,
     CheckpointerStats,
@@ -64,8 +64,6 @@ from tiercheck.engine.results import (
     SaveStats,
     TierSaveStats,
 )
-from tiercheck.errors import TierClosed
-from tiercheck.staging import caller_marks
 
 __all__ = [
     "OWN_STORAGE_BYTES",
@@ -93,24 +91,11 @@ class Checkpointer(CheckpointerCore):
 
     async def open(self) -> Checkpointer:
         """Open tiers, manifest and coordination (done on first use if not called)."""
-        if self._engine is not None and self._engine.opened:
-            return self
-        loop, engine = self._start()
-        try:
-            await loop.run(engine.open())
-        except BaseException:
-            await self._shutdown("now")
-            raise
-        return self
-
-    async def _ensure_open(self) -> tuple[LoopThread, Engine]:
-        if self._closed:
-            raise TierClosed(f"the checkpointer of job {self.job_id!r} is closed")
+        # An opened checkpointer answers with itself here, closed or not (as it always did);
+        # every other call refuses a closed one.
         if self._engine is None or not self._engine.opened:
-            await self.open()
-        assert self._loop is not None
-        assert self._engine is not None
-        return self._loop, self._engine
+            await self._adrive(self._open_steps())
+        return self
 
     async def __aenter__(self) -> Checkpointer:
         return await self.open()
@@ -119,20 +104,14 @@ class Checkpointer(CheckpointerCore):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
         # On an exception the other ranks may be failing too: no agreement, a bounded flush.
-        await self._shutdown("collective" if exc_type is None else "bounded")
+        await self._adrive(self._close_steps("collective" if exc_type is None else "bounded"))
 
     async def save(self, version: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` as ``version`` and return once training may modify it again
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`).
         ``Stateful`` objects in it are saved as their ``state_dict()``; DTensors as their local
         shard and layout."""
-        self._check_save_args(version)
-        self._settle(wait=False)  # a confirmation point for the saves before (never waits)
-        marks = caller_marks()
-        loop, engine = await self._ensure_open()
-        held: list[tuple[Any, ...]] | None = [] if engine.leans else None
-        state = stateful.for_save(state, engine.replica, held)  # Stateful -> state_dict()
-        return await loop.run(engine.save(version, state, marks, held))
+        return await self._adrive(self._save_steps(version, state))
 
     async def restore(
         self, state: Any = None, *, version: int | None = None, strict: bool = True
@@ -165,13 +144,7 @@ class Checkpointer(CheckpointerCore):
         A ``version`` that is not an int in ``[0, 10**12)`` (a string, a bool, a float) is a
         :class:`~tiercheck.errors.VersionError`, before anything is opened or exchanged.
         """
-        self._check_restore_args(version, strict)
-        loop, engine = await self._ensure_open()
-        await self._asettle()
-        result: Restored | None = await drive_async(
-            restore_steps(engine, state, version, strict), loop.run
-        )
-        return result
+        return await self._adrive(self._restore_steps(state, version, strict))
 
     async def wait(self) -> dict[str, int | None]:
         """Wait until every save so far is committed or failed in each of its tiers.
@@ -179,15 +152,11 @@ class Checkpointer(CheckpointerCore):
         Returns the newest version committed in each tier by then (``None`` for a tier that
         holds none): ``(await ckpt.wait())["persistent"]`` is the newest durable version.
         """
-        loop, engine = await self._ensure_open()
-        await self._asettle()
-        await loop.run(engine.wait())
-        return await loop.run(engine.newest())
+        return await self._adrive(self._wait_steps())
 
     async def versions(self) -> dict[str, list[int]]:
         """Versions committed in each tier, as known to this rank."""
-        loop, engine = await self._ensure_open()
-        return await loop.run(engine.versions())
+        return await self._adrive(self._versions_steps())
 
     async def aclose(self, *, flush: bool = True, failed: bool = False) -> None:
         """Finish the saves in flight, then release everything; every rank must call it.
@@ -202,20 +171,7 @@ class Checkpointer(CheckpointerCore):
         ``async with`` on an exception: no agreement (the other ranks may be failing too), the
         saves in flight get ``close_timeout`` seconds, memory tiers first.
         """
-        self._check_close_args(flush, failed)
-        await self._shutdown("now" if not flush else "bounded" if failed else "collective")
-
-    async def _shutdown(self, how: CloseMode) -> None:
-        self._closed = True
-        if self._loop is None or self._engine is None:
-            return
-        loop, engine = self._loop, self._engine
-        try:
-            await self._alast_point(how)
-            await loop.run(engine.aclose(how))
-        finally:
-            loop.stop()
-            self._loop = None
+        await self._adrive(self._close_call_steps(flush, failed))
 
 
 # The shared base under its former name (kept importable from here).

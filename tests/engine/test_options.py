@@ -5,11 +5,19 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tiercheck.engine.options import TierPolicy, resolve_options
+from tiercheck.engine.core import CheckpointerCore
+from tiercheck.engine.options import Options, TierPolicy
 from tiercheck.errors import ConfigError
+
+
+def resolve_options(job_id: str, **kwargs: Any) -> Options:
+    """The options as the constructor resolves them: it declares them, once, with their
+    defaults, and hands every one to :func:`tiercheck.engine.options.resolve_options`."""
+    return CheckpointerCore(job_id, **kwargs)._config
 
 
 def test_defaults_are_filled_in_and_grouped(tmp_path: Path) -> None:
@@ -191,3 +199,28 @@ def test_no_warning_where_every_version_has_a_tier(tmp_path: Path, kw: dict[str,
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resolve_options("job", local_root=tmp_path, rank=0, world_size=1, **kw)  # type: ignore[arg-type]
+
+
+def test_the_options_are_declared_once_and_both_faces_list_them_with_their_docs() -> None:
+    import inspect
+    import pydoc
+
+    from tiercheck import Checkpointer, SyncCheckpointer
+
+    # One constructor, inherited: the same signature for IDEs, mypy and help() on both faces.
+    assert Checkpointer.__init__ is CheckpointerCore.__init__
+    assert SyncCheckpointer.__init__ is CheckpointerCore.__init__
+    params = inspect.signature(Checkpointer).parameters
+    assert next(iter(params)) == "job_id"
+    assert len(params) == 29
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "job_id")
+    for face in (Checkpointer, SyncCheckpointer):
+        text = pydoc.render_doc(face, renderer=pydoc.plaintext)
+        signature, _, docs = text.partition(f"{face.__name__}(job_id: 'str', *, ")[2].partition(
+            "\n"
+        )
+        for name in list(params)[1:]:
+            assert f"{name}: " in signature, (face, name)
+        args = docs.partition("Args:")[2]
+        for name in params:
+            assert f" {name}:" in args or f" {name}," in args, (face, name)

@@ -1,32 +1,25 @@
 """What :class:`~tiercheck.Checkpointer` and :class:`~tiercheck.SyncCheckpointer` share.
 
-One constructor for both (its arguments are checked and resolved by
-:func:`~tiercheck.engine.options.resolve_options`), a few read-only properties, and the private
-event loop thread the :class:`~tiercheck.engine.engine.Engine` runs on, started on first use.
+One constructor for both: its keyword arguments are the one place the options are declared,
+with their types, defaults and documentation (both faces inherit it;
+:func:`~tiercheck.engine.options.resolve_options` checks and resolves them), and a few read-only
+properties. The public calls themselves are written once, as steps both faces drive, in
+:mod:`tiercheck.engine.steps`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-import time
-import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tiercheck import stateful
-from tiercheck._loop import LoopThread
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
-from tiercheck.consistency.keys import check_version
 from tiercheck.defaults import persistent_job_url
-from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import (
     BusyPolicy,
-    CloseMode,
     PerRankPolicy,
     StalePolicy,
     TierEncoding,
@@ -34,131 +27,18 @@ from tiercheck.engine.options import (
     VersionSelector,
     resolve_options,
 )
-from tiercheck.engine.results import CheckpointerStats, Restored, check_timeout
-from tiercheck.errors import ConfigError, StatefulError, TierClosed
+from tiercheck.engine.results import CheckpointerStats, check_timeout
+from tiercheck.engine.steps import CallSteps
 from tiercheck.tiers.base import Tier
 from tiercheck.topology import Topology
 
-__all__ = ["CheckpointerCore", "Steps", "drive", "drive_async", "restore_steps"]
-
-logger = logging.getLogger("tiercheck")
-
-# Checkpointers whose loop runs: those still open at interpreter exit are closed then.
-_LIVE: weakref.WeakSet[CheckpointerCore] = weakref.WeakSet()
-_exit_hook_installed = False
+__all__ = ["CheckpointerCore"]
 
 
-def _close_live_at_exit() -> None:
-    """At interpreter exit, close every checkpointer its owner never closed (bounded: the
-    saves in flight get ``close_timeout`` seconds, memory tiers first; no other rank is waited
-    for). Without it, the interpreter would stop the pipeline mid-step, with asyncio warnings
-    and tracebacks of work cut short."""
-    for ckpt in list(_LIVE):
-        ckpt._close_at_exit()
-
-
-def _install_exit_hook() -> None:
-    global _exit_hook_installed
-    if _exit_hook_installed:
-        return
-    _exit_hook_installed = True
-    # Before the thread pools refuse new work at exit (concurrent.futures registers its own
-    # hook the same way, earlier, so this one runs first); atexit hooks run after that.
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(_close_live_at_exit)
-            return
-    except RuntimeError:  # the interpreter is already shutting down
-        return
-    import atexit
-
-    atexit.register(_close_live_at_exit)
-
-
-#: A public call as the engine coroutines it runs, in order: each is run on the checkpointer's
-#: loop (blocking for :class:`~tiercheck.SyncCheckpointer`, awaited for
-#: :class:`~tiercheck.Checkpointer`) and its result sent back in; the generator's return value is
-#: the call's. One implementation behind both faces.
-Steps = Generator[Coroutine[Any, Any, Any], Any, Any]
-
-
-def drive(steps: Steps, call: Callable[[Coroutine[Any, Any, Any]], Any]) -> Any:
-    """Run ``steps`` to the end, each through ``call`` (blocking); returns what they return.
-    An exception of a step is thrown into the generator at that step."""
-    result: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            coro = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        error = None
-        try:
-            result = call(coro)
-        except BaseException as exc:
-            error = exc
-
-
-async def drive_async(
-    steps: Steps, run: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]
-) -> Any:
-    """:func:`drive` for an async caller: each step is awaited through ``run``."""
-    result: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            coro = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        error = None
-        try:
-            result = await run(coro)
-        except BaseException as exc:
-            error = exc
-
-
-def restore_steps(engine: Engine, state: Any, version: int | None, strict: bool) -> Steps:
-    """The steps of :meth:`tiercheck.Checkpointer.restore` (collective, every rank alike).
-
-    The caller's ``state`` is looked into (each ``Stateful`` object's ``state_dict()``) only
-    once the ranks know that some version can be restored: on a fresh start nothing of the
-    caller's runs, so a run with tiercheck computes exactly what it would without it (an
-    optimizer whose ``state_dict`` initialises its moments is left untouched).
-    """
-    started = time.perf_counter()
-    agreement = yield engine.restore_agree(version)
-    if agreement is None:
-        return None
-    prepared = None
-    try:
-        prepared = None if state is None else stateful.for_restore(state)
-    except Exception as exc:
-        # Collective: the other ranks are about to read; they must refuse too, not wait.
-        yield engine.restore_read(agreement, None, strict, started, failed=exc)
-        raise  # restore_read raised already on every rank; this is only for the type checker
-    target = None if prepared is None else prepared.target
-    restored: Restored = yield engine.restore_read(agreement, target, strict, started)
-    try:
-        result = stateful.finish_restore(state, prepared, restored)
-    except StatefulError as exc:
-        # Collective: the other ranks must not go on training either.
-        yield engine.loaded(str(exc))
-        raise
-    yield engine.loaded(None)
-    return result
-
-
-logger = logging.getLogger("tiercheck")
-
-_ABANDONED = (
-    "the checkpointer closed before the snapshot was copied and confirmed unchanged since save"
-)
-
-
-class CheckpointerCore:
+class CheckpointerCore(CallSteps):
     """What :class:`Checkpointer` and :class:`~tiercheck.SyncCheckpointer` share: the
-    configuration (one constructor for both) and the private loop the pipeline runs on."""
+    configuration (one constructor for both), its properties, and the steps of every public call
+    (:class:`~tiercheck.engine.steps.CallSteps`)."""
 
     def __init__(
         self,
@@ -294,39 +174,12 @@ class CheckpointerCore:
         all). A node's first rank other than rank 0 holds, while it encodes for a durable
         tier, a copy of its own (unreplicated) state, and keeps one with the delta base.
         """
-        self._config = resolve_options(
-            job_id,
-            persistent=persistent,
-            local_root=local_root,
-            tiers=tiers,
-            base_every=base_every,
-            keep=keep,
-            persist=persist,
-            encodings=encodings,
-            policies=policies,
-            on_busy=on_busy,
-            max_pending=max_pending,
-            overlap=overlap,
-            tier_queue=tier_queue,
-            codec=codec,
-            allow_pickle=allow_pickle,
-            rank=rank,
-            world_size=world_size,
-            ranks_per_node=ranks_per_node,
-            node=node,
-            coordinator=coordinator,
-            local_capacity=local_capacity,
-            peer_replicas=peer_replicas,
-            peer_timeout=peer_timeout,
-            threads=threads,
-            storage_options=storage_options,
-            stale_memory=stale_memory,
-            close_timeout=close_timeout,
-            elastic=elastic,
-            per_rank=per_rank,
-        )
-        self._loop: LoopThread | None = None
-        self._engine: Engine | None = None
+        # Every argument by name, as given (the signature above is the one declaration).
+        given = dict(locals())
+        del given["self"]
+        self._config = resolve_options(given)
+        self._loop = None
+        self._engine = None
         self._closed = False
 
     # --- properties ---------------------------------------------------------------------------
@@ -387,106 +240,3 @@ class CheckpointerCore:
         engine = self._engine
         if engine is not None:
             engine.fence(timeout)
-
-    # --- arguments of save and restore ---------------------------------------------------------
-
-    @staticmethod
-    def _check_save_args(version: object) -> None:
-        """A bad version is refused before anything is opened, walked or exchanged."""
-        check_version(version)
-
-    @staticmethod
-    def _check_restore_args(version: object, strict: object) -> None:
-        """Refuse bad ``restore`` arguments on this rank before anything is opened or
-        exchanged with the other ranks (which would otherwise wait on it)."""
-        if version is not None:
-            check_version(version)
-        if not isinstance(strict, bool):
-            raise ConfigError(f"strict must be True or False, got {strict!r}")
-
-    @staticmethod
-    def _check_close_args(flush: object, failed: object) -> None:
-        """``close(flush="no")`` must not read as ``flush=True``."""
-        for name, value in (("flush", flush), ("failed", failed)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False, got {value!r}")
-
-    # --- confirmation points (see tiercheck.staging) ------------------------------------------
-
-    def _settle(self, *, wait: bool, timeout: float | None = None) -> None:
-        """Confirm the overlapped copies that are done (after waiting for all, with ``wait``)."""
-        engine = self._engine
-        if engine is not None:
-            engine.stager.settle(wait=wait, timeout=timeout)
-
-    async def _asettle(self) -> None:
-        """:meth:`_settle` with ``wait``, without blocking the caller's event loop."""
-        engine = self._engine
-        if engine is not None:
-            await engine.stager.asettle()
-
-    def _last_point(self, how: CloseMode) -> None:
-        """Before closing: confirm what can be (the normal close waits for every copy; a close
-        on an error waits ``close_timeout`` at most); every other overlapped save is abandoned."""
-        engine = self._engine
-        if engine is None:
-            return
-        try:
-            if how != "now":
-                bound = None if how == "collective" else self._config.coordination.close_timeout
-                engine.stager.settle(wait=True, timeout=bound)
-        except TimeoutError as exc:
-            logger.warning("tiercheck: closing; snapshots still copying are abandoned: %s", exc)
-        finally:
-            engine.stager.abandon(_ABANDONED)
-
-    async def _alast_point(self, how: CloseMode) -> None:
-        """:meth:`_last_point` for the caller's event loop."""
-        engine = self._engine
-        if engine is None:
-            return
-        try:
-            if how == "collective":
-                await engine.stager.asettle()
-            elif how == "bounded":
-                await engine.stager.asettle(self._config.coordination.close_timeout)
-        finally:
-            engine.stager.abandon(_ABANDONED)
-
-    # --- lifecycle ----------------------------------------------------------------------------
-
-    def _start(self) -> tuple[LoopThread, Engine]:
-        if self._closed:
-            raise TierClosed(f"the checkpointer of job {self.job_id!r} is closed")
-        if self._engine is None or self._loop is None:
-            self._loop = LoopThread(
-                f"tiercheck-{self._config.job.job_id}-r{self._config.job.topology.rank}"
-            )
-            self._engine = Engine(self._config)
-            _LIVE.add(self)
-            _install_exit_hook()
-        return self._loop, self._engine
-
-    def _close_at_exit(self) -> None:
-        """The interpreter is exiting and this checkpointer was never closed: close it,
-        bounded (see :func:`_close_live_at_exit`)."""
-        loop, engine = self._loop, self._engine
-        if self._closed or loop is None or engine is None:
-            return
-        logger.warning(
-            "tiercheck: the checkpointer of job %r was never closed; closing it at exit "
-            "(saves in flight get close_timeout=%s s)",
-            self.job_id,
-            self._config.coordination.close_timeout,
-        )
-        self._closed = True
-        try:
-            self._last_point("bounded")
-            loop.call(engine.aclose("bounded"))
-        except Exception:
-            logger.exception(
-                "tiercheck: closing the checkpointer of job %r at exit failed", self.job_id
-            )
-        finally:
-            loop.stop()
-            self._loop = None

@@ -1,6 +1,7 @@
 """A checkpointer's configuration, checked and resolved once, in frozen groups.
 
-:func:`resolve_options` turns the keyword arguments of :class:`~tiercheck.Checkpointer` into an
+:func:`resolve_options` turns the keyword arguments of :class:`~tiercheck.Checkpointer` (declared
+once, on :class:`~tiercheck.engine.core.CheckpointerCore`, which both faces inherit) into an
 :class:`Options`: every value validated (a :class:`~tiercheck.errors.ConfigError` saying what
 was expected), every default filled in (the placement from the launcher, the folders, a policy
 for each tier). The engine reads nothing else; each part of it reads the group it needs.
@@ -237,44 +238,48 @@ def _tier_map(name: str, value: object, names: Sequence[str], what: str) -> Mapp
     return value
 
 
-def resolve_options(
-    job_id: str,
-    *,
-    persistent: str | None = None,
-    local_root: str | os.PathLike[str] | None = None,
-    tiers: Sequence[str | Tier] | None = None,
-    base_every: int = 10,
-    keep: int | Mapping[str, int] | None = None,
-    persist: VersionSelector | None = None,
-    encodings: Mapping[str, TierEncoding] | None = None,
-    policies: Mapping[str, TierPolicy] | None = None,
-    on_busy: BusyPolicy = "wait",
-    max_pending: int = 1,
-    overlap: bool = False,
-    tier_queue: int = 4,
-    codec: CodecOptions | None = None,
-    allow_pickle: bool = False,
-    rank: int | None = None,
-    world_size: int | None = None,
-    ranks_per_node: int | None = None,
-    node: str | None = None,
-    coordinator: Coordinator | None = None,
-    local_capacity: int | None = None,
-    peer_replicas: int = 1,
-    peer_timeout: float = 300.0,
-    threads: int = 0,
-    storage_options: Mapping[str, Any] | None = None,
-    stale_memory: StalePolicy = "error",
-    close_timeout: float = 30.0,
-    elastic: bool = False,
-    per_rank: PerRankPolicy = "refuse",
-) -> Options:
+def resolve_options(given: Mapping[str, Any]) -> Options:
     """Check the arguments of :class:`~tiercheck.Checkpointer` and fill in the defaults.
 
-    The arguments are documented there. Raises :class:`ConfigError` for the first one that
-    does not hold; detects the placement (:meth:`Topology.detect`) when not given.
+    ``given``: every argument of the constructor by name, as the caller passed it (or its
+    default). The options are declared once, with their types, defaults and documentation: as
+    the keyword arguments of :class:`~tiercheck.engine.core.CheckpointerCore`, which both faces
+    inherit; here each is taken by name and checked, since a caller may pass anything. Raises
+    :class:`ConfigError` for the first one that does not hold; detects the placement
+    (:meth:`Topology.detect`) when not given.
     """
-    job_id = check_job_id(job_id)
+    args = dict(given)
+    job_id = check_job_id(args.pop("job_id"))
+    persistent = args.pop("persistent")
+    local_root = args.pop("local_root")
+    tiers = args.pop("tiers")
+    base_every = args.pop("base_every")
+    keep = args.pop("keep")
+    persist = args.pop("persist")
+    encodings = args.pop("encodings")
+    policies = args.pop("policies")
+    on_busy = args.pop("on_busy")
+    max_pending = args.pop("max_pending")
+    overlap = args.pop("overlap")
+    tier_queue = args.pop("tier_queue")
+    codec = args.pop("codec")
+    allow_pickle = args.pop("allow_pickle")
+    rank = args.pop("rank")
+    world_size = args.pop("world_size")
+    ranks_per_node = args.pop("ranks_per_node")
+    node = args.pop("node")
+    coordinator = args.pop("coordinator")
+    local_capacity = args.pop("local_capacity")
+    peer_replicas = args.pop("peer_replicas")
+    peer_timeout = args.pop("peer_timeout")
+    threads = args.pop("threads")
+    storage_options = args.pop("storage_options")
+    stale_memory = args.pop("stale_memory")
+    close_timeout = args.pop("close_timeout")
+    elastic = args.pop("elastic")
+    per_rank = args.pop("per_rank")
+    # An option declared on the constructor that nothing here reads would be silently ignored.
+    assert not args, f"options the constructor declares but nothing resolves: {sorted(args)}"
     if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
         raise ConfigError(
             "persistent must be an fsspec URL string (file:///data/ckpt, s3://bucket/ckpt, "
