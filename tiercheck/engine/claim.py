@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
+from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
 from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
+from tiercheck.engine.steps import step
 from tiercheck.engine.tier import commit_versions, location
 from tiercheck.errors import (
     FormatError,
@@ -80,17 +82,17 @@ def stale_message(
     job_id: str,
     node_root: str,
     stale: Mapping[int, Stale],
-    first: Mapping[str, Any],
-    nodes: Mapping[int, Mapping[str, Any]],
+    first: OpenFacts,
+    nodes: Mapping[int, OpenFacts],
 ) -> str:
     """The :class:`~tiercheck.errors.StaleMemory` message: each node's case, what its memory
     holds and whether that is anywhere else, and what to do about each case."""
-    job = first.get("job") or {}
+    job = first.job or {}
     durable = set(job.get("committed") or ())
     lines = []
     lost: list[int] = []
     for n, why in sorted(stale.items()):
-        held = sorted(int(v) for v in nodes[n].get("held") or ())
+        held = sorted(int(v) for v in nodes[n].held or ())
         only = [v for v in held if v not in durable]
         line = f"node {n}: {why.text}; it holds versions {held if held else 'none'}"
         if only and why.kind in ("damaged", "predates"):
@@ -207,9 +209,9 @@ class Claim:
                 await self.write_job_record()
             except (TiercheckError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        said = await self.ctx.exchange("control", {"error": error})
-        failed = [e["error"] for e in said if e["error"] is not None]
-        return str(failed[0]) if failed else None
+        said = await step(self.ctx, Step.JOB_RECORD, Outcome(error))
+        failed = [e.error for e in said if e.error is not None]
+        return failed[0] if failed else None
 
     async def guard(self) -> None:
         """Refuse to open over data this run must not touch; the same verdict on every rank.
@@ -220,11 +222,11 @@ class Claim:
         raises the same typed error, or none does.
         """
         cfg, topo = self.ctx.options, self.ctx.topo
-        mine: dict[str, Any] = {"node": topo.node_index, "local_rank": topo.local_rank}
+        lock = None
         try:
             await asyncio.to_thread(self.lock.acquire)
         except (JobLocked, OSError) as exc:
-            mine["lock"] = str(exc)
+            lock = str(exc)
         durable = self.durable
         probes: dict[str, str] = {}
         for tier in durable:
@@ -232,35 +234,54 @@ class Claim:
                 await probe(tier, self.ctx.session, self.ctx.rank)
             except (TiercheckError, OSError) as exc:
                 probes[tier.name] = str(exc)
-        mine["probe"] = probes
+        job: dict[str, Any] | None = None
+        job_error: str | None = None
+        deleted: dict[str, Any] = {}
         if self.ctx.rank == 0 and durable and not probes:
             try:
-                mine["job"] = await self._read_job_record(durable)
+                job = await self._read_job_record(durable)
             except (TiercheckError, OSError) as exc:
-                mine["job_error"] = f"{type(exc).__name__}: {exc}"
-            if "job_error" not in mine:
-                mine.update(await deletion_facts(durable))  # what `tiercheck rm-job` deleted
+                job_error = f"{type(exc).__name__}: {exc}"
+            if job_error is None:
+                deleted = await deletion_facts(durable)  # what `tiercheck rm-job` deleted
+                job_error = deleted.get("job_error")
+        identity_text: str | None = None
+        identity_error: str | None = None
+        damaged = False
         try:
             identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
-            mine["identity"] = None if identity is None else identity.to_bytes().decode()
+            identity_text = None if identity is None else identity.to_bytes().decode()
         except (TiercheckError, OSError) as exc:
-            mine["identity_error"] = str(exc)
+            identity_error = str(exc)
             # Cut short or garbled (not written by a newer build): damaged, not another run's.
-            mine["identity_damaged"] = isinstance(exc, FormatError) and not isinstance(
-                exc, UnsupportedFormat
-            )
+            damaged = isinstance(exc, FormatError) and not isinstance(exc, UnsupportedFormat)
         try:
-            mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
+            has_data = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
         except OSError:
-            mine["has_data"] = True  # cannot look: assume there is something to protect
+            has_data = True  # cannot look: assume there is something to protect
+        held: list[int] | None = None
         if topo.local_rank == 0:
             try:
-                mine["held"] = await asyncio.to_thread(node_versions, cfg.job.node_root)
+                held = await asyncio.to_thread(node_versions, cfg.job.node_root)
             except OSError as exc:
                 logger.debug("tiercheck: cannot list the node's memory: %r", exc)
-        if self.ctx.rank == 0:
-            mine["fresh_token"] = os.urandom(8).hex()
-        everyone = await self.ctx.exchange("control", mine)
+        mine = OpenFacts(
+            node=topo.node_index,
+            local_rank=topo.local_rank,
+            lock=lock,
+            probe=probes,
+            job=job,
+            job_error=job_error,
+            deleted=deleted.get("deleted"),
+            tombstone=deleted.get("tombstone"),
+            identity=identity_text,
+            identity_error=identity_error,
+            identity_damaged=damaged,
+            has_data=has_data,
+            held=held,
+            fresh_token=os.urandom(8).hex() if self.ctx.rank == 0 else None,
+        )
+        everyone = await step(self.ctx, Step.OPEN_FACTS, mine)
         stale = self.judge(everyone)
         # Past this point every rank may open: only now is anything written.
         if stale and topo.local_rank == 0 and topo.node_index in stale:
@@ -276,7 +297,7 @@ class Claim:
         failure = ""
         if self.ctx.rank == 0 and durable:
             try:
-                if everyone[0]["job"]["state"] != "found" or self._record_behind:
+                if (everyone[0].job or {}).get("state") != "found" or self._record_behind:
                     await self.write_job_record()
                 for tier in durable:
                     fence = Fence(tier, self.ctx.session)
@@ -285,22 +306,19 @@ class Claim:
             except (TiercheckError, OSError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
         # Also a barrier: no rank reads its node's memory while it is being discarded.
-        decided = await self.ctx.exchange("control", {"generations": claimed, "failure": failure})
-        if decided[0]["failure"]:
+        decided = (await step(self.ctx, Step.CLAIM, ClaimOutcome(claimed, failure)))[0]
+        if decided.failure:
             raise StorageError(
-                f"cannot claim job {cfg.job.job_id!r} in its durable storage: "
-                f"{decided[0]['failure']}"
+                f"cannot claim job {cfg.job.job_id!r} in its durable storage: {decided.failure}"
             )
         for tier in durable:
             if tier.name not in self.fences:
                 fence = Fence(tier, self.ctx.session)
-                fence.adopt(int(decided[0]["generations"][tier.name]))
+                fence.adopt(decided.generations[tier.name])
                 self.fences[tier.name] = fence
         me = everyone[self.ctx.rank]
         if topo.local_rank == 0 and (
-            me.get("identity") is None
-            or topo.node_index in stale
-            or topo.node_index in self._adopted
+            me.identity is None or topo.node_index in stale or topo.node_index in self._adopted
         ):
             await self._write_identity()
 
@@ -367,16 +385,16 @@ class Claim:
             "committed": committed,
         }
 
-    def judge(self, everyone: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    def judge(self, everyone: Sequence[OpenFacts]) -> dict[int, str]:
         """Decide, from what every rank saw, whether this run may open; return stale nodes.
 
         Pure: every rank computes the same verdict from the same exchange.
         """
         cfg, topo = self.ctx.options, self.ctx.topo
-        locked = [e["lock"] for e in everyone if e.get("lock")]
+        locked = [e.lock for e in everyone if e.lock]
         if locked:
             raise JobLocked(locked[0] + (f" ({len(locked)} ranks)" if len(locked) > 1 else ""))
-        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e["probe"].values()]
+        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e.probe.values()]
         if broken:
             raise StorageError(
                 "the durable storage of job "
@@ -384,44 +402,44 @@ class Claim:
                 + "\n  ".join(broken[:8])
             )
         first = everyone[0]
-        if first.get("job_error"):
+        if first.job_error:
             raise StorageError(
                 f"cannot read the job record (JOB) of {cfg.job.job_id!r} at "
-                f"{location(self.durable[0]) if self.durable else '?'}: {first['job_error']}. "
+                f"{location(self.durable[0]) if self.durable else '?'}: {first.job_error}. "
                 "Nothing was read or changed. If the record is damaged, `tiercheck repair-job "
                 f"<persistent URL> --job {cfg.job.job_id}` sets it aside and the next opening "
                 "writes it anew from the COMMIT records and the nodes' memory, without losing "
                 "a version."
             )
-        nodes: dict[int, Mapping[str, Any]] = {}
+        nodes: dict[int, OpenFacts] = {}
         for e in everyone:
-            nodes.setdefault(int(e["node"]), e)
+            nodes.setdefault(e.node, e)
         identities: dict[int, NodeIdentity | None] = {}
         stale: dict[int, Stale] = {}
         for n, e in nodes.items():
-            if e.get("identity_error"):
+            if e.identity_error:
                 identities[n] = None
-                if e.get("identity_damaged") and not e["has_data"]:
+                if e.identity_damaged and not e.has_data:
                     continue  # nothing to protect: the record is written anew
-                if e.get("identity_damaged"):
+                if e.identity_damaged:
                     stale[n] = Stale(
                         "damaged",
-                        f"its identity record is damaged ({e['identity_error']}): whose "
+                        f"its identity record is damaged ({e.identity_error}): whose "
                         "checkpoints it holds cannot be told",
                     )
                 else:
                     stale[n] = Stale(
                         "unreadable",
-                        f"its identity record cannot be read ({e['identity_error']})",
+                        f"its identity record cannot be read ({e.identity_error})",
                     )
                 continue
-            text = e.get("identity")
+            text = e.identity
             identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
-        job = first.get("job")
+        job = first.job
         durable = self.durable
         here = location(durable[0]) if durable else None
         # Memory of an incarnation `tiercheck rm-job` deleted is nobody's: out of the judging.
-        self.deleted_nodes = forget_deleted(identities, first, cfg.job.job_id, here)
+        self.deleted_nodes = forget_deleted(identities, first.to_wire(), cfg.job.job_id, here)
         # Identities of nodes whose memory says it belongs to this job at this location.
         ours = {
             i.token: i
@@ -487,7 +505,7 @@ class Claim:
                         cfg.job.job_id,
                     )
             else:
-                token = first["fresh_token"]
+                token = first.fresh_token or ""
         else:
             tokens = {i.token for i in identities.values() if i is not None}
             if len(tokens) > 1:
@@ -498,7 +516,7 @@ class Claim:
                     "to delete every node's memory of the job and start over (its versions "
                     "exist nowhere else: there is no durable tier), or use another job_id."
                 )
-            token = tokens.pop() if tokens else first["fresh_token"]
+            token = tokens.pop() if tokens else first.fresh_token or ""
             known = [i for i in identities.values() if i is not None]
             if known:
                 # Nodes that joined later, or missed an update, know less: the newest wins.
@@ -521,7 +539,7 @@ class Claim:
             if n in stale or n in self.deleted_nodes:
                 continue
             if identity is None:
-                if absent and nodes[n]["has_data"]:
+                if absent and nodes[n].has_data:
                     stale[n] = Stale(
                         "predates",
                         "it holds checkpoints but no identity record, and the job's durable "

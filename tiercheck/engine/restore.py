@@ -27,10 +27,11 @@ from tiercheck.codec import RawState, unflatten
 from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
-from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
+from tiercheck.consistency.protocol import InventoryReport, RestoreVerdict, Step, whole_in_tier
 from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
+from tiercheck.engine.steps import step
 from tiercheck.engine.tier import commit_versions
 from tiercheck.engine.timeline import Continuation
 from tiercheck.errors import (
@@ -112,12 +113,12 @@ class Restorer:
         :class:`~tiercheck.errors.RestoreError` (every rank alike) when ``version`` cannot be
         rebuilt by every rank, or when versions are stored but none can be restored here."""
         mine, errors = await self._inventory()
-        gathered = await self.ctx.exchange("control", {"inv": mine.to_wire(), "errors": errors})
-        everyone = tuple(Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered))
+        gathered = await step(self.ctx, Step.INVENTORY, InventoryReport.of(mine, errors))
+        everyone = tuple(report.inventory(r) for r, report in enumerate(gathered))
         unlisted = tuple(
             f"rank {r} cannot list the {tier!r} tier: {msg}"
-            for r, e in enumerate(gathered)
-            for tier, msg in sorted(e["errors"].items())
+            for r, report in enumerate(gathered)
+            for tier, msg in sorted(report.errors.items())
         )
         possible = candidates(everyone)
         if version is not None and version not in possible:
@@ -228,10 +229,7 @@ class Restorer:
                     reasons.append(f"{source}: {type(exc).__name__}: {exc}")
                     raw = None
             mine_verdict = RestoreVerdict(raw is not None, source, tuple(reasons), refusal)
-            verdicts = [
-                RestoreVerdict.from_wire(v)
-                for v in await self.ctx.exchange("control", mine_verdict.to_wire())
-            ]
+            verdicts = await step(self.ctx, Step.VERDICT, mine_verdict)
             refusals = [(r, v.refusal) for r, v in enumerate(verdicts) if v.refusal is not None]
             if refusals:
                 # The caller's state (or options) cannot take the version: nothing was

@@ -13,11 +13,13 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiercheck.consistency.protocol import SavesDone, ServingStopped, Step
 from tiercheck.engine.leftovers import clean_failed_opening
 from tiercheck.engine.options import CloseMode
+from tiercheck.engine.steps import step
 from tiercheck.errors import TierWriteFailed
 from tiercheck.tiers.base import SupportsStopServing
 
@@ -101,10 +103,12 @@ class Shutdown:
         await self._end_workers(cancel=False)
         collective = self.engine.ctx.coordinator.world_size > 1
         if collective:
-            await self._agree("every rank is done saving", {"saved": saved})
+            await self._agree("every rank is done saving", Step.CLOSE_SAVED, SavesDone(saved))
         stopped = await self._stop_serving()
         if collective:
-            await self._agree("every rank has stopped serving", {"stopped": stopped})
+            await self._agree(
+                "every rank has stopped serving", Step.CLOSE_STOPPED, ServingStopped(stopped)
+            )
         await self._release(flush=True)
 
     async def _flush_bounded(self) -> None:
@@ -192,10 +196,10 @@ class Shutdown:
                     stopped = False
         return stopped
 
-    async def _agree(self, what: str, mine: Mapping[str, Any]) -> bool:
+    async def _agree(self, what: str, which: Step, mine: SavesDone | ServingStopped) -> bool:
         """One agreement of the close on the "control" channel; a failure is logged once."""
         try:
-            everyone = await self.engine.ctx.exchange("control", mine)
+            everyone = await step(self.engine.ctx, which, mine)
         except Exception as exc:
             if not self.close_warned:
                 self.close_warned = True
@@ -205,7 +209,7 @@ class Shutdown:
                     exc,
                 )
             return False
-        return all(all(bool(v) for v in e.values()) for e in everyone)
+        return all(e.ok for e in everyone)
 
     async def _release(self, *, flush: bool) -> None:
         """Release everything local. Touches neither the store nor another rank."""
