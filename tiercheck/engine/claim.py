@@ -12,17 +12,17 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
 from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
-from tiercheck.engine.steps import step
-from tiercheck.engine.tier import commit_versions, location
+from tiercheck.engine.stale import Stale, made_at, stale_message
+from tiercheck.engine.steps import Side, step
+from tiercheck.engine.stored import commit_versions, location
 from tiercheck.errors import (
     FormatError,
     JobLocked,
@@ -50,95 +50,157 @@ from tiercheck.guard import (
 from tiercheck.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
+    from tiercheck.engine.options import Options
+    from tiercheck.engine.results import CheckpointerStats
+    from tiercheck.topology import Topology
 
-__all__ = ["Claim", "Stale", "stale_message"]
+__all__ = ["Claim", "ClaimContext", "Stale", "gather_facts", "read_job_facts", "stale_message"]
 
 logger = logging.getLogger("tiercheck")
 
 
-@dataclass(frozen=True, slots=True)
-class Stale:
-    """Why a node's memory is not taken as this run's.
+class ClaimContext(Side, Protocol):
+    """What the claim needs of the engine's shared state (the engine's ``Context``, which
+    holds the claim: a narrow view, so that this module does not import that one)."""
 
-    ``kind``: ``"damaged"`` (its identity record is cut short or garbled), ``"unreadable"``
-    (it cannot be read: written by a newer build, or an I/O error), ``"predates"`` (checkpoints
-    without an identity, and a durable location that holds nothing), ``"another-location"``
-    (this job's memory of another durable location), ``"another-run"`` (another job, or
-    another incarnation of this one at the same location).
-    """
+    @property
+    def options(self) -> Options:
+        """The checkpointer's options."""
+        ...
 
-    kind: str
-    text: str
+    @property
+    def topo(self) -> Topology:
+        """This rank's place in the job."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        ...
+
+    @property
+    def job_id(self) -> str:
+        """The job's id."""
+        ...
+
+    @property
+    def session(self) -> str:
+        """The incarnation of this opening, agreed by every rank."""
+        ...
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Running totals (the claim marks ``superseded``)."""
+        ...
 
 
-def _when(created: float) -> str:
-    if not created:
-        return "at an unknown time"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
-
-
-def stale_message(
-    job_id: str,
-    node_root: str,
-    stale: Mapping[int, Stale],
-    first: OpenFacts,
-    nodes: Mapping[int, OpenFacts],
-) -> str:
-    """The :class:`~tiercheck.errors.StaleMemory` message: each node's case, what its memory
-    holds and whether that is anywhere else, and what to do about each case."""
-    job = first.job or {}
-    durable = set(job.get("committed") or ())
-    lines = []
-    lost: list[int] = []
-    for n, why in sorted(stale.items()):
-        held = sorted(int(v) for v in nodes[n].held or ())
-        only = [v for v in held if v not in durable]
-        line = f"node {n}: {why.text}; it holds versions {held if held else 'none'}"
-        if only and why.kind in ("damaged", "predates"):
-            line += f" ({only} of them in no durable storage of this job: only there)"
-            lost.extend(only)
-        lines.append(line)
-    kinds = {why.kind for why in stale.values()}
-    advice = []
-    if kinds & {"damaged", "predates"}:
-        warn = f" -- and with it the only copy of versions {sorted(set(lost))}" if lost else ""
-        advice.append(
-            "If this run wrote that memory (its identity record was damaged or removed, by a "
-            "cleanup script say), pass stale_memory='adopt' to use it as this run's; "
-            f"stale_memory='discard' deletes it{warn}."
-        )
-    if "another-location" in kinds:
-        advice.append(
-            "To continue the run that memory belongs to, point persistent= at its durable "
-            "location (named above). stale_memory='discard' deletes it; versions it holds "
-            "that that location does not are then lost."
-        )
-    if "unreadable" in kinds:
-        advice.append(
-            "Read the identity record's error above: a newer tiercheck wrote it (upgrade), or the "
-            "memory cannot be read; stale_memory='discard' deletes that memory."
-        )
-    if "another-run" in kinds:
-        advice.append(
-            "That memory is another run's and is never restored as this one's; "
-            "stale_memory='discard' deletes it (a copy of that run's versions, unless they "
-            "were only there)."
-        )
-    return (
-        f"the shared memory of job {job_id!r} (for this rank: {node_root}) is not known to be "
-        "this run's, so the job does not open:\n  "
-        + "\n  ".join(lines)
-        + "\n"
-        + "\n".join(advice)
-        + "\nOr use another job_id (or another local_root). Nothing was changed."
+async def gather_facts(
+    ctx: ClaimContext, lock_of_rank: RankLock, durable: Sequence[Tier]
+) -> OpenFacts:
+    """What this rank sees before the job opens (step ``OPEN_FACTS``): its writer lock (taken
+    here), whether the durable tiers work, its node's identity and memory; rank 0 also what
+    the durable tiers say of the job (:func:`read_job_facts`) and of its deletion."""
+    cfg, topo = ctx.options, ctx.topo
+    locked = None
+    try:
+        await asyncio.to_thread(lock_of_rank.acquire)
+    except (JobLocked, OSError) as exc:
+        locked = str(exc)
+    probes: dict[str, str] = {}
+    for tier in durable:
+        try:
+            await probe(tier, ctx.session, ctx.rank)
+        except (TiercheckError, OSError) as exc:
+            probes[tier.name] = str(exc)
+    job: dict[str, Any] | None = None
+    job_error: str | None = None
+    deleted: dict[str, Any] = {}
+    if ctx.rank == 0 and durable and not probes:
+        try:
+            job = await read_job_facts(durable)
+        except (TiercheckError, OSError) as exc:
+            job_error = f"{type(exc).__name__}: {exc}"
+        if job_error is None:
+            deleted = await deletion_facts(durable)  # what `tiercheck rm-job` deleted
+            job_error = deleted.get("job_error")
+    identity_text: str | None = None
+    identity_error: str | None = None
+    damaged = False
+    try:
+        identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
+        identity_text = None if identity is None else identity.to_bytes().decode()
+    except (TiercheckError, OSError) as exc:
+        identity_error = str(exc)
+        # Cut short or garbled (not written by a newer build): damaged, not another run's.
+        damaged = isinstance(exc, FormatError) and not isinstance(exc, UnsupportedFormat)
+    try:
+        has_data = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
+    except OSError:
+        has_data = True  # cannot look: assume there is something to protect
+    held: list[int] | None = None
+    if topo.local_rank == 0:
+        try:
+            held = await asyncio.to_thread(node_versions, cfg.job.node_root)
+        except OSError as exc:
+            logger.debug("tiercheck: cannot list the node's memory: %r", exc)
+    return OpenFacts(
+        node=topo.node_index,
+        local_rank=topo.local_rank,
+        lock=locked,
+        probe=probes,
+        job=job,
+        job_error=job_error,
+        deleted=deleted.get("deleted"),
+        tombstone=deleted.get("tombstone"),
+        identity=identity_text,
+        identity_error=identity_error,
+        identity_damaged=damaged,
+        has_data=has_data,
+        held=held,
+        fresh_token=os.urandom(8).hex() if ctx.rank == 0 else None,
     )
+
+
+async def read_job_facts(durable: Sequence[Tier]) -> dict[str, Any]:
+    """Rank 0: what the durable tiers say about the job's incarnation.
+
+    ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records but no job
+    record: written before job records existed, or one set aside by ``tiercheck
+    repair-job``; the history is read off the ``COMMIT`` records, each of which says how
+    many ranks saved its version) or ``"absent"`` (nothing stored: a new location, or one
+    that was emptied). ``committed``: the versions with ``COMMIT`` records.
+    """
+    committed = sorted(await commit_versions(durable[0]))
+    for tier in durable:
+        record = await read_job_record(tier)
+        if record is not None:
+            return {
+                "state": "found",
+                "token": record.token,
+                "world_size": record.world_size,
+                "worlds": [list(span) for span in record.worlds],
+                "revision": record.revision,
+                "repaired": record.repaired,
+                "committed": committed,
+            }
+    if not committed:
+        return {"state": "absent", "committed": []}
+    sizes = []
+    for version in committed:
+        commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(version))))
+        sizes.append((version, commit.world_size))
+    return {
+        "state": "legacy",
+        "world_size": sizes[-1][1],
+        "worlds": [list(span) for span in spans_of(sizes)],
+        "committed": committed,
+    }
 
 
 class Claim:
     """The writer lock of this rank, the job's incarnation, and the fences of durable tiers."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: ClaimContext) -> None:
         self.ctx = ctx
         self.lock = RankLock(ctx.options.job.node_root, ctx.rank)
         # The job's incarnation (see tiercheck.consistency.identity) and, per durable tier, the
@@ -222,65 +284,8 @@ class Claim:
         raises the same typed error, or none does.
         """
         cfg, topo = self.ctx.options, self.ctx.topo
-        lock = None
-        try:
-            await asyncio.to_thread(self.lock.acquire)
-        except (JobLocked, OSError) as exc:
-            lock = str(exc)
         durable = self.durable
-        probes: dict[str, str] = {}
-        for tier in durable:
-            try:
-                await probe(tier, self.ctx.session, self.ctx.rank)
-            except (TiercheckError, OSError) as exc:
-                probes[tier.name] = str(exc)
-        job: dict[str, Any] | None = None
-        job_error: str | None = None
-        deleted: dict[str, Any] = {}
-        if self.ctx.rank == 0 and durable and not probes:
-            try:
-                job = await self._read_job_record(durable)
-            except (TiercheckError, OSError) as exc:
-                job_error = f"{type(exc).__name__}: {exc}"
-            if job_error is None:
-                deleted = await deletion_facts(durable)  # what `tiercheck rm-job` deleted
-                job_error = deleted.get("job_error")
-        identity_text: str | None = None
-        identity_error: str | None = None
-        damaged = False
-        try:
-            identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
-            identity_text = None if identity is None else identity.to_bytes().decode()
-        except (TiercheckError, OSError) as exc:
-            identity_error = str(exc)
-            # Cut short or garbled (not written by a newer build): damaged, not another run's.
-            damaged = isinstance(exc, FormatError) and not isinstance(exc, UnsupportedFormat)
-        try:
-            has_data = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
-        except OSError:
-            has_data = True  # cannot look: assume there is something to protect
-        held: list[int] | None = None
-        if topo.local_rank == 0:
-            try:
-                held = await asyncio.to_thread(node_versions, cfg.job.node_root)
-            except OSError as exc:
-                logger.debug("tiercheck: cannot list the node's memory: %r", exc)
-        mine = OpenFacts(
-            node=topo.node_index,
-            local_rank=topo.local_rank,
-            lock=lock,
-            probe=probes,
-            job=job,
-            job_error=job_error,
-            deleted=deleted.get("deleted"),
-            tombstone=deleted.get("tombstone"),
-            identity=identity_text,
-            identity_error=identity_error,
-            identity_damaged=damaged,
-            has_data=has_data,
-            held=held,
-            fresh_token=os.urandom(8).hex() if self.ctx.rank == 0 else None,
-        )
+        mine = await gather_facts(self.ctx, self.lock, durable)
         everyone = await step(self.ctx, Step.OPEN_FACTS, mine)
         stale = self.judge(everyone)
         # Past this point every rank may open: only now is anything written.
@@ -349,41 +354,6 @@ class Claim:
         )
         for tier in self.durable:
             await write_job_record(tier, record)
-
-    async def _read_job_record(self, durable: Sequence[Tier]) -> dict[str, Any]:
-        """Rank 0: what the durable tiers say about the job's incarnation.
-
-        ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records but no job
-        record: written before job records existed, or one set aside by ``tiercheck
-        repair-job``; the history is read off the ``COMMIT`` records, each of which says how
-        many ranks saved its version) or ``"absent"`` (nothing stored: a new location, or one
-        that was emptied). ``committed``: the versions with ``COMMIT`` records.
-        """
-        committed = sorted(await commit_versions(durable[0]))
-        for tier in durable:
-            record = await read_job_record(tier)
-            if record is not None:
-                return {
-                    "state": "found",
-                    "token": record.token,
-                    "world_size": record.world_size,
-                    "worlds": [list(span) for span in record.worlds],
-                    "revision": record.revision,
-                    "repaired": record.repaired,
-                    "committed": committed,
-                }
-        if not committed:
-            return {"state": "absent", "committed": []}
-        sizes = []
-        for version in committed:
-            commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(version))))
-            sizes.append((version, commit.world_size))
-        return {
-            "state": "legacy",
-            "world_size": sizes[-1][1],
-            "worlds": [list(span) for span in spans_of(sizes)],
-            "committed": committed,
-        }
 
     def judge(self, everyone: Sequence[OpenFacts]) -> dict[int, str]:
         """Decide, from what every rank saw, whether this run may open; return stale nodes.
@@ -562,7 +532,7 @@ class Claim:
                     "another-run",
                     f"it belongs to another run of {identity.job_id!r} at the same durable "
                     f"location (token {identity.token[:8]}, made "
-                    f"{_when(identity.created)}), not the one the job record names (token "
+                    f"{made_at(identity.created)}), not the one the job record names (token "
                     f"{token[:8]}): the job was deleted or started anew there since",
                 )
         self.job_token = token

@@ -33,7 +33,7 @@ from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
 
 if TYPE_CHECKING:
-    from tiercheck.engine.tier import TierPipeline
+    from tiercheck.engine.pipe import Pipe
 
 __all__ = ["CommitRounds"]
 
@@ -43,7 +43,7 @@ logger = logging.getLogger("tiercheck")
 class CommitRounds:
     """The round worker of one tier's pipeline."""
 
-    def __init__(self, pipe: TierPipeline, on_base_lost: Callable[[], None]) -> None:
+    def __init__(self, pipe: Pipe, on_base_lost: Callable[[], None]) -> None:
         self.pipe = pipe
         #: Jobs waiting for their round, in version order; ``None`` ends the worker.
         self.queue: asyncio.Queue[Job | None] = asyncio.Queue()

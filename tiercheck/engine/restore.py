@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from tiercheck.engine.tier import TierPipeline
     from tiercheck.engine.timeline import Timeline
 
-__all__ = ["Agreement", "Restorer"]
+__all__ = ["Agreement", "Restorer", "rejection_report"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -79,6 +79,22 @@ class Agreement:
     unlisted: tuple[str, ...]
     #: The version asked for, or ``None`` for the newest every rank can rebuild.
     version: int | None
+
+
+def rejection_report(job_id: str, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
+    """The :class:`~tiercheck.errors.RestoreError` message when no version could be restored:
+    why each was rejected, on which rank."""
+    lines = [
+        f"no version of job {job_id!r} could be restored; nothing was deleted "
+        "(blobs that failed verification were set aside under quarantine/). Why each "
+        "version was rejected:"
+    ]
+    for version in sorted(rejected, reverse=True):
+        lines.append(f"  version {version}:")
+        lines.extend(f"    {reason}" for reason in rejected[version])
+    lines.extend(f"  {line}" for line in unlisted)
+    lines.append("Run `tiercheck verify` on the locations for details.")
+    return "\n".join(lines)
 
 
 class Restorer:
@@ -189,7 +205,7 @@ class Restorer:
                 version if version is not None else agree(everyone, excluded=frozenset(excluded))
             )
             if chosen is None:
-                raise RestoreError(self._rejection_report(rejected, unlisted))
+                raise RestoreError(rejection_report(self.ctx.job_id, rejected, unlisted))
             raw: RawState | Resharded | None
             reasons: list[str]
             if failed is not None:
@@ -249,7 +265,7 @@ class Restorer:
             if version is not None:
                 raise RestoreError(
                     f"version {version} failed verification on ranks {bad}; nothing was "
-                    "deleted.\n" + self._rejection_report(rejected, unlisted)
+                    "deleted.\n" + rejection_report(self.ctx.job_id, rejected, unlisted)
                 )
             logger.warning(
                 "tiercheck: version %s failed verification on ranks %s; trying older", chosen, bad
@@ -326,19 +342,6 @@ class Restorer:
                     "pass strict=False to allow keys present on one side only."
                 )
         return rebuilt
-
-    def _rejection_report(self, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
-        lines = [
-            f"no version of job {self.ctx.job_id!r} could be restored; nothing was deleted "
-            "(blobs that failed verification were set aside under quarantine/). Why each "
-            "version was rejected:"
-        ]
-        for version in sorted(rejected, reverse=True):
-            lines.append(f"  version {version}:")
-            lines.extend(f"    {reason}" for reason in rejected[version])
-        lines.extend(f"  {line}" for line in unlisted)
-        lines.append("Run `tiercheck verify` on the locations for details.")
-        return "\n".join(lines)
 
     def _adopt_whole(self, everyone: Sequence[Inventory], *, upto: int) -> None:
         """Count as committed, in the tiers without commit records, what every rank holds.

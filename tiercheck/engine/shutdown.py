@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercheck.consistency.protocol import SavesDone, ServingStopped, Step
 from tiercheck.engine.leftovers import clean_failed_opening
@@ -24,17 +24,43 @@ from tiercheck.errors import TierWriteFailed
 from tiercheck.tiers.base import SupportsStopServing
 
 if TYPE_CHECKING:
-    from tiercheck.engine.engine import Engine
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.encode import Encoder
+    from tiercheck.engine.options import Options
+    from tiercheck.engine.stage import Stager
+    from tiercheck.engine.tier import TierPipeline
+    from tiercheck.tiers.base import Tier
 
-__all__ = ["Shutdown"]
+__all__ = ["Closable", "Shutdown"]
 
 logger = logging.getLogger("tiercheck")
+
+
+class Closable(Protocol):
+    """What closing needs of the engine (:class:`~tiercheck.engine.engine.Engine`, which holds
+    the :class:`Shutdown`: a narrow view, so that this module does not import that one)."""
+
+    cfg: Options
+    ctx: Context
+    tiers: list[Tier]
+    pipes: dict[str, TierPipeline]
+    encoder: Encoder
+    stager: Stager
+    save_lock: asyncio.Lock
+    opened: bool
+    open_started: float | None
+    closed: bool
+    closing: bool
+
+    async def wait(self) -> None:
+        """Wait until every save so far is committed or failed in every tier."""
+        ...
 
 
 class Shutdown:
     """How an engine closes (see the module docstring)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Closable) -> None:
         self.engine = engine
         # Whether a failed agreement of the close was logged (once per close).
         self.close_warned = False
