@@ -1,4 +1,4 @@
-"""Every collective is a named step with one typed message (tiercheck.engine.steps).
+"""Every collective is a named step with one typed message (tiercheck.engine.collectives).
 
 Two in-process ranks (a :class:`~tiercheck.testing.LocalGroup`, each rank on its own thread with
 its own event loop) exchange each step's message; a rank that never comes, a group that fails
@@ -35,7 +35,7 @@ from tiercheck.consistency.protocol import (
     Vote,
 )
 from tiercheck.consistency.recovery import Inventory
-from tiercheck.engine.steps import step
+from tiercheck.engine.collectives import step
 from tiercheck.errors import PeerUnavailable
 from tiercheck.testing import LocalGroup
 

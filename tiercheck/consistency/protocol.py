@@ -22,7 +22,7 @@ the newest version every rank can rebuild (:func:`~tiercheck.consistency.recover
 reads it and sends a :class:`RestoreVerdict`; a version that failed on any rank is passed over.
 
 Every collective of the engine is one named :class:`Step` with one message class
-(:data:`STEP_MESSAGES`), exchanged through :func:`tiercheck.engine.steps.step` only.
+(:data:`STEP_MESSAGES`), exchanged through :func:`tiercheck.engine.collectives.step` only.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
 from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
+from tiercheck.engine.collectives import Side, step
 from tiercheck.engine.stale import Stale, made_at, stale_message
-from tiercheck.engine.steps import Side, step
 from tiercheck.engine.stored import commit_versions, location
 from tiercheck.errors import (
     FormatError,

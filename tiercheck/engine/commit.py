@@ -27,8 +27,8 @@ from tiercheck.consistency.protocol import (
     commit_record,
     round_failures,
 )
+from tiercheck.engine.collectives import step
 from tiercheck.engine.jobs import Job, LaneResult
-from tiercheck.engine.steps import step
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
 

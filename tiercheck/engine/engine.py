@@ -23,6 +23,7 @@ from tiercheck.codec.plan import Planner
 from tiercheck.consistency.manifest import Abort
 from tiercheck.consistency.protocol import Outcome, SessionToken, Step
 from tiercheck.defaults import NodeRoot, persistent_job_url
+from tiercheck.engine.collectives import step
 from tiercheck.engine.context import Context
 from tiercheck.engine.encode import Encoder
 from tiercheck.engine.jobs import Job, LaneResult
@@ -34,7 +35,6 @@ from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, Sa
 from tiercheck.engine.schedule import Schedule
 from tiercheck.engine.shutdown import Shutdown
 from tiercheck.engine.stage import Stager
-from tiercheck.engine.steps import step
 from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
 from tiercheck.engine.timeline import Timeline
 from tiercheck.errors import ConfigError, SaveSkipped, StatefulError, TierClosed

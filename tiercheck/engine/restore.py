@@ -29,9 +29,9 @@ from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.protocol import InventoryReport, RestoreVerdict, Step, whole_in_tier
 from tiercheck.consistency.recovery import Inventory, agree, candidates
+from tiercheck.engine.collectives import step
 from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
-from tiercheck.engine.steps import step
 from tiercheck.engine.tier import commit_versions
 from tiercheck.engine.timeline import Continuation
 from tiercheck.errors import (

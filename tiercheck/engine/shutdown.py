@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercheck.consistency.protocol import SavesDone, ServingStopped, Step
+from tiercheck.engine.collectives import step
 from tiercheck.engine.leftovers import clean_failed_opening
 from tiercheck.engine.options import CloseMode
-from tiercheck.engine.steps import step
 from tiercheck.errors import TierWriteFailed
 from tiercheck.tiers.base import SupportsStopServing
 

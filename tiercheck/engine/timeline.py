@@ -40,7 +40,7 @@ from tiercheck.consistency.abandoned import (
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import Outcome, SetAsideCompletion, SetAsideListing, Step
-from tiercheck.engine.steps import step
+from tiercheck.engine.collectives import step
 from tiercheck.engine.tier import commit_versions
 from tiercheck.errors import BlobNotFound, FormatError
 from tiercheck.tiers.base import copy_blob
