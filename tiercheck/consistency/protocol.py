@@ -451,7 +451,7 @@ class ServingStopped:
 
 
 #: The one message class of each step (a step exchanges nothing else).
-STEP_MESSAGES: dict[Step, type[Message]] = {
+STEP_MESSAGES: Mapping[Step, type[Message]] = {
     Step.SESSION: SessionToken,
     Step.OPEN_FACTS: OpenFacts,
     Step.CLAIM: ClaimOutcome,
