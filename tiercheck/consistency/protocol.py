@@ -20,27 +20,82 @@ Saving version ``v`` to tier ``T``, per rank, in order:
 Restoring: every rank sends its :class:`~tiercheck.consistency.recovery.Inventory`; all agree on
 the newest version every rank can rebuild (:func:`~tiercheck.consistency.recovery.agree`); each
 reads it and sends a :class:`RestoreVerdict`; a version that failed on any rank is passed over.
+
+Every collective of the engine is one named :class:`Step` with one message class
+(:data:`STEP_MESSAGES`), exchanged through :func:`tiercheck.engine.collectives.step` only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal, Protocol, Self, cast
 
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.recovery import Inventory
 
 __all__ = [
+    "STEP_MESSAGES",
     "AckReason",
+    "ClaimOutcome",
     "CommitAck",
+    "InventoryReport",
+    "Message",
+    "OpenFacts",
+    "Outcome",
     "RestoreVerdict",
+    "SavesDone",
+    "ServingStopped",
+    "SessionToken",
+    "SetAsideCompletion",
+    "SetAsideListing",
+    "Step",
     "Vote",
     "commit_record",
     "committed_in_tier",
     "round_failures",
     "whole_in_tier",
 ]
+
+
+class Step(Enum):
+    """Every collective of the engine: one all-gather of one message class per rank.
+
+    In the order a job meets them: opening (``SESSION``, ``OPEN_FACTS``, ``CLAIM``), restoring
+    (``INVENTORY``, ``VERDICT``, ``LOADED``), a changed world or timeline (``JOB_RECORD``,
+    ``SET_ASIDE_*``), each commit round of each tier (``VOTE``, ``ACK``), closing
+    (``CLOSE_SAVED``, ``CLOSE_STOPPED``). The value names the step in logs and errors.
+    """
+
+    SESSION = "session"
+    OPEN_FACTS = "open-facts"
+    CLAIM = "claim"
+    INVENTORY = "inventory"
+    VERDICT = "verdict"
+    LOADED = "loaded"
+    JOB_RECORD = "job-record"
+    SET_ASIDE_LIST = "set-aside-list"
+    SET_ASIDE_COPY = "set-aside-copy"
+    SET_ASIDE_COMPLETE = "set-aside-complete"
+    VOTE = "vote"
+    ACK = "ack"
+    CLOSE_SAVED = "close-saved"
+    CLOSE_STOPPED = "close-stopped"
+
+
+class Message(Protocol):
+    """What a step's message is: plain msgpack-able data both ways, never pickle."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks."""
+        ...
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Self:
+        """Inverse of :meth:`to_wire`."""
+        ...
+
 
 #: Why rank 0 could not write a ``COMMIT`` record ("" when it did).
 AckReason = Literal["", "base-missing", "superseded", "error"]
@@ -158,6 +213,260 @@ class RestoreVerdict:
             reasons=tuple(str(r) for r in data["reasons"]),
             refusal=None if not refusal else (str(refusal[0]), str(refusal[1])),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SessionToken:
+    """Step ``SESSION``: a token for this incarnation of the opening; rank 0's is everyone's."""
+
+    token: str
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"token": self.token}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SessionToken:
+        """Inverse of :meth:`to_wire`."""
+        return cls(str(data["token"]))
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFacts:
+    """Step ``OPEN_FACTS``: what one rank sees before the job opens, for
+    :meth:`tiercheck.engine.claim.Claim.judge`. A field left at its default is not sent."""
+
+    node: int
+    local_rank: int
+    #: Why this rank's writer lock could not be taken.
+    lock: str | None = None
+    #: Why each durable tier failed its probe, by tier name.
+    probe: Mapping[str, str] = field(default_factory=dict)
+    #: Rank 0: what the durable tiers say of the job's incarnation (see ``Claim``).
+    job: Mapping[str, Any] | None = None
+    #: Rank 0: why the job record (or the tombstone) cannot be read.
+    job_error: str | None = None
+    #: Rank 0: the incarnations ``tiercheck rm-job`` deleted, and whether a tombstone is there.
+    deleted: Sequence[str] | None = None
+    tombstone: bool | None = None
+    #: The node's identity record (text), ``None`` when there is none or it cannot be read.
+    identity: str | None = None
+    identity_error: str | None = None
+    identity_damaged: bool = False
+    has_data: bool = True
+    #: A node's first rank: the versions its memory holds.
+    held: Sequence[int] | None = None
+    #: Rank 0: a token for the job, should it start a new incarnation.
+    fresh_token: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        wire: dict[str, Any] = {"node": self.node, "local_rank": self.local_rank}
+        if self.lock is not None:
+            wire["lock"] = self.lock
+        wire["probe"] = dict(self.probe)
+        for name in ("job", "job_error", "deleted", "tombstone"):
+            if getattr(self, name) is not None:
+                wire[name] = getattr(self, name)
+        if self.identity_error is not None:
+            wire["identity_error"] = self.identity_error
+            wire["identity_damaged"] = self.identity_damaged
+        else:
+            wire["identity"] = self.identity
+        wire["has_data"] = self.has_data
+        for name in ("held", "fresh_token"):
+            if getattr(self, name) is not None:
+                wire[name] = getattr(self, name)
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> OpenFacts:
+        """Inverse of :meth:`to_wire`."""
+        return cls(
+            node=int(data["node"]),
+            local_rank=int(data["local_rank"]),
+            lock=data.get("lock"),
+            probe={str(k): str(v) for k, v in data["probe"].items()},
+            job=data.get("job"),
+            job_error=data.get("job_error"),
+            deleted=data.get("deleted"),
+            tombstone=data.get("tombstone"),
+            identity=data.get("identity"),
+            identity_error=data.get("identity_error"),
+            identity_damaged=bool(data.get("identity_damaged", False)),
+            has_data=bool(data["has_data"]),
+            held=data.get("held"),
+            fresh_token=data.get("fresh_token"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimOutcome:
+    """Step ``CLAIM``: rank 0's writer generation in each durable tier, or why it could not
+    claim them (``failure``; "" when it did). Also a barrier (see ``Claim.guard``)."""
+
+    generations: Mapping[str, int]
+    failure: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"generations": dict(self.generations), "failure": self.failure}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> ClaimOutcome:
+        """Inverse of :meth:`to_wire`."""
+        generations = {str(k): int(v) for k, v in data["generations"].items()}
+        return cls(generations, str(data["failure"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Steps ``JOB_RECORD``, ``LOADED``, ``SET_ASIDE_COPY``: whether this rank's part of the
+    step failed, and why (``None``: it did not)."""
+
+    error: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"error": self.error}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Outcome:
+        """Inverse of :meth:`to_wire`."""
+        error = data["error"]
+        return cls(None if error is None else str(error))
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryReport:
+    """Step ``INVENTORY``: the versions a rank can rebuild, by tier (fastest first), and why
+    it could not list some tiers (tier name -> message)."""
+
+    by_tier: Mapping[str, frozenset[int]]
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, inventory: Inventory, errors: Mapping[str, str]) -> InventoryReport:
+        """The report of ``inventory``."""
+        return cls(inventory.by_tier, errors)
+
+    def inventory(self, rank: int) -> Inventory:
+        """The :class:`~tiercheck.consistency.recovery.Inventory` of ``rank``, who sent this."""
+        return Inventory(rank, self.by_tier)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"inv": Inventory(-1, self.by_tier).to_wire(), "errors": dict(self.errors)}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> InventoryReport:
+        """Inverse of :meth:`to_wire`."""
+        inventory = Inventory.from_wire(-1, data["inv"])
+        return cls(inventory.by_tier, {str(k): str(v) for k, v in data["errors"].items()})
+
+
+@dataclass(frozen=True, slots=True)
+class SetAsideListing:
+    """Step ``SET_ASIDE_LIST``: rank 0's list of the committed versions to set aside (others
+    send none), and whether listing or this rank's own state forbids it (``error``)."""
+
+    committed: Sequence[int]
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"committed": list(self.committed), "error": self.error}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SetAsideListing:
+        """Inverse of :meth:`to_wire`."""
+        error = data["error"]
+        return cls([int(v) for v in data["committed"]], None if error is None else str(error))
+
+
+@dataclass(frozen=True, slots=True)
+class SetAsideCompletion:
+    """Step ``SET_ASIDE_COMPLETE``: rank 0 completed the abandoned set (``held``: the versions
+    it holds whole, ``needs``: those still missing a rank's blob) or why not (``error``)."""
+
+    error: str | None
+    needs: Sequence[int] = ()
+    held: Sequence[int] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"error": self.error, "needs": list(self.needs), "held": list(self.held)}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SetAsideCompletion:
+        """Inverse of :meth:`to_wire`."""
+        error = data["error"]
+        return cls(
+            None if error is None else str(error),
+            [int(v) for v in data["needs"]],
+            [int(v) for v in data["held"]],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SavesDone:
+    """Step ``CLOSE_SAVED``: this rank finished every save before closing."""
+
+    saved: bool
+
+    @property
+    def ok(self) -> bool:
+        """Whether this rank's part of the close went well."""
+        return self.saved
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"saved": self.saved}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SavesDone:
+        """Inverse of :meth:`to_wire`."""
+        return cls(bool(data["saved"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ServingStopped:
+    """Step ``CLOSE_STOPPED``: this rank's tiers stopped serving the other ranks."""
+
+    stopped: bool
+
+    @property
+    def ok(self) -> bool:
+        """Whether this rank's part of the close went well."""
+        return self.stopped
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"stopped": self.stopped}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> ServingStopped:
+        """Inverse of :meth:`to_wire`."""
+        return cls(bool(data["stopped"]))
+
+
+#: The one message class of each step (a step exchanges nothing else).
+STEP_MESSAGES: Mapping[Step, type[Message]] = {
+    Step.SESSION: SessionToken,
+    Step.OPEN_FACTS: OpenFacts,
+    Step.CLAIM: ClaimOutcome,
+    Step.INVENTORY: InventoryReport,
+    Step.VERDICT: RestoreVerdict,
+    Step.LOADED: Outcome,
+    Step.JOB_RECORD: Outcome,
+    Step.SET_ASIDE_LIST: SetAsideListing,
+    Step.SET_ASIDE_COPY: Outcome,
+    Step.SET_ASIDE_COMPLETE: SetAsideCompletion,
+    Step.VOTE: Vote,
+    Step.ACK: CommitAck,
+    Step.CLOSE_SAVED: SavesDone,
+    Step.CLOSE_STOPPED: ServingStopped,
+}
 
 
 def round_failures(votes: Sequence[Vote]) -> list[int]:

@@ -12,15 +12,17 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
+from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
 from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
-from tiercheck.engine.tier import commit_versions, location
+from tiercheck.engine.collectives import Side, step
+from tiercheck.engine.stale import Stale, made_at, stale_message
+from tiercheck.engine.stored import commit_versions, location
 from tiercheck.errors import (
     FormatError,
     JobLocked,
@@ -48,95 +50,157 @@ from tiercheck.guard import (
 from tiercheck.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
+    from tiercheck.engine.options import Options
+    from tiercheck.engine.results import CheckpointerStats
+    from tiercheck.topology import Topology
 
-__all__ = ["Claim", "Stale", "stale_message"]
+__all__ = ["Claim", "ClaimContext", "Stale", "gather_facts", "read_job_facts", "stale_message"]
 
 logger = logging.getLogger("tiercheck")
 
 
-@dataclass(frozen=True, slots=True)
-class Stale:
-    """Why a node's memory is not taken as this run's.
+class ClaimContext(Side, Protocol):
+    """What the claim needs of the engine's shared state (the engine's ``Context``, which
+    holds the claim: a narrow view, so that this module does not import that one)."""
 
-    ``kind``: ``"damaged"`` (its identity record is cut short or garbled), ``"unreadable"``
-    (it cannot be read: written by a newer build, or an I/O error), ``"predates"`` (checkpoints
-    without an identity, and a durable location that holds nothing), ``"another-location"``
-    (this job's memory of another durable location), ``"another-run"`` (another job, or
-    another incarnation of this one at the same location).
-    """
+    @property
+    def options(self) -> Options:
+        """The checkpointer's options."""
+        ...
 
-    kind: str
-    text: str
+    @property
+    def topo(self) -> Topology:
+        """This rank's place in the job."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        ...
+
+    @property
+    def job_id(self) -> str:
+        """The job's id."""
+        ...
+
+    @property
+    def session(self) -> str:
+        """The incarnation of this opening, agreed by every rank."""
+        ...
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Running totals (the claim marks ``superseded``)."""
+        ...
 
 
-def _when(created: float) -> str:
-    if not created:
-        return "at an unknown time"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
-
-
-def stale_message(
-    job_id: str,
-    node_root: str,
-    stale: Mapping[int, Stale],
-    first: Mapping[str, Any],
-    nodes: Mapping[int, Mapping[str, Any]],
-) -> str:
-    """The :class:`~tiercheck.errors.StaleMemory` message: each node's case, what its memory
-    holds and whether that is anywhere else, and what to do about each case."""
-    job = first.get("job") or {}
-    durable = set(job.get("committed") or ())
-    lines = []
-    lost: list[int] = []
-    for n, why in sorted(stale.items()):
-        held = sorted(int(v) for v in nodes[n].get("held") or ())
-        only = [v for v in held if v not in durable]
-        line = f"node {n}: {why.text}; it holds versions {held if held else 'none'}"
-        if only and why.kind in ("damaged", "predates"):
-            line += f" ({only} of them in no durable storage of this job: only there)"
-            lost.extend(only)
-        lines.append(line)
-    kinds = {why.kind for why in stale.values()}
-    advice = []
-    if kinds & {"damaged", "predates"}:
-        warn = f" -- and with it the only copy of versions {sorted(set(lost))}" if lost else ""
-        advice.append(
-            "If this run wrote that memory (its identity record was damaged or removed, by a "
-            "cleanup script say), pass stale_memory='adopt' to use it as this run's; "
-            f"stale_memory='discard' deletes it{warn}."
-        )
-    if "another-location" in kinds:
-        advice.append(
-            "To continue the run that memory belongs to, point persistent= at its durable "
-            "location (named above). stale_memory='discard' deletes it; versions it holds "
-            "that that location does not are then lost."
-        )
-    if "unreadable" in kinds:
-        advice.append(
-            "Read the identity record's error above: a newer tiercheck wrote it (upgrade), or the "
-            "memory cannot be read; stale_memory='discard' deletes that memory."
-        )
-    if "another-run" in kinds:
-        advice.append(
-            "That memory is another run's and is never restored as this one's; "
-            "stale_memory='discard' deletes it (a copy of that run's versions, unless they "
-            "were only there)."
-        )
-    return (
-        f"the shared memory of job {job_id!r} (for this rank: {node_root}) is not known to be "
-        "this run's, so the job does not open:\n  "
-        + "\n  ".join(lines)
-        + "\n"
-        + "\n".join(advice)
-        + "\nOr use another job_id (or another local_root). Nothing was changed."
+async def gather_facts(
+    ctx: ClaimContext, lock_of_rank: RankLock, durable: Sequence[Tier]
+) -> OpenFacts:
+    """What this rank sees before the job opens (step ``OPEN_FACTS``): its writer lock (taken
+    here), whether the durable tiers work, its node's identity and memory; rank 0 also what
+    the durable tiers say of the job (:func:`read_job_facts`) and of its deletion."""
+    cfg, topo = ctx.options, ctx.topo
+    locked = None
+    try:
+        await asyncio.to_thread(lock_of_rank.acquire)
+    except (JobLocked, OSError) as exc:
+        locked = str(exc)
+    probes: dict[str, str] = {}
+    for tier in durable:
+        try:
+            await probe(tier, ctx.session, ctx.rank)
+        except (TiercheckError, OSError) as exc:
+            probes[tier.name] = str(exc)
+    job: dict[str, Any] | None = None
+    job_error: str | None = None
+    deleted: dict[str, Any] = {}
+    if ctx.rank == 0 and durable and not probes:
+        try:
+            job = await read_job_facts(durable)
+        except (TiercheckError, OSError) as exc:
+            job_error = f"{type(exc).__name__}: {exc}"
+        if job_error is None:
+            deleted = await deletion_facts(durable)  # what `tiercheck rm-job` deleted
+            job_error = deleted.get("job_error")
+    identity_text: str | None = None
+    identity_error: str | None = None
+    damaged = False
+    try:
+        identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
+        identity_text = None if identity is None else identity.to_bytes().decode()
+    except (TiercheckError, OSError) as exc:
+        identity_error = str(exc)
+        # Cut short or garbled (not written by a newer build): damaged, not another run's.
+        damaged = isinstance(exc, FormatError) and not isinstance(exc, UnsupportedFormat)
+    try:
+        has_data = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
+    except OSError:
+        has_data = True  # cannot look: assume there is something to protect
+    held: list[int] | None = None
+    if topo.local_rank == 0:
+        try:
+            held = await asyncio.to_thread(node_versions, cfg.job.node_root)
+        except OSError as exc:
+            logger.debug("tiercheck: cannot list the node's memory: %r", exc)
+    return OpenFacts(
+        node=topo.node_index,
+        local_rank=topo.local_rank,
+        lock=locked,
+        probe=probes,
+        job=job,
+        job_error=job_error,
+        deleted=deleted.get("deleted"),
+        tombstone=deleted.get("tombstone"),
+        identity=identity_text,
+        identity_error=identity_error,
+        identity_damaged=damaged,
+        has_data=has_data,
+        held=held,
+        fresh_token=os.urandom(8).hex() if ctx.rank == 0 else None,
     )
+
+
+async def read_job_facts(durable: Sequence[Tier]) -> dict[str, Any]:
+    """Rank 0: what the durable tiers say about the job's incarnation.
+
+    ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records but no job
+    record: written before job records existed, or one set aside by ``tiercheck
+    repair-job``; the history is read off the ``COMMIT`` records, each of which says how
+    many ranks saved its version) or ``"absent"`` (nothing stored: a new location, or one
+    that was emptied). ``committed``: the versions with ``COMMIT`` records.
+    """
+    committed = sorted(await commit_versions(durable[0]))
+    for tier in durable:
+        record = await read_job_record(tier)
+        if record is not None:
+            return {
+                "state": "found",
+                "token": record.token,
+                "world_size": record.world_size,
+                "worlds": [list(span) for span in record.worlds],
+                "revision": record.revision,
+                "repaired": record.repaired,
+                "committed": committed,
+            }
+    if not committed:
+        return {"state": "absent", "committed": []}
+    sizes = []
+    for version in committed:
+        commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(version))))
+        sizes.append((version, commit.world_size))
+    return {
+        "state": "legacy",
+        "world_size": sizes[-1][1],
+        "worlds": [list(span) for span in spans_of(sizes)],
+        "committed": committed,
+    }
 
 
 class Claim:
     """The writer lock of this rank, the job's incarnation, and the fences of durable tiers."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: ClaimContext) -> None:
         self.ctx = ctx
         self.lock = RankLock(ctx.options.job.node_root, ctx.rank)
         # The job's incarnation (see tiercheck.consistency.identity) and, per durable tier, the
@@ -207,9 +271,9 @@ class Claim:
                 await self.write_job_record()
             except (TiercheckError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        said = await self.ctx.exchange("control", {"error": error})
-        failed = [e["error"] for e in said if e["error"] is not None]
-        return str(failed[0]) if failed else None
+        said = await step(self.ctx, Step.JOB_RECORD, Outcome(error))
+        failed = [e.error for e in said if e.error is not None]
+        return failed[0] if failed else None
 
     async def guard(self) -> None:
         """Refuse to open over data this run must not touch; the same verdict on every rank.
@@ -220,47 +284,9 @@ class Claim:
         raises the same typed error, or none does.
         """
         cfg, topo = self.ctx.options, self.ctx.topo
-        mine: dict[str, Any] = {"node": topo.node_index, "local_rank": topo.local_rank}
-        try:
-            await asyncio.to_thread(self.lock.acquire)
-        except (JobLocked, OSError) as exc:
-            mine["lock"] = str(exc)
         durable = self.durable
-        probes: dict[str, str] = {}
-        for tier in durable:
-            try:
-                await probe(tier, self.ctx.session, self.ctx.rank)
-            except (TiercheckError, OSError) as exc:
-                probes[tier.name] = str(exc)
-        mine["probe"] = probes
-        if self.ctx.rank == 0 and durable and not probes:
-            try:
-                mine["job"] = await self._read_job_record(durable)
-            except (TiercheckError, OSError) as exc:
-                mine["job_error"] = f"{type(exc).__name__}: {exc}"
-            if "job_error" not in mine:
-                mine.update(await deletion_facts(durable))  # what `tiercheck rm-job` deleted
-        try:
-            identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
-            mine["identity"] = None if identity is None else identity.to_bytes().decode()
-        except (TiercheckError, OSError) as exc:
-            mine["identity_error"] = str(exc)
-            # Cut short or garbled (not written by a newer build): damaged, not another run's.
-            mine["identity_damaged"] = isinstance(exc, FormatError) and not isinstance(
-                exc, UnsupportedFormat
-            )
-        try:
-            mine["has_data"] = await asyncio.to_thread(node_holds_data, cfg.job.node_root)
-        except OSError:
-            mine["has_data"] = True  # cannot look: assume there is something to protect
-        if topo.local_rank == 0:
-            try:
-                mine["held"] = await asyncio.to_thread(node_versions, cfg.job.node_root)
-            except OSError as exc:
-                logger.debug("tiercheck: cannot list the node's memory: %r", exc)
-        if self.ctx.rank == 0:
-            mine["fresh_token"] = os.urandom(8).hex()
-        everyone = await self.ctx.exchange("control", mine)
+        mine = await gather_facts(self.ctx, self.lock, durable)
+        everyone = await step(self.ctx, Step.OPEN_FACTS, mine)
         stale = self.judge(everyone)
         # Past this point every rank may open: only now is anything written.
         if stale and topo.local_rank == 0 and topo.node_index in stale:
@@ -276,7 +302,7 @@ class Claim:
         failure = ""
         if self.ctx.rank == 0 and durable:
             try:
-                if everyone[0]["job"]["state"] != "found" or self._record_behind:
+                if (everyone[0].job or {}).get("state") != "found" or self._record_behind:
                     await self.write_job_record()
                 for tier in durable:
                     fence = Fence(tier, self.ctx.session)
@@ -285,22 +311,19 @@ class Claim:
             except (TiercheckError, OSError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
         # Also a barrier: no rank reads its node's memory while it is being discarded.
-        decided = await self.ctx.exchange("control", {"generations": claimed, "failure": failure})
-        if decided[0]["failure"]:
+        decided = (await step(self.ctx, Step.CLAIM, ClaimOutcome(claimed, failure)))[0]
+        if decided.failure:
             raise StorageError(
-                f"cannot claim job {cfg.job.job_id!r} in its durable storage: "
-                f"{decided[0]['failure']}"
+                f"cannot claim job {cfg.job.job_id!r} in its durable storage: {decided.failure}"
             )
         for tier in durable:
             if tier.name not in self.fences:
                 fence = Fence(tier, self.ctx.session)
-                fence.adopt(int(decided[0]["generations"][tier.name]))
+                fence.adopt(decided.generations[tier.name])
                 self.fences[tier.name] = fence
         me = everyone[self.ctx.rank]
         if topo.local_rank == 0 and (
-            me.get("identity") is None
-            or topo.node_index in stale
-            or topo.node_index in self._adopted
+            me.identity is None or topo.node_index in stale or topo.node_index in self._adopted
         ):
             await self._write_identity()
 
@@ -332,51 +355,16 @@ class Claim:
         for tier in self.durable:
             await write_job_record(tier, record)
 
-    async def _read_job_record(self, durable: Sequence[Tier]) -> dict[str, Any]:
-        """Rank 0: what the durable tiers say about the job's incarnation.
-
-        ``state`` is ``"found"`` (a job record), ``"legacy"`` (``COMMIT`` records but no job
-        record: written before job records existed, or one set aside by ``tiercheck
-        repair-job``; the history is read off the ``COMMIT`` records, each of which says how
-        many ranks saved its version) or ``"absent"`` (nothing stored: a new location, or one
-        that was emptied). ``committed``: the versions with ``COMMIT`` records.
-        """
-        committed = sorted(await commit_versions(durable[0]))
-        for tier in durable:
-            record = await read_job_record(tier)
-            if record is not None:
-                return {
-                    "state": "found",
-                    "token": record.token,
-                    "world_size": record.world_size,
-                    "worlds": [list(span) for span in record.worlds],
-                    "revision": record.revision,
-                    "repaired": record.repaired,
-                    "committed": committed,
-                }
-        if not committed:
-            return {"state": "absent", "committed": []}
-        sizes = []
-        for version in committed:
-            commit = CommitRecord.from_bytes(bytes(await durable[0].get(commit_key(version))))
-            sizes.append((version, commit.world_size))
-        return {
-            "state": "legacy",
-            "world_size": sizes[-1][1],
-            "worlds": [list(span) for span in spans_of(sizes)],
-            "committed": committed,
-        }
-
-    def judge(self, everyone: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    def judge(self, everyone: Sequence[OpenFacts]) -> dict[int, str]:
         """Decide, from what every rank saw, whether this run may open; return stale nodes.
 
         Pure: every rank computes the same verdict from the same exchange.
         """
         cfg, topo = self.ctx.options, self.ctx.topo
-        locked = [e["lock"] for e in everyone if e.get("lock")]
+        locked = [e.lock for e in everyone if e.lock]
         if locked:
             raise JobLocked(locked[0] + (f" ({len(locked)} ranks)" if len(locked) > 1 else ""))
-        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e["probe"].values()]
+        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e.probe.values()]
         if broken:
             raise StorageError(
                 "the durable storage of job "
@@ -384,44 +372,44 @@ class Claim:
                 + "\n  ".join(broken[:8])
             )
         first = everyone[0]
-        if first.get("job_error"):
+        if first.job_error:
             raise StorageError(
                 f"cannot read the job record (JOB) of {cfg.job.job_id!r} at "
-                f"{location(self.durable[0]) if self.durable else '?'}: {first['job_error']}. "
+                f"{location(self.durable[0]) if self.durable else '?'}: {first.job_error}. "
                 "Nothing was read or changed. If the record is damaged, `tiercheck repair-job "
                 f"<persistent URL> --job {cfg.job.job_id}` sets it aside and the next opening "
                 "writes it anew from the COMMIT records and the nodes' memory, without losing "
                 "a version."
             )
-        nodes: dict[int, Mapping[str, Any]] = {}
+        nodes: dict[int, OpenFacts] = {}
         for e in everyone:
-            nodes.setdefault(int(e["node"]), e)
+            nodes.setdefault(e.node, e)
         identities: dict[int, NodeIdentity | None] = {}
         stale: dict[int, Stale] = {}
         for n, e in nodes.items():
-            if e.get("identity_error"):
+            if e.identity_error:
                 identities[n] = None
-                if e.get("identity_damaged") and not e["has_data"]:
+                if e.identity_damaged and not e.has_data:
                     continue  # nothing to protect: the record is written anew
-                if e.get("identity_damaged"):
+                if e.identity_damaged:
                     stale[n] = Stale(
                         "damaged",
-                        f"its identity record is damaged ({e['identity_error']}): whose "
+                        f"its identity record is damaged ({e.identity_error}): whose "
                         "checkpoints it holds cannot be told",
                     )
                 else:
                     stale[n] = Stale(
                         "unreadable",
-                        f"its identity record cannot be read ({e['identity_error']})",
+                        f"its identity record cannot be read ({e.identity_error})",
                     )
                 continue
-            text = e.get("identity")
+            text = e.identity
             identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
-        job = first.get("job")
+        job = first.job
         durable = self.durable
         here = location(durable[0]) if durable else None
         # Memory of an incarnation `tiercheck rm-job` deleted is nobody's: out of the judging.
-        self.deleted_nodes = forget_deleted(identities, first, cfg.job.job_id, here)
+        self.deleted_nodes = forget_deleted(identities, first.to_wire(), cfg.job.job_id, here)
         # Identities of nodes whose memory says it belongs to this job at this location.
         ours = {
             i.token: i
@@ -487,7 +475,7 @@ class Claim:
                         cfg.job.job_id,
                     )
             else:
-                token = first["fresh_token"]
+                token = first.fresh_token or ""
         else:
             tokens = {i.token for i in identities.values() if i is not None}
             if len(tokens) > 1:
@@ -498,7 +486,7 @@ class Claim:
                     "to delete every node's memory of the job and start over (its versions "
                     "exist nowhere else: there is no durable tier), or use another job_id."
                 )
-            token = tokens.pop() if tokens else first["fresh_token"]
+            token = tokens.pop() if tokens else first.fresh_token or ""
             known = [i for i in identities.values() if i is not None]
             if known:
                 # Nodes that joined later, or missed an update, know less: the newest wins.
@@ -521,7 +509,7 @@ class Claim:
             if n in stale or n in self.deleted_nodes:
                 continue
             if identity is None:
-                if absent and nodes[n]["has_data"]:
+                if absent and nodes[n].has_data:
                     stale[n] = Stale(
                         "predates",
                         "it holds checkpoints but no identity record, and the job's durable "
@@ -544,7 +532,7 @@ class Claim:
                     "another-run",
                     f"it belongs to another run of {identity.job_id!r} at the same durable "
                     f"location (token {identity.token[:8]}, made "
-                    f"{_when(identity.created)}), not the one the job record names (token "
+                    f"{made_at(identity.created)}), not the one the job record names (token "
                     f"{token[:8]}): the job was deleted or started anew there since",
                 )
         self.job_token = token

@@ -22,16 +22,18 @@ from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.protocol import (
     AckReason,
     CommitAck,
+    Step,
     Vote,
     commit_record,
     round_failures,
 )
+from tiercheck.engine.collectives import step
 from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
 
 if TYPE_CHECKING:
-    from tiercheck.engine.tier import TierPipeline
+    from tiercheck.engine.pipe import Pipe
 
 __all__ = ["CommitRounds"]
 
@@ -41,7 +43,7 @@ logger = logging.getLogger("tiercheck")
 class CommitRounds:
     """The round worker of one tier's pipeline."""
 
-    def __init__(self, pipe: TierPipeline, on_base_lost: Callable[[], None]) -> None:
+    def __init__(self, pipe: Pipe, on_base_lost: Callable[[], None]) -> None:
         self.pipe = pipe
         #: Jobs waiting for their round, in version order; ``None`` ends the worker.
         self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
@@ -140,7 +142,7 @@ class CommitRounds:
                 base=durable.base,
             )
         # Phase 2, vote: every rank's word on this version in this tier.
-        everyone = [Vote.from_wire(e) for e in await pipe.ctx.exchange(name, mine.to_wire())]
+        everyone = await step(pipe.ctx, Step.VOTE, mine, channel=name)
         # Phase 3, decide: unanimous, and (in a durable tier) the COMMIT record landed.
         failed = round_failures(everyone)
         why: AckReason = ""
@@ -235,8 +237,8 @@ class CommitRounds:
             except Exception:
                 logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
                 ok, why = False, "error"
-        acks = await ctx.exchange(tier.name, CommitAck(ok, why).to_wire())
-        ack = CommitAck.from_wire(acks[0])  # rank 0's is the one that counts
+        acks = await step(ctx, Step.ACK, CommitAck(ok, why), channel=tier.name)
+        ack = acks[0]  # rank 0's is the one that counts
         if ack.ok:
             return [], ""
         if ack.why == "superseded":

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import msgpack
 
 from tiercheck._threads import DaemonExecutor
 from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
@@ -41,14 +36,3 @@ class Context:
         self.claim = Claim(self)
         #: Saves whose commit rounds are not all over yet.
         self.jobs: set[Job] = set()
-
-    async def exchange(self, channel: str, payload: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's ``payload`` on ``channel``, by rank (an all-gather, msgpack on the wire)."""
-        if self.coordinator.world_size == 1:
-            return [dict(payload)]
-        packed = msgpack.packb(payload, use_bin_type=True)
-        loop = asyncio.get_running_loop()
-        gathered = await loop.run_in_executor(
-            self.channels[channel], self.coordinator.all_gather, channel, packed
-        )
-        return [msgpack.unpackb(g, raw=False) for g in gathered]

@@ -21,7 +21,9 @@ from tiercheck._threads import DaemonExecutor
 from tiercheck.codec.flatten import ReplicaRef
 from tiercheck.codec.plan import Planner
 from tiercheck.consistency.manifest import Abort
+from tiercheck.consistency.protocol import Outcome, SessionToken, Step
 from tiercheck.defaults import NodeRoot, persistent_job_url
+from tiercheck.engine.collectives import step
 from tiercheck.engine.context import Context
 from tiercheck.engine.encode import Encoder
 from tiercheck.engine.jobs import Job, LaneResult
@@ -117,7 +119,7 @@ class Engine:
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
         token = os.urandom(8).hex()
-        ctx.session = str((await ctx.exchange("control", {"token": token}))[0]["token"])
+        ctx.session = (await step(ctx, Step.SESSION, SessionToken(token)))[0].token
         setup = TierSetup(
             job_id=cfg.job.job_id,
             session=ctx.session,
@@ -325,8 +327,8 @@ class Engine:
         :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
         failed raises its own error).
         """
-        said = await self.ctx.exchange("control", {"error": error})
-        failed = [(r, e["error"]) for r, e in enumerate(said) if e["error"] is not None]
+        said = await step(self.ctx, Step.LOADED, Outcome(error))
+        failed = [(r, e.error) for r, e in enumerate(said) if e.error is not None]
         if failed and error is None:
             rank, text = failed[0]
             raise StatefulError(

@@ -22,7 +22,7 @@ from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import Buffer
 
 if TYPE_CHECKING:
-    from tiercheck.engine.tier import TierPipeline
+    from tiercheck.engine.pipe import Pipe as TierPipeline
 
 __all__ = ["Lane", "LaneItem"]
 

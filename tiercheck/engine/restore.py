@@ -27,8 +27,9 @@ from tiercheck.codec import RawState, unflatten
 from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.manifest import Commit
-from tiercheck.consistency.protocol import RestoreVerdict, whole_in_tier
+from tiercheck.consistency.protocol import InventoryReport, RestoreVerdict, Step, whole_in_tier
 from tiercheck.consistency.recovery import Inventory, agree, candidates
+from tiercheck.engine.collectives import step
 from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from tiercheck.engine.tier import TierPipeline
     from tiercheck.engine.timeline import Timeline
 
-__all__ = ["Agreement", "Restorer"]
+__all__ = ["Agreement", "Restorer", "rejection_report"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -78,6 +79,22 @@ class Agreement:
     unlisted: tuple[str, ...]
     #: The version asked for, or ``None`` for the newest every rank can rebuild.
     version: int | None
+
+
+def rejection_report(job_id: str, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
+    """The :class:`~tiercheck.errors.RestoreError` message when no version could be restored:
+    why each was rejected, on which rank."""
+    lines = [
+        f"no version of job {job_id!r} could be restored; nothing was deleted "
+        "(blobs that failed verification were set aside under quarantine/). Why each "
+        "version was rejected:"
+    ]
+    for version in sorted(rejected, reverse=True):
+        lines.append(f"  version {version}:")
+        lines.extend(f"    {reason}" for reason in rejected[version])
+    lines.extend(f"  {line}" for line in unlisted)
+    lines.append("Run `tiercheck verify` on the locations for details.")
+    return "\n".join(lines)
 
 
 class Restorer:
@@ -112,12 +129,12 @@ class Restorer:
         :class:`~tiercheck.errors.RestoreError` (every rank alike) when ``version`` cannot be
         rebuilt by every rank, or when versions are stored but none can be restored here."""
         mine, errors = await self._inventory()
-        gathered = await self.ctx.exchange("control", {"inv": mine.to_wire(), "errors": errors})
-        everyone = tuple(Inventory.from_wire(r, e["inv"]) for r, e in enumerate(gathered))
+        gathered = await step(self.ctx, Step.INVENTORY, InventoryReport.of(mine, errors))
+        everyone = tuple(report.inventory(r) for r, report in enumerate(gathered))
         unlisted = tuple(
             f"rank {r} cannot list the {tier!r} tier: {msg}"
-            for r, e in enumerate(gathered)
-            for tier, msg in sorted(e["errors"].items())
+            for r, report in enumerate(gathered)
+            for tier, msg in sorted(report.errors.items())
         )
         possible = candidates(everyone)
         if version is not None and version not in possible:
@@ -188,7 +205,7 @@ class Restorer:
                 version if version is not None else agree(everyone, excluded=frozenset(excluded))
             )
             if chosen is None:
-                raise RestoreError(self._rejection_report(rejected, unlisted))
+                raise RestoreError(rejection_report(self.ctx.job_id, rejected, unlisted))
             raw: RawState | Resharded | None
             reasons: list[str]
             if failed is not None:
@@ -228,10 +245,7 @@ class Restorer:
                     reasons.append(f"{source}: {type(exc).__name__}: {exc}")
                     raw = None
             mine_verdict = RestoreVerdict(raw is not None, source, tuple(reasons), refusal)
-            verdicts = [
-                RestoreVerdict.from_wire(v)
-                for v in await self.ctx.exchange("control", mine_verdict.to_wire())
-            ]
+            verdicts = await step(self.ctx, Step.VERDICT, mine_verdict)
             refusals = [(r, v.refusal) for r, v in enumerate(verdicts) if v.refusal is not None]
             if refusals:
                 # The caller's state (or options) cannot take the version: nothing was
@@ -251,7 +265,7 @@ class Restorer:
             if version is not None:
                 raise RestoreError(
                     f"version {version} failed verification on ranks {bad}; nothing was "
-                    "deleted.\n" + self._rejection_report(rejected, unlisted)
+                    "deleted.\n" + rejection_report(self.ctx.job_id, rejected, unlisted)
                 )
             logger.warning(
                 "tiercheck: version %s failed verification on ranks %s; trying older", chosen, bad
@@ -328,19 +342,6 @@ class Restorer:
                     "pass strict=False to allow keys present on one side only."
                 )
         return rebuilt
-
-    def _rejection_report(self, rejected: Mapping[int, list[str]], unlisted: list[str]) -> str:
-        lines = [
-            f"no version of job {self.ctx.job_id!r} could be restored; nothing was deleted "
-            "(blobs that failed verification were set aside under quarantine/). Why each "
-            "version was rejected:"
-        ]
-        for version in sorted(rejected, reverse=True):
-            lines.append(f"  version {version}:")
-            lines.extend(f"    {reason}" for reason in rejected[version])
-        lines.extend(f"  {line}" for line in unlisted)
-        lines.append("Run `tiercheck verify` on the locations for details.")
-        return "\n".join(lines)
 
     def _adopt_whole(self, everyone: Sequence[Inventory], *, upto: int) -> None:
         """Count as committed, in the tiers without commit records, what every rank holds.

@@ -13,26 +13,54 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+from tiercheck.consistency.protocol import SavesDone, ServingStopped, Step
+from tiercheck.engine.collectives import step
 from tiercheck.engine.leftovers import clean_failed_opening
 from tiercheck.engine.options import CloseMode
 from tiercheck.errors import TierWriteFailed
 from tiercheck.tiers.base import SupportsStopServing
 
 if TYPE_CHECKING:
-    from tiercheck.engine.engine import Engine
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.encode import Encoder
+    from tiercheck.engine.options import Options
+    from tiercheck.engine.stage import Stager
+    from tiercheck.engine.tier import TierPipeline
+    from tiercheck.tiers.base import Tier
 
-__all__ = ["Shutdown"]
+__all__ = ["Closable", "Shutdown"]
 
 logger = logging.getLogger("tiercheck")
+
+
+class Closable(Protocol):
+    """What closing needs of the engine (:class:`~tiercheck.engine.engine.Engine`, which holds
+    the :class:`Shutdown`: a narrow view, so that this module does not import that one)."""
+
+    cfg: Options
+    ctx: Context
+    tiers: list[Tier]
+    pipes: dict[str, TierPipeline]
+    encoder: Encoder
+    stager: Stager
+    save_lock: asyncio.Lock
+    opened: bool
+    open_started: float | None
+    closed: bool
+    closing: bool
+
+    async def wait(self) -> None:
+        """Wait until every save so far is committed or failed in every tier."""
+        ...
 
 
 class Shutdown:
     """How an engine closes (see the module docstring)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Closable) -> None:
         self.engine = engine
         # Whether a failed agreement of the close was logged (once per close).
         self.close_warned = False
@@ -101,10 +129,12 @@ class Shutdown:
         await self._end_workers(cancel=False)
         collective = self.engine.ctx.coordinator.world_size > 1
         if collective:
-            await self._agree("every rank is done saving", {"saved": saved})
+            await self._agree("every rank is done saving", Step.CLOSE_SAVED, SavesDone(saved))
         stopped = await self._stop_serving()
         if collective:
-            await self._agree("every rank has stopped serving", {"stopped": stopped})
+            await self._agree(
+                "every rank has stopped serving", Step.CLOSE_STOPPED, ServingStopped(stopped)
+            )
         await self._release(flush=True)
 
     async def _flush_bounded(self) -> None:
@@ -192,10 +222,10 @@ class Shutdown:
                     stopped = False
         return stopped
 
-    async def _agree(self, what: str, mine: Mapping[str, Any]) -> bool:
+    async def _agree(self, what: str, which: Step, mine: SavesDone | ServingStopped) -> bool:
         """One agreement of the close on the "control" channel; a failure is logged once."""
         try:
-            everyone = await self.engine.ctx.exchange("control", mine)
+            everyone = await step(self.engine.ctx, which, mine)
         except Exception as exc:
             if not self.close_warned:
                 self.close_warned = True
@@ -205,7 +235,7 @@ class Shutdown:
                     exc,
                 )
             return False
-        return all(all(bool(v) for v in e.values()) for e in everyone)
+        return all(e.ok for e in everyone)
 
     async def _release(self, *, flush: bool) -> None:
         """Release everything local. Touches neither the store nor another rank."""

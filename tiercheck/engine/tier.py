@@ -21,20 +21,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.abandoned import (
     ABANDONED_PREFIX,
-    AbandonedSet,
     SetInfo,
-    abandoned_key,
     kept_and_removable,
-    parse_tag,
-    set_record_key,
-    tags_in,
 )
-from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import (
     commit_key,
     parse_blob_key,
@@ -45,9 +39,15 @@ from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.engine.jobs import Job, OwnBlob
 from tiercheck.engine.options import TierPolicy
+from tiercheck.engine.stored import (
+    abandoned_sets,
+    build_tier,
+    commit_versions,
+    location,
+    writes_commit_records,
+)
 from tiercheck.errors import TierFull, TierWriteFailed
-from tiercheck.tiers.base import FailureScope, Reservation, SupportsReserve, Tier, TierSetup
-from tiercheck.tiers.registry import get_tier_class
+from tiercheck.tiers.base import Reservation, SupportsReserve, Tier
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
@@ -62,72 +62,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("tiercheck")
-
-
-def build_tier(name: str, setup: TierSetup) -> Tier:
-    """The tier registered under ``name``, built for this job (see :meth:`Tier.for_job`)."""
-    return get_tier_class(name).for_job(setup)
-
-
-def writes_commit_records(tier: Tier) -> bool:
-    """Whether ``tier`` outlives the cluster, so that its commits are proven by ``COMMIT``
-    records in the tier itself rather than remembered in the nodes' manifests."""
-    return tier.survives >= FailureScope.CLUSTER
-
-
-async def commit_versions(tier: Tier) -> set[int]:
-    """Versions with a ``COMMIT`` record in ``tier``."""
-    found: set[int] = set()
-    async for key in tier.list("v"):
-        v = parse_commit_key(key)
-        if v is not None:
-            found.add(v)
-    return found
-
-
-async def abandoned_sets(tier: Tier) -> dict[str, SetInfo]:
-    """The whole abandoned sets in ``tier`` (those with their ``SET`` record), with the versions
-    each holds and the bases outside it its deltas need (see
-    :mod:`tiercheck.consistency.abandoned`). A set whose records cannot be read is taken to
-    hold every version from its first on and to need every older one: retention then keeps
-    everything it might need."""
-    keys = [key async for key in tier.list(ABANDONED_PREFIX)]
-    out: dict[str, SetInfo] = {}
-    for tag, inner in tags_in(keys).items():
-        parsed = parse_tag(tag)
-        if parsed is None or "SET" not in inner:
-            continue
-        first = parsed[0]
-        try:
-            record = AbandonedSet.from_bytes(bytes(await tier.get(set_record_key(tag))))
-            versions = frozenset(record.versions)
-            needs: set[int] = set()
-            for version in versions:
-                commit = CommitRecord.from_bytes(
-                    bytes(await tier.get(abandoned_key(tag, commit_key(version))))
-                )
-                needs.update(
-                    e.base for e in commit.entries if e.base is not None and e.base not in versions
-                )
-            out[tag] = SetInfo(first, versions, frozenset(needs))
-        except Exception as exc:
-            logger.warning(
-                "tiercheck: the abandoned set %s in %r cannot be read (%r); retention keeps "
-                "every version it might need",
-                tag,
-                tier.name,
-                exc,
-            )
-            out[tag] = SetInfo(first, frozenset(range(first, first + 1)), frozenset(range(first)))
-    return out
-
-
-def location(tier: Tier) -> str:
-    """Where a durable tier stores, as recorded in node identities."""
-    inner: Any = tier
-    while getattr(inner, "inner", None) is not None:  # wrappers (fault injection, ...)
-        inner = inner.inner
-    return str(getattr(inner, "url", None) or repr(inner))
 
 
 class TierPipeline:

@@ -39,6 +39,8 @@ from tiercheck.consistency.abandoned import (
 )
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key
+from tiercheck.consistency.protocol import Outcome, SetAsideCompletion, SetAsideListing, Step
+from tiercheck.engine.collectives import step
 from tiercheck.engine.tier import commit_versions
 from tiercheck.errors import BlobNotFound, FormatError
 from tiercheck.tiers.base import copy_blob
@@ -182,9 +184,9 @@ class Timeline:
                 committed = sorted(v for v in await commit_versions(tier) if v >= first)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        said = await ctx.exchange("control", {"committed": committed, "error": error})
-        committed = [int(v) for v in said[0]["committed"]]
-        errors = [e["error"] for e in said]
+        listed = await step(ctx, Step.SET_ASIDE_LIST, SetAsideListing(committed, error))
+        committed = list(listed[0].committed)
+        errors = [e.error for e in listed]
         if self._failed(pipe, c, errors, "listing it", "nothing was removed"):
             return
         tag = set_tag(first, ctx.session)
@@ -199,8 +201,8 @@ class Timeline:
                         await copy_blob(tier, key, abandoned_key(tag, key))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            said = await ctx.exchange("control", {"error": error})
-            errors = [e["error"] for e in said]
+            copied = await step(ctx, Step.SET_ASIDE_COPY, Outcome(error))
+            errors = [e.error for e in copied]
             if self._failed(pipe, c, errors, "copying blobs", "nothing was removed"):
                 return
             # 2. Rank 0 completes the set (COMMIT records, then SET) and only then takes the
@@ -216,9 +218,11 @@ class Timeline:
                         await tier.delete(commit_key(version))
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
-            said = await ctx.exchange("control", {"error": error, "needs": needs, "held": held})
-            info = SetInfo(first, frozenset(said[0]["held"]), frozenset(said[0]["needs"]))
-            errors = [e["error"] for e in said]
+            completed = await step(
+                ctx, Step.SET_ASIDE_COMPLETE, SetAsideCompletion(error, needs, held)
+            )
+            info = SetInfo(first, frozenset(completed[0].held), frozenset(completed[0].needs))
+            errors = [e.error for e in completed]
             kept = f"each of versions {committed} is whole where it was or in abandoned/{tag}/"
             if self._failed(pipe, c, errors, "completing the set", kept):
                 return

@@ -1,0 +1,59 @@
+"""What a tier's writer lane and round worker see of their pipeline.
+
+:class:`~tiercheck.engine.tier.TierPipeline` makes its :class:`~tiercheck.engine.lane.Lane` and
+:class:`~tiercheck.engine.commit.CommitRounds` and hands them itself; they know it through this
+narrow view, so that neither imports the module that builds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tiercheck.codec import BlobMeta
+    from tiercheck.consistency.manifest import Durable
+    from tiercheck.engine.context import Context
+    from tiercheck.engine.jobs import Job, OwnBlob
+    from tiercheck.tiers.base import Tier
+
+__all__ = ["Pipe"]
+
+
+class Pipe(Protocol):
+    """One tier's pipeline, as its lane and its round worker use it."""
+
+    ctx: Context
+    tier: Tier
+    name: str
+    #: Commits proven by ``COMMIT`` records in the tier.
+    durable: bool
+    #: Why the tier takes no new versions for now, or ``None``.
+    blocked: str | None
+    own: dict[int, OwnBlob]
+    committed: set[int]
+    settled: int
+    reserve_size: int
+    idle: asyncio.Event
+    skip_logged: set[str]
+    peer_warned: bool
+
+    def skip(self, job: Job, exc: BaseException) -> None:
+        """``job`` is not written to this tier (``exc`` says why)."""
+        ...
+
+    def fail(self, job: Job, error: BaseException) -> None:
+        """``job`` failed in this tier."""
+        ...
+
+    def record_durable(self, job: Job, key: str, meta: BlobMeta) -> Durable:
+        """This rank's blob ``key`` of ``job`` is durable in the tier."""
+        ...
+
+    def peer_trouble(self, what: str, exc: BaseException) -> None:
+        """The other ranks (or a holder) failed ``what``; warned once until it works again."""
+        ...
+
+    async def retain(self) -> None:
+        """Trim the tier to its policy's ``keep``."""
+        ...
