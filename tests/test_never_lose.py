@@ -115,7 +115,9 @@ def save_versions(root: Path, world: int, versions: Sequence[int], **kw: Any) ->
         with job(root, r, world, group, **kw) as ckpt:
             for v in versions:
                 ckpt.save(v, state_of(v, r))
-            ckpt.wait()
+                # Each one written before the next: saves faster than a loaded machine writes
+                # them would overflow a tier's queue (tier_queue) and skip versions there.
+                ckpt.wait()
 
     run_ranks(world, rank)
 
