@@ -91,6 +91,21 @@ def test_a_tree_packs_back_to_the_same_bytes_and_lists_its_tags() -> None:
     assert rebuilt["misc"][0] == 2.5 + 1j
 
 
+def test_a_visiting_walker_sees_the_same_leaves_and_builds_nothing() -> None:
+    class Visit(Record):
+        rebuild = False
+
+    tree = {"x": [3, sk.Tuple((4, sk.ODict({"a": 1}, None)))]}
+    walker = Visit()
+    assert walker.walk(tree, [], "c") is None
+    assert [(s, n) for s, n, _ in walker.seen] == [
+        (("x", 0), 3),
+        (("x", 1, 0), 4),
+        (("x", 1, 1, "a"), 1),
+        (("x", 1, 1, sk.META), None),
+    ]
+
+
 class Record(sk.Walker[str]):
     """Records every leaf with its steps and the context it was walked under."""
 
@@ -136,12 +151,12 @@ def test_an_overridden_walk_intercepts_a_node_before_it_is_entered() -> None:
     assert [s for s, _, _ in walker.seen] == [("y", 0)]
 
 
-def test_leaves_come_in_skeleton_order_keys_included_and_are_not_entered() -> None:
+def test_leaves_come_in_skeleton_order_keys_included() -> None:
     tree = {sk.Tuple((7, 8)): [9, sk.Tuple((10,))], "z": sk.ODict({"m": 11}, 12)}
     ints = sk.leaves(tree, lambda n: type(n) is int)
     assert ints == [7, 8, 9, 10, 11, 12]
-    tuples = sk.leaves(tree, lambda n: type(n) is sk.Tuple)
-    assert tuples == [sk.Tuple((7, 8)), sk.Tuple((10,))]
+    # Only leaves are offered: a container is entered, never kept whole.
+    assert sk.leaves(tree, lambda n: type(n) in (sk.Tuple, sk.ODict, dict, list)) == []
 
 
 def test_child_and_where_follow_and_name_a_path() -> None:
