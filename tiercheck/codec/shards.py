@@ -98,6 +98,9 @@ class Stored:
 
 
 def read_stored(rank: int, layout: Layout) -> Stored:
+    """Old rank ``rank``'s ``layout`` decoded once: its skeleton's tree and DTensor records
+    (:class:`~tiercheck.errors.FormatError` for a malformed skeleton or a record pointing at no
+    tensor)."""
     try:
         tree = read_tree(layout.skeleton)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
@@ -141,6 +144,9 @@ def _refuse_layout(path: str, what: str) -> ReshardError:
 
 
 def sharded_dtensor(path: str, olds: Sequence[Stored]) -> Sharded:
+    """The DTensor at ``path`` as every old rank holds it, checked: one the rules support
+    (else :class:`~tiercheck.errors.ReshardError`), the same layout on every old rank and old
+    shards that tile it exactly (else :class:`~tiercheck.errors.ShardsInconsistent`)."""
     n = len(olds)
     first = olds[0].dtensors[path]
     record = first.record
@@ -268,6 +274,8 @@ def new_shard(sh: Sharded, new_rank: int, new_world: int) -> tuple[tuple[int, ..
 
 
 def pieces_for(sh: Sharded, local: tuple[int, ...], offset: list[int]) -> list[Piece]:
+    """The boxes of old shards that make up the new shard of ``sh`` at ``offset`` (its local
+    shape ``local``), in order along the sharded dimension; none when it has no elements."""
     if math.prod(local) == 0:
         return []
     zeros = (0,) * len(local)
@@ -290,6 +298,7 @@ def pieces_for(sh: Sharded, local: tuple[int, ...], offset: list[int]) -> list[P
 
 
 def plain_indices(layout: Layout, dtensor_indices: set[int]) -> list[int]:
+    """The indices of ``layout``'s tensors other than DTensors' local shards."""
     return [i for i in range(len(layout.specs)) if i not in dtensor_indices]
 
 
