@@ -91,21 +91,6 @@ def test_a_tree_packs_back_to_the_same_bytes_and_lists_its_tags() -> None:
     assert rebuilt["misc"][0] == 2.5 + 1j
 
 
-def test_a_visiting_walker_sees_the_same_leaves_and_builds_nothing() -> None:
-    class Visit(Record):
-        rebuild = False
-
-    tree = {"x": [3, sk.Tuple((4, sk.ODict({"a": 1}, None)))]}
-    walker = Visit()
-    assert walker.walk(tree, [], "c") is None
-    assert [(s, n) for s, n, _ in walker.seen] == [
-        (("x", 0), 3),
-        (("x", 1, 0), 4),
-        (("x", 1, 1, "a"), 1),
-        (("x", 1, 1, sk.META), None),
-    ]
-
-
 class Record(sk.Walker[str]):
     """Records every leaf with its steps and the context it was walked under."""
 
@@ -149,6 +134,21 @@ def test_an_overridden_walk_intercepts_a_node_before_it_is_entered() -> None:
     walker = Stop()
     assert walker.walk({"x": [1, 2], "y": [3]}, [], "c") == {"x": "cut", "y": [("leaf", 3)]}
     assert [s for s, _, _ in walker.seen] == [("y", 0)]
+
+
+def test_a_visiting_walker_sees_the_same_leaves_and_builds_nothing() -> None:
+    class Visit(Record):
+        rebuild = False
+
+    tree = {"x": [3, sk.Tuple((4, sk.ODict({"a": 1}, None)))]}
+    walker = Visit()
+    assert walker.walk(tree, [], "c") is None
+    assert [(s, n) for s, n, _ in walker.seen] == [
+        (("x", 0), 3),
+        (("x", 1, 0), 4),
+        (("x", 1, 1, "a"), 1),
+        (("x", 1, 1, sk.META), None),
+    ]
 
 
 def test_leaves_come_in_skeleton_order_keys_included() -> None:
