@@ -16,6 +16,7 @@ from tiercheck.codec import (
     MAGIC,
     CodecOptions,
     RawState,
+    blobformat,
     decode,
     encode_full,
     encode_packed,
@@ -28,7 +29,6 @@ from tiercheck.codec import (
     write_full_blob,
     write_payload,
 )
-from tiercheck.codec import blob as blob_module
 from tiercheck.codec.flatten import align, flatten
 from tiercheck.errors import ChecksumMismatch, ConfigError, FormatError, UnsupportedFormat
 
@@ -350,16 +350,16 @@ def reseal(data: bytes, edit: Any) -> bytes:
     """``data`` with its header changed by ``edit`` and every digest recomputed (a forgery that
     passes the checksums, to test what the reader does with a well-formed but unknown header)."""
     view = memoryview(data)
-    _head, header_nbytes, body_nbytes, kind = blob_module._read_head(view)
+    _head, header_nbytes, body_nbytes, kind = blobformat.read_head(view)
     raw, body_digest = struct.unpack("<QQ", data[32:48])
     header = msgpack.unpackb(data[64 : 64 + header_nbytes], raw=False)
     edit(header)
     packed = msgpack.packb(header, use_bin_type=True)
-    region = blob_module._header_region(packed)
+    region = blobformat.header_region(packed)
     old_offset = align(64 + header_nbytes)
     (minor,) = struct.unpack("<H", data[10:12])
-    new_head = blob_module._HEAD.pack(MAGIC, 1, minor, kind, len(packed), body_nbytes)
-    return blob_module._seal(new_head, region, raw, body_digest) + region + data[old_offset:]
+    new_head = blobformat.HEAD.pack(MAGIC, 1, minor, kind, len(packed), body_nbytes)
+    return blobformat.seal(new_head, region, raw, body_digest) + region + data[old_offset:]
 
 
 def test_reseal_helper_is_faithful() -> None:
@@ -472,7 +472,7 @@ def test_blob_header_is_byte_for_byte_a_packed_dict(chunks: bytes | None) -> Non
     """Headers are spliced from cached parts; they must equal packing the whole mapping, and
     the chunk digests (when present) are its last bytes, after the key finalize looks for."""
     layout, _ = flatten(sample_state(2))
-    header = blob_module._full_header(layout, 7, 1, chunks)
+    header = blobformat.full_header(layout, 7, 1, chunks)
     fields: dict[str, Any] = {
         "version": 7,
         "rank": 1,
@@ -484,7 +484,7 @@ def test_blob_header_is_byte_for_byte_a_packed_dict(chunks: bytes | None) -> Non
     }
     if chunks is not None:
         fields["chunks"] = chunks
-        assert header.endswith(blob_module._chunks_key(len(chunks)) + chunks)
+        assert header.endswith(blobformat.chunks_key(len(chunks)) + chunks)
     expected = msgpack.packb(fields, use_bin_type=True)
     assert header == expected
 

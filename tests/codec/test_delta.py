@@ -11,9 +11,9 @@ import torch
 from tiercheck.codec import (
     CodecOptions,
     RawState,
-    blob,
     decode,
     encode_packed,
+    encoder,
     flatten,
     match_base,
     read_meta,
@@ -139,7 +139,7 @@ def test_wrong_base_raises_base_mismatch() -> None:
 def test_delta_computed_on_the_device_path_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     # Force the torch (GPU) code path on CPU tensors: same decode result, bit for bit.
     base, cur, host_blob = _pair()
-    monkeypatch.setattr(blob, "_use_torch_path", lambda device: True)
+    monkeypatch.setattr(encoder, "_use_torch_path", lambda device: True)
     for options in (CodecOptions(), CodecOptions(level=None), CodecOptions(frame_bytes=4096)):
         parts, meta = encode_packed(cur, rank=0, base=base, options=options)
         assert torch.equal(decode(join(parts), base=base).payload, cur.payload)

@@ -84,8 +84,8 @@ def test_golden_stage_lists() -> None:
 
 def test_golden_files_exercise_every_plane_mode() -> None:
     meta = read_meta(read("delta.packed.tcb"))
-    assert meta._packed is not None
-    modes = set((meta._packed.table & np.uint64(3)).tolist())
+    assert meta.packed is not None
+    modes = set((meta.packed.table & np.uint64(3)).tolist())
     assert {LOW, ZSTD} <= modes
 
 

@@ -17,10 +17,11 @@ import torch
 
 from tiercheck.codec import decode, encode_full, encode_packed, flatten, read_meta, snapshot
 from tiercheck.codec.dtensor import DTensorShard
-from tiercheck.codec.flatten import _EXT_REPLICA, Layout, ReplicaRef, replicated_record
+from tiercheck.codec.flatten import Layout, ReplicaRef, replicated_record
 from tiercheck.codec.plan import Planner
 from tiercheck.codec.rebuild import unflatten
 from tiercheck.codec.replica import lean, referenced, resolve, resolve_all, skeleton_steps, take
+from tiercheck.codec.skeleton import EXT_REPLICA
 from tiercheck.errors import FormatError
 
 
@@ -178,7 +179,7 @@ def test_references_that_do_not_fit_are_format_errors() -> None:
     leans = {r: _lean_of(r, store=1) for r in (0, 2)}  # rank 0 and 2 refer to 1
     with pytest.raises(FormatError, match=r"ranks \[1, 0\] .* go round in a circle"):
         resolve(layout1, 1, {0: leans[0]})
-    bad = msgpack.packb({"x": msgpack.ExtType(_EXT_REPLICA, b"\xc1")})
+    bad = msgpack.packb({"x": msgpack.ExtType(EXT_REPLICA, b"\xc1")})
     with pytest.raises(FormatError, match="malformed replica reference"):
         resolve(Layout.build(bad, []), 1, {0: layout0})
 

@@ -634,12 +634,12 @@ def test_from_blob_headers_to_a_blob_of_the_new_rank() -> None:
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("key", ["offset", "mesh", "stride"])
 def test_a_record_missing_a_field_is_a_format_error(rank: int, key: str) -> None:
-    from tiercheck.codec import reshard
+    from tiercheck.codec import skeleton as sk
 
     layouts = save([{"w": shard_of(torch.ones(4), ["shard", 0], 2, s)} for s in range(2)])[0]
-    tree = reshard._unpack(layouts[rank].skeleton)
+    tree = sk.read_tree(layouts[rank].skeleton)
     del tree["w"].record[key]
-    skeleton = reshard._pack(tree, lambda d: d)
+    skeleton = sk.write_tree(tree, lambda d: d)
     layouts[rank] = Layout(skeleton, layouts[rank].specs, layouts[rank].payload_nbytes)
     with pytest.raises(tiercheck.FormatError, match=rf"malformed DTensor record at \['w'\].*{key}"):
         plan_reshard(layouts, new_rank=0, new_world=1)

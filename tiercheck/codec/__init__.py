@@ -11,14 +11,18 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
 Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`'s job, above the
 codec (``check_into``, ``load_into`` and ``own_copy``).
 
-Modules: :mod:`.flatten` (skeleton, layout, payload) and :mod:`.rebuild` (the skeleton read
-back: ``unflatten``), :mod:`.delta` (XOR),
-:mod:`.planes` (byte planes), :mod:`.frames` (the packed body; :mod:`.resources`, the zstd
-contexts, buffers and threads it runs on), :mod:`.blob` (format, encoders,
-decoder), :mod:`.partial` (reading part of a blob), :mod:`.digest` (checksums),
-:mod:`.stages`, :mod:`.options`, :mod:`.dtypes`,
-:mod:`.dtensor` (DTensor records), :mod:`.plan` (the cached layout of a repeating state) and
-:mod:`.copyprogram` (its payload copy in few calls).
+Modules: :mod:`.flatten` (a live state -> skeleton and tensors; the payload), :mod:`.skeleton`
+(the skeleton format's one home: its tags and the one walk over a stored skeleton),
+:mod:`.layout` (where each tensor sits in the payload) and :mod:`.rebuild` (the skeleton read
+back: ``unflatten``), :mod:`.delta` (XOR), :mod:`.planes` (byte planes), :mod:`.frames` (the
+packed body; :mod:`.resources`, the zstd contexts, buffers and threads it runs on), the blob:
+:mod:`.blobformat` (byte layout, header, parse), :mod:`.rawstate` (``RawState``),
+:mod:`.encoder`, :mod:`.decoder` (decode, verify), gathered by :mod:`.blob`; :mod:`.partial`
+(reading part of a blob), :mod:`.digest` (checksums), :mod:`.stages`, :mod:`.options`,
+:mod:`.dtypes`, :mod:`.dtensor` (DTensor records), :mod:`.plan` (the cached layout of a
+repeating state) and :mod:`.copyprogram` (its payload copy in few calls); for restoring on
+another world :mod:`.replica` (references between ranks' blobs), :mod:`.reshard` (the plan),
+:mod:`.shards` (old shards per DTensor) and :mod:`.assembled`.
 """
 
 from __future__ import annotations

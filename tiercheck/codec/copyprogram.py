@@ -8,7 +8,8 @@ the alignment padding between them, are concatenated straight into their typed r
 destination. One call copies thousands of tensors and zeroes every padding byte, so the payload
 is a pure function of the state, padding included, whatever the destination held before
 (recycled shared memory holds old bytes). Dtypes that kernel cannot copy fall back to a copy per
-tensor. :class:`~.plan.Planner` builds one per layout and reuses it while the layout repeats.
+tensor. :class:`~.plan.Planner` builds one per layout and reuses it while the layout repeats,
+and hands it out in a :class:`Flat` with the layout and the tensors.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import Any
 
 import torch
 
-from tiercheck.codec.flatten import Layout, _check_payload
+from tiercheck.codec.flatten import write_payload
+from tiercheck.codec.layout import Layout, check_payload
 
-__all__ = ["CopyProgram", "groupable"]
+__all__ = ["CopyProgram", "Flat", "groupable"]
 
 
 @functools.cache
@@ -139,7 +141,7 @@ class CopyProgram:
         """Copy ``tensors`` (matched to the layout: same dtypes and shapes, on the host) into
         ``dest[:payload_nbytes]``, every padding byte zeroed; bytes past that are left alone."""
         layout = self.layout
-        _check_payload(dest, layout.payload_nbytes, "dest")
+        check_payload(dest, layout.payload_nbytes, "dest")
         if dest.device.type != "cpu":
             raise ValueError(f"dest must be in host memory, got {dest.device}")
         if len(tensors) != len(layout.specs):
@@ -175,3 +177,30 @@ class CopyProgram:
             cursor = spec.offset + spec.nbytes
         if run.end > cursor:
             dest[cursor : run.end].zero_()
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """A flattened state ready to be copied: what :meth:`~.plan.Planner.flatten` returns."""
+
+    layout: Layout
+    tensors: list[torch.Tensor]
+    #: Writes the tensors into a payload in few calls; ``None``: use
+    #: :func:`~.flatten.write_payload`.
+    program: CopyProgram | None
+    #: Whether the layout came from the cached plan (no full walk).
+    reused: bool
+    #: Whether every tensor is in host memory.
+    on_host: bool
+    #: Indexes of tensors whose changes no version counter shows: those made from numpy
+    #: arrays (they share the array's memory, which numpy writes without torch knowing). An
+    #: overlapped snapshot copies them before ``save`` returns (see
+    #: :class:`tiercheck.staging.SnapshotCopy`).
+    untracked: tuple[int, ...] = ()
+
+    def write(self, dest: torch.Tensor) -> None:
+        """Write the payload into ``dest`` (see :func:`~.flatten.write_payload`)."""
+        if self.program is not None:
+            self.program.write(self.tensors, dest)
+        else:
+            write_payload(self.layout, self.tensors, dest)

@@ -5,7 +5,9 @@
 :class:`TensorSpec` per tensor -- and the list of the caller's own tensors (nothing is copied).
 :func:`write_payload` copies those tensors into one flat byte buffer, the *raw payload*, at
 offsets fixed by the layout; :func:`~tiercheck.codec.rebuild.unflatten` (its own module, the
-skeleton read back) rebuilds the state around tensors (typically views into a payload).
+skeleton read back) rebuilds the state around tensors (typically views into a payload). The
+skeleton's tags and the walk over a stored skeleton live in :mod:`~tiercheck.codec.skeleton`,
+:class:`Layout` in :mod:`~tiercheck.codec.layout` (both importable from here).
 Restoring a rebuilt state into live objects in place is not the codec's job: see
 :func:`tiercheck.statetree.load_into`.
 
@@ -54,7 +56,6 @@ import collections
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -62,53 +63,50 @@ import numpy as np
 import torch
 
 from tiercheck.codec.dtensor import DTensorShard, is_dtensor, layout_of
-from tiercheck.codec.dtypes import dtype_name, is_supported_dtype
+from tiercheck.codec.dtypes import is_supported_dtype
+from tiercheck.codec.layout import ALIGNMENT, Layout, TensorSpec, align
+from tiercheck.codec.skeleton import (
+    EXT_BYTEARRAY,
+    EXT_COMPLEX,
+    EXT_DEVICE,
+    EXT_DTENSOR,
+    EXT_DTYPE,
+    EXT_NDARRAY,
+    EXT_ODICT,
+    EXT_PICKLE,
+    EXT_REPLICA,
+    EXT_SIZE,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    encode_int,
+    pack,
+)
 from tiercheck.errors import UnsupportedObject
 
 __all__ = [
     "ALIGNMENT",
     "MAX_DEPTH",
+    "TENSOR_TYPES",
     "DTensorShard",
     "Layout",
     "ReplicaRef",
     "TensorSpec",
     "align",
+    "encode_key",
+    "encode_leaf",
     "flatten",
     "flatten_walk",
+    "ndarray_parts",
+    "replicated_record",
     "without_data",
     "write_payload",
 ]
 
-#: Every tensor starts at a multiple of this many bytes in the raw payload (a cache line, and a
-#: multiple of every element size, so typed views into the payload are always legal).
-ALIGNMENT = 64
 
 #: Containers nested deeper than this are refused (:class:`~tiercheck.errors.UnsupportedObject`):
 #: real training states nest a few levels, and every walker over a state (this one, the
 #: restore's, msgpack's own, limited to 512) recurses once per level.
 MAX_DEPTH = 100
-
-# msgpack extension codes of the skeleton. Part of the ``tiercheck.flatten`` format: never
-# renumber; add new codes only together with a new stage version.
-_EXT_TENSOR = 1
-_EXT_TUPLE = 2
-_EXT_ODICT = 3
-_EXT_SIZE = 4
-_EXT_BIGINT = 5
-_EXT_NDARRAY = 6
-_EXT_COMPLEX = 7
-_EXT_DTYPE = 8
-_EXT_DEVICE = 9
-_EXT_BYTEARRAY = 10
-_EXT_PICKLE = 11
-# Added with ``tiercheck.flatten/2`` (a blob whose skeleton holds one names that stage).
-_EXT_DTENSOR = 12
-# Added with ``tiercheck.flatten/3``: replicated state another rank of the same save stores
-# (see :class:`ReplicaRef`).
-_EXT_REPLICA = 13
-
-_INT_MIN = -(1 << 63)
-_INT_MAX = (1 << 64) - 1
 
 # numpy dtypes that map one to one onto a torch dtype (native byte order only).
 _NP_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {
@@ -128,12 +126,9 @@ _NP_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {
     np.dtype(np.complex128): torch.complex128,
 }
 
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def align(n: int) -> int:
-    """``n`` rounded up to the next multiple of :data:`ALIGNMENT`."""
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+#: The exact types of the tensors the skeleton stores as :data:`~.skeleton.EXT_TENSOR` (any
+#: other tensor type is a DTensor or a subclass: refused, or pickled).
+TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,206 +168,7 @@ def replicated_record(record: dict[str, Any], world_size: int) -> bool:
     return size == world_size and all(list(p) == ["replicate"] for p in placements)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Where one tensor of the state lives in the raw payload.
-
-    ``path`` is the tensor's place in the state written as subscripts (``"['model']['w']"``);
-    it is unique within a layout and is what a delta matches tensors by. ``offset`` is the byte
-    offset in the raw payload (a multiple of :data:`ALIGNMENT`) and ``nbytes`` the size of the
-    tensor's elements (``numel * element_size``).
-    """
-
-    path: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The shape of a flattened state: the skeleton and where each tensor sits in the payload.
-
-    The raw payload is a pure function of the layout and the tensors' values: tensors are placed
-    in spec order, each at the next multiple of :data:`ALIGNMENT`, and every padding byte is zero
-    (see :func:`write_payload`). ``payload_nbytes`` is a multiple of :data:`ALIGNMENT` (0 when the
-    state holds no tensor bytes).
-    """
-
-    skeleton: bytes
-    specs: tuple[TensorSpec, ...]
-    payload_nbytes: int
-
-    @classmethod
-    def build(
-        cls,
-        skeleton: bytes,
-        entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-    ) -> Layout:
-        """Lay out tensors given as ``(path, dtype, shape)`` in order (offsets are computed)."""
-        specs: list[TensorSpec] = []
-        end = 0
-        for path, dtype, shape in entries:
-            offset = align(end)
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
-            specs.append(TensorSpec(path, dtype, tuple(shape), offset, nbytes))
-            end = offset + nbytes
-        return cls(skeleton, tuple(specs), align(end))
-
-    @cached_property
-    def index(self) -> dict[str, int]:
-        """Spec index by path."""
-        return {spec.path: i for i, spec in enumerate(self.specs)}
-
-    @cached_property
-    def gaps(self) -> tuple[tuple[int, int], ...]:
-        """The ``(start, end)`` byte ranges of the payload that hold padding (always zero)."""
-        gaps: list[tuple[int, int]] = []
-        end = 0
-        for spec in self.specs:
-            if spec.offset > end:
-                gaps.append((end, spec.offset))
-            end = max(end, spec.offset + spec.nbytes)
-        if self.payload_nbytes > end:
-            gaps.append((end, self.payload_nbytes))
-        return tuple(gaps)
-
-    @cached_property
-    def _canonical(self) -> bool:
-        rebuilt = Layout.build(self.skeleton, [(s.path, s.dtype, s.shape) for s in self.specs])
-        return rebuilt == self and len(self.index) == len(self.specs)
-
-    def is_canonical(self) -> bool:
-        """Whether offsets and sizes are exactly what :meth:`build` gives (paths unique too).
-
-        Layouts from :func:`flatten` always are; encoders refuse any other.
-        """
-        return self._canonical
-
-    def views(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        """Typed, shaped views of every tensor in ``payload`` (a uint8 1-D tensor); no copy.
-
-        The views share memory with ``payload``: they are valid while it is, and see any later
-        write into it.
-        """
-        _check_payload(payload, self.payload_nbytes, "payload")
-        views: list[torch.Tensor] = []
-        for dtype, start, end, sizes, keep in self._view_runs:
-            # One split per run of same-dtype tensors: the pieces alternate tensor, padding.
-            pieces = torch.split_with_sizes(payload[start:end].view(dtype), sizes)
-            for piece, spec in zip(pieces[::2], self.specs[keep], strict=True):
-                views.append(piece if len(spec.shape) == 1 else piece.view(spec.shape))
-        return views
-
-    @cached_property
-    def _view_runs(self) -> list[tuple[torch.dtype, int, int, list[int], slice]]:
-        """Per run of consecutive same-dtype specs: its byte range, the element counts of its
-        pieces (each tensor, then the padding after it), and the specs it covers."""
-        runs = []
-        specs = self.specs
-        i = 0
-        while i < len(specs):
-            dtype = specs[i].dtype
-            j = i
-            while j < len(specs) and specs[j].dtype == dtype:
-                j += 1
-            end = specs[j].offset if j < len(specs) else self.payload_nbytes
-            sizes: list[int] = []
-            for k in range(i, j):
-                following = specs[k + 1].offset if k + 1 < j else end
-                sizes.append(specs[k].nbytes // dtype.itemsize)
-                sizes.append((following - specs[k].offset - specs[k].nbytes) // dtype.itemsize)
-            runs.append((dtype, specs[i].offset, end, sizes, slice(i, j)))
-            i = j
-        return runs
-
-    @cached_property
-    def packed_entries(self) -> bytes:
-        """The msgpack encoding of ``[[path, dtype name, shape], ...]``, one entry per spec.
-
-        This is the tensor table of a blob header (:mod:`~tiercheck.codec.blob`); computed once
-        per layout and shared by :meth:`with_skeleton`, so a save whose structure repeats does
-        not encode thousands of entries again.
-        """
-        return msgpack.packb(
-            [[s.path, dtype_name(s.dtype), list(s.shape)] for s in self.specs], use_bin_type=True
-        )
-
-    @cached_property
-    def has_refs(self) -> bool:
-        """Whether the skeleton holds a :class:`ReplicaRef` (such blobs name
-        ``tiercheck.flatten/3``); known without a scan for layouts :func:`flatten` made."""
-        return _EXT_REPLICA in self._ext_codes
-
-    @cached_property
-    def _ext_codes(self) -> frozenset[int]:
-        """The extension codes of the skeleton, containers opened (empty when malformed)."""
-        found: set[int] = set()
-
-        def hook(code: int, data: bytes) -> None:
-            found.add(code)
-            if code in (_EXT_TUPLE, _EXT_ODICT):
-                msgpack.unpackb(data, ext_hook=hook, strict_map_key=False, raw=True)
-
-        try:
-            msgpack.unpackb(self.skeleton, ext_hook=hook, strict_map_key=False, raw=True)
-        except (msgpack.UnpackException, ValueError, TypeError):
-            return frozenset()
-        return frozenset(found)
-
-    @cached_property
-    def has_dtensors(self) -> bool:
-        """Whether the skeleton holds a DTensor record (such blobs name ``tiercheck.flatten/2``).
-
-        Known without a scan for layouts made by :func:`flatten` and the cached plan; otherwise
-        found by walking the skeleton once (a malformed one counts as ``False``: decoding it
-        reports the problem).
-        """
-        return _EXT_DTENSOR in self._ext_codes
-
-    def with_skeleton(self, skeleton: bytes) -> Layout:
-        """The same tensors at the same offsets under another skeleton.
-
-        What a save whose non-tensor values changed (a step counter, a learning rate) needs:
-        the derived tables (:attr:`index`, :attr:`gaps`, :attr:`packed_entries`, the
-        canonical check) depend on the specs only and are shared, not recomputed.
-        """
-        new = Layout(skeleton, self.specs, self.payload_nbytes)
-        for name in ("index", "gaps", "_canonical", "packed_entries", "_view_runs"):
-            if name in self.__dict__:
-                new.__dict__[name] = self.__dict__[name]
-        return new
-
-    def compatible(self, other: Layout) -> bool:
-        """Whether ``other`` places the same tensors (paths, dtypes, shapes) at the same offsets.
-
-        Compatible layouts have interchangeable payloads; their skeletons (the non-tensor
-        values, such as a step counter) may differ.
-        """
-        return self.specs == other.specs and self.payload_nbytes == other.payload_nbytes
-
-
-def _check_payload(payload: torch.Tensor, nbytes: int, what: str) -> None:
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise ValueError(f"{what} must be a 1-D uint8 tensor, got {payload.dtype} {payload.shape}")
-    if payload.numel() < nbytes:
-        raise ValueError(f"{what} holds {payload.numel()} bytes; the layout needs {nbytes}")
-    # Typed views need the byte offset to be a multiple of the element size (up to 16 bytes).
-    if payload.storage_offset() % 16:
-        raise ValueError(f"{what} must start at a multiple of 16 bytes within its storage")
-
-
 # --- flatten ---------------------------------------------------------------------------------
-
-
-def _pack(obj: Any) -> bytes:
-    data = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
-    assert isinstance(data, bytes)
-    return data
 
 
 class _Flattener:
@@ -400,7 +196,7 @@ class _Flattener:
 
     def refuse(self, obj: object, path: str, why: str = "") -> Any:
         if self.allow_pickle:
-            return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            return msgpack.ExtType(EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         reason = (
             why or f"type {type(obj).__module__}.{type(obj).__qualname__} has no no-pickle form"
         )
@@ -431,26 +227,18 @@ class _Flattener:
         if key is None or t is str or t is bool or t is float or t is bytes:
             return key
         if t is int:
-            return self.integer(key)  # type: ignore[arg-type]
+            return encode_int(key)  # type: ignore[arg-type]
         if t is tuple:
             items = [self.key(k, path) for k in key]  # type: ignore[attr-defined]
-            return msgpack.ExtType(_EXT_TUPLE, _pack(items))
+            return msgpack.ExtType(EXT_TUPLE, pack(items))
         return self.refuse(key, path, f"dict key {key!r} of type {t.__qualname__} is not supported")
-
-    @staticmethod
-    def integer(value: int) -> Any:
-        if _INT_MIN <= value <= _INT_MAX:
-            return value
-        return msgpack.ExtType(
-            _EXT_BIGINT, value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-        )
 
     def walk(self, obj: Any, path: str) -> Any:
         t = type(obj)
         if obj is None or t is bool or t is str or t is bytes or t is float:
             return obj
         if t is int:
-            return self.integer(obj)
+            return encode_int(obj)
         if t is dict or t is list or t is tuple or t is collections.OrderedDict:
             active = self.active
             key = id(obj)
@@ -475,23 +263,23 @@ class _Flattener:
         if t is np.ndarray or isinstance(obj, np.generic):
             return self.ndarray(obj, path)
         if t is torch.Size:
-            return msgpack.ExtType(_EXT_SIZE, _pack(list(obj)))
+            return msgpack.ExtType(EXT_SIZE, pack(list(obj)))
         if t is complex:
             return msgpack.ExtType(
-                _EXT_COMPLEX,
+                EXT_COMPLEX,
                 np.array([obj.real, obj.imag], dtype="<f8").tobytes(),
             )
         if t is torch.dtype:
-            return msgpack.ExtType(_EXT_DTYPE, str(obj).removeprefix("torch.").encode())
+            return msgpack.ExtType(EXT_DTYPE, str(obj).removeprefix("torch.").encode())
         if t is torch.device:
-            return msgpack.ExtType(_EXT_DEVICE, str(obj).encode())
+            return msgpack.ExtType(EXT_DEVICE, str(obj).encode())
         if t is bytearray:
-            return msgpack.ExtType(_EXT_BYTEARRAY, bytes(obj))
+            return msgpack.ExtType(EXT_BYTEARRAY, bytes(obj))
         if t is DTensorShard:
             return self.shard(obj.local, obj.record(), path)
         if t is ReplicaRef:
             self.refs += 1
-            return msgpack.ExtType(_EXT_REPLICA, _pack([obj.rank, obj.record]))
+            return msgpack.ExtType(EXT_REPLICA, pack([obj.rank, obj.record]))
         return self.refuse(obj, path)
 
     def container(self, obj: Any, path: str) -> Any:
@@ -500,27 +288,27 @@ class _Flattener:
             return [self.walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
         if t is tuple:
             items = [self.walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-            return msgpack.ExtType(_EXT_TUPLE, _pack(items))
+            return msgpack.ExtType(EXT_TUPLE, pack(items))
         mapping = {self.key(k, path): self.walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if t is dict:
             return mapping
         metadata = getattr(obj, "_metadata", None)
         meta = None if metadata is None else self.walk(metadata, f"{path}._metadata")
-        return msgpack.ExtType(_EXT_ODICT, _pack([mapping, meta]))
+        return msgpack.ExtType(EXT_ODICT, pack([mapping, meta]))
 
     def tensor(self, obj: torch.Tensor, path: str) -> Any:
-        if type(obj) not in _TENSOR_TYPES and is_dtensor(obj):
+        if type(obj) not in TENSOR_TYPES and is_dtensor(obj):
             return self.dtensor(obj, path)
         dataless = without_data(obj)
         if dataless:
             raise self.never(path, dataless)
-        if type(obj) not in _TENSOR_TYPES:
+        if type(obj) not in TENSOR_TYPES:
             return self.refuse(obj, path, f"tensor subclass {type(obj).__qualname__}")
         if obj.layout != torch.strided or obj.is_quantized:
             return self.refuse(obj, path, f"tensor layout {obj.layout} on {obj.device}")
         if not is_supported_dtype(obj.dtype):
             return self.refuse(obj, path, f"tensor dtype {obj.dtype}")
-        return msgpack.ExtType(_EXT_TENSOR, _pack(self.add_tensor(obj, path)))
+        return msgpack.ExtType(EXT_TENSOR, pack(self.add_tensor(obj, path)))
 
     def dtensor(self, obj: Any, path: str) -> Any:
         try:
@@ -533,7 +321,7 @@ class _Flattener:
         dataless = without_data(local)
         if dataless:
             raise self.never(path, f"the DTensor's local shard: {dataless}")
-        if type(local) not in _TENSOR_TYPES:
+        if type(local) not in TENSOR_TYPES:
             return self.refuse(local, path, f"DTensor local tensor {type(local).__qualname__}")
         if local.layout != torch.strided or local.is_quantized:
             return self.refuse(local, path, f"tensor layout {local.layout} on {local.device}")
@@ -541,9 +329,9 @@ class _Flattener:
             return self.refuse(local, path, f"tensor dtype {local.dtype}")
         if self.replica is not None and replicated_record(record, self.world):
             self.refs += 1
-            return msgpack.ExtType(_EXT_REPLICA, _pack([self.replica.rank, record]))
+            return msgpack.ExtType(EXT_REPLICA, pack([self.replica.rank, record]))
         self.dtensors += 1
-        return msgpack.ExtType(_EXT_DTENSOR, _pack([self.add_tensor(local, path), record]))
+        return msgpack.ExtType(EXT_DTENSOR, pack([self.add_tensor(local, path), record]))
 
     def ndarray(self, obj: Any, path: str) -> Any:
         parts = ndarray_parts(obj)
@@ -552,7 +340,7 @@ class _Flattener:
         tensor, dtype_str, shape, scalar = parts
         index = self.add_tensor(tensor, path)
         self.arrays.append(index)
-        return msgpack.ExtType(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
+        return msgpack.ExtType(EXT_NDARRAY, pack([index, dtype_str, shape, scalar]))
 
 
 def without_data(tensor: torch.Tensor) -> str:
@@ -568,7 +356,7 @@ def without_data(tensor: torch.Tensor) -> str:
             "a tensor on the meta device has a shape but no data; materialize it first "
             "(module.to_empty(device=...) and load or initialize its values)"
         )
-    if type(tensor) in _TENSOR_TYPES:
+    if type(tensor) in TENSOR_TYPES:
         return ""  # a plain tensor off the meta device always has storage with its values
     try:
         storage = tensor.untyped_storage()
@@ -642,11 +430,26 @@ def flatten_walk(
     the arrays' memory: see :attr:`tiercheck.codec.plan.Flat.untracked`)."""
     walker = _Flattener(allow_pickle, replica, world_size)
     with torch.no_grad():  # DTensor.to_local() is then the local tensor itself
-        skeleton = _pack(walker.walk(state, ""))
+        skeleton = pack(walker.walk(state, ""))
     layout = Layout.build(skeleton, walker.entries)
     layout.__dict__["has_dtensors"] = walker.dtensors > 0  # known: spare the skeleton scan
     layout.__dict__["has_refs"] = walker.refs > 0
     return layout, walker.tensors, tuple(walker.arrays)
+
+
+# Only scalars go through it, which never touches its per-walk state: safe to share.
+_SCALARS = _Flattener(allow_pickle=False)
+
+
+def encode_leaf(value: Any) -> bytes:
+    """The skeleton bytes :func:`flatten` writes for ``value``, a value that is neither a
+    container nor a tensor (what the cached plan re-encodes when a step counter changes)."""
+    return pack(_SCALARS.walk(value, ""))
+
+
+def encode_key(key: object, path: str) -> bytes:
+    """The skeleton bytes :func:`flatten` writes for ``key``, a key of the dict at ``path``."""
+    return pack(_SCALARS.key(key, path))
 
 
 # --- payload ---------------------------------------------------------------------------------

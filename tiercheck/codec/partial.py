@@ -46,20 +46,19 @@ import numpy as np
 import torch
 import xxhash
 
-from tiercheck.codec.blob import (
+from tiercheck.codec.blobformat import (
     PREAMBLE_NBYTES,
     BlobMeta,
     FrameExtent,
-    RawState,
-    _parse,
-    _read_head,
     frame_extents,
-    host_buffer,
+    parse,
+    read_head,
 )
 from tiercheck.codec.digest import DIGEST_CHUNK, tree_root
-from tiercheck.codec.flatten import align
 from tiercheck.codec.frames import Buffer, DecodeSettings, decode_frame
 from tiercheck.codec.frames import Piece as FramePiece
+from tiercheck.codec.layout import align
+from tiercheck.codec.rawstate import RawState, host_buffer
 from tiercheck.codec.resources import U8, ScratchPool, run_bounded
 from tiercheck.errors import BaseMismatch, ChecksumMismatch, FormatError
 
@@ -154,14 +153,14 @@ def read_meta_ranged(
     is trusted for it (it is checksummed) and a truncated body shows when it is read.
     """
     first = _bytes(fetch(0, max(first_read, PREAMBLE_NBYTES)))
-    _head, header_nbytes, body_nbytes, _kind = _read_head(first)
+    _head, header_nbytes, body_nbytes, _kind = read_head(first)
     offset = align(PREAMBLE_NBYTES + header_nbytes)
     if len(first) >= offset:
         view = first[:offset]
     else:
         rest = _fetch_exactly(fetch, len(first), offset, "reading the blob header")
         view = memoryview(b"".join((first, rest)))
-    return _parse(view, offset + body_nbytes if size is None else size)
+    return parse(view, offset + body_nbytes if size is None else size)
 
 
 def _describe(meta: BlobMeta) -> str:
@@ -311,7 +310,7 @@ def _base_bytes(
     executor: Executor | None,
 ) -> list[U8 | None] | None:
     """Per spec of ``meta``, the bytes of its base tensor where a wanted tensor has one."""
-    info = meta._packed
+    info = meta.packed
     assert info is not None
     if info.delta is None:
         return None
@@ -382,7 +381,7 @@ def _read_packed(
     threads: int,
     executor: Executor | None,
 ) -> dict[int, U8]:
-    info = meta._packed
+    info = meta.packed
     assert info is not None
     base_targets = _base_bytes(
         meta, spans, base, max_read=max_read, threads=threads, executor=executor

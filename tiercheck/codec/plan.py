@@ -30,46 +30,48 @@ full at every save, as before.
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
 import logging
 import operator
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
-from tiercheck.codec.copyprogram import CopyProgram, groupable
+from tiercheck.codec.copyprogram import CopyProgram, Flat, groupable
 from tiercheck.codec.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.dtypes import is_supported_dtype
 from tiercheck.codec.flatten import (
-    _EXT_DTENSOR,
-    _EXT_NDARRAY,
-    _EXT_ODICT,
-    _EXT_REPLICA,
-    _EXT_TENSOR,
-    _EXT_TUPLE,
-    _TENSOR_TYPES,
+    TENSOR_TYPES,
     Layout,
     ReplicaRef,
-    _Flattener,
-    _pack,
+    encode_key,
+    encode_leaf,
     flatten_walk,
     ndarray_parts,
     replicated_record,
-    write_payload,
+)
+from tiercheck.codec.resources import paused_gc
+from tiercheck.codec.skeleton import (
+    EXT_DTENSOR,
+    EXT_NDARRAY,
+    EXT_ODICT,
+    EXT_REPLICA,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    ext,
+    pack,
 )
 
-# CopyProgram and groupable live in .copyprogram; they stay importable from here.
+# CopyProgram, Flat and groupable live in .copyprogram, paused_gc in .resources; they stay
+# importable from here.
 __all__ = ["CopyProgram", "Flat", "Planner", "StatePlan", "groupable", "paused_gc"]
 
 logger = logging.getLogger("tiercheck")
 
 _PACKER = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass")
-_NONE = _pack(None)
+_NONE = pack(None)
 
 # Non-tensor values a plan holds as they are (what the skeleton stores in place).
 _IMMUTABLE_LEAVES = frozenset(
@@ -103,30 +105,9 @@ _ARRAY = 3
 _DTENSOR = 4
 _REF = 5  # a replicated DTensor another rank stores: checked, nothing travels
 
-# Only scalars go through it, which never touches its per-walk state: safe to share.
-_LEAF_WALKER = _Flattener(allow_pickle=False)
-
 _TYPE = type
 # What a tensor must keep for the plan to hold, read in one pass (one cache miss per tensor).
 _META = operator.attrgetter("dtype", "shape", "device", "layout")
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection inside the block (it is enabled again after, if it was).
-
-    Matching a state of thousands of tensors, or rebuilding one, creates tens of thousands of
-    short-lived objects; the allocations trigger the collector, and a full collection walks
-    every object of the training process (measured: 150 ms every other save of a 12,000-tensor
-    state, against 10 ms of work). The objects made here die by reference counting anyway.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Miss(Exception):
@@ -140,11 +121,7 @@ class _Uncacheable(Exception):
 def _encode_leaf(value: Any) -> bytes:
     if type(value) not in _LEAF_TYPES:
         raise _Miss
-    return _pack(_LEAF_WALKER.walk(value, ""))
-
-
-def _ext(code: int, data: bytes) -> bytes:
-    return _pack(msgpack.ExtType(code, data))
+    return encode_leaf(value)
 
 
 class _Leaf:
@@ -288,7 +265,7 @@ class _Seq(_Node):
 
     def _reencode(self) -> None:
         body = _PACKER.pack_array_header(self.n) + b"".join(self.encs)
-        self.enc = body if self.cls is list else _ext(_EXT_TUPLE, body)
+        self.enc = body if self.cls is list else ext(EXT_TUPLE, body)
 
     def visit(self, obj: Any, out: list[torch.Tensor]) -> bool:
         if type(obj) is not self.cls or len(obj) != self.n:
@@ -320,7 +297,7 @@ class _Map(_Node):
             kind, slot, enc = compiler.slot(value, f"{path}[{key!r}]")
             self.kinds.append(kind)
             self.slots.append(slot)
-            self.encs.append(_pack(_LEAF_WALKER.key(key, path)))
+            self.encs.append(encode_key(key, path))
             self.encs.append(enc)
         self.all_tensors = all(k == _TENSOR for k in self.kinds)
         self.meta_kind = -1  # no metadata: a plain dict, or an OrderedDict without any
@@ -343,7 +320,7 @@ class _Map(_Node):
         if self.cls is dict:
             self.enc = body
         else:
-            self.enc = _ext(_EXT_ODICT, _PACKER.pack_array_header(2) + body + self._meta_enc())
+            self.enc = ext(EXT_ODICT, _PACKER.pack_array_header(2) + body + self._meta_enc())
 
     def visit(self, obj: Any, out: list[torch.Tensor]) -> bool:
         if type(obj) is not self.cls or len(obj) != self.n:
@@ -373,7 +350,7 @@ class _Map(_Node):
 
 
 class _Compiler:
-    """Builds the node tree of a state (the walk of :class:`~.flatten._Flattener`, mirrored)."""
+    """Builds the node tree of a state (the walk of :func:`~.flatten.flatten`, mirrored)."""
 
     def __init__(self, replica: ReplicaRef | None = None, world: int = 1) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -399,12 +376,12 @@ class _Compiler:
                 self.active.discard(id(obj))
             return _NODE, node, node.enc
         if t is DTensorShard or (
-            isinstance(obj, torch.Tensor) and t not in _TENSOR_TYPES and is_dtensor(obj)
+            isinstance(obj, torch.Tensor) and t not in TENSOR_TYPES and is_dtensor(obj)
         ):
             return self.dtensor(obj)
         if isinstance(obj, torch.Tensor):
             if (
-                t not in _TENSOR_TYPES
+                t not in TENSOR_TYPES
                 or obj.layout != torch.strided
                 or obj.is_quantized
                 or obj.device.type == "meta"
@@ -413,7 +390,7 @@ class _Compiler:
                 raise _Uncacheable
             index = len(self.tensors)
             self.tensors.append(obj)
-            return _TENSOR, None, _ext(_EXT_TENSOR, _pack(index))
+            return _TENSOR, None, ext(EXT_TENSOR, pack(index))
         if t is np.ndarray or isinstance(obj, np.generic):
             parts = ndarray_parts(obj)
             if isinstance(parts, str):
@@ -422,7 +399,7 @@ class _Compiler:
             index = len(self.tensors)
             self.tensors.append(tensor)
             self.arrays.append(index)
-            enc = _ext(_EXT_NDARRAY, _pack([index, dtype_str, shape, scalar]))
+            enc = ext(EXT_NDARRAY, pack([index, dtype_str, shape, scalar]))
             return _ARRAY, _Array((dtype_str, shape, scalar)), enc
         if t in _LEAF_TYPES:
             leaf = _Leaf(obj, _encode_leaf(obj))
@@ -439,7 +416,7 @@ class _Compiler:
                 raise _Uncacheable from None  # flatten refuses it, or pickles it
             local = obj.to_local()
         if (
-            type(local) not in _TENSOR_TYPES
+            type(local) not in TENSOR_TYPES
             or local.layout != torch.strided
             or local.is_quantized
             or local.device.type == "meta"
@@ -447,11 +424,11 @@ class _Compiler:
         ):
             raise _Uncacheable
         if self.replica is not None and replicated_record(record, self.world):
-            enc = _ext(_EXT_REPLICA, _pack([self.replica.rank, record]))
+            enc = ext(EXT_REPLICA, pack([self.replica.rank, record]))
             return _REF, _RefSlot(type(obj), record), enc
         index = len(self.tensors)
         self.tensors.append(local)
-        return _DTENSOR, _DSlot(type(obj), record), _ext(_EXT_DTENSOR, _pack([index, record]))
+        return _DTENSOR, _DSlot(type(obj), record), ext(EXT_DTENSOR, pack([index, record]))
 
 
 class StatePlan:
@@ -537,33 +514,6 @@ class StatePlan:
             self.layout.__dict__["has_dtensors"] = has_dtensors  # same structure
             self.layout.__dict__["has_refs"] = has_refs
         return self.layout, out
-
-
-@dataclass(frozen=True, slots=True)
-class Flat:
-    """A flattened state ready to be copied: what :meth:`Planner.flatten` returns."""
-
-    layout: Layout
-    tensors: list[torch.Tensor]
-    #: Writes the tensors into a payload in few calls; ``None``: use
-    #: :func:`~.flatten.write_payload`.
-    program: CopyProgram | None
-    #: Whether the layout came from the cached plan (no full walk).
-    reused: bool
-    #: Whether every tensor is in host memory.
-    on_host: bool
-    #: Indexes of tensors whose changes no version counter shows: those made from numpy
-    #: arrays (they share the array's memory, which numpy writes without torch knowing). An
-    #: overlapped snapshot copies them before ``save`` returns (see
-    #: :class:`tiercheck.staging.SnapshotCopy`).
-    untracked: tuple[int, ...] = ()
-
-    def write(self, dest: torch.Tensor) -> None:
-        """Write the payload into ``dest`` (see :func:`~.flatten.write_payload`)."""
-        if self.program is not None:
-            self.program.write(self.tensors, dest)
-        else:
-            write_payload(self.layout, self.tensors, dest)
 
 
 class Planner:

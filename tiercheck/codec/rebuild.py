@@ -5,8 +5,9 @@ turning each extension record (tensor index, tuple, ``OrderedDict``, ``torch.Siz
 numpy array, complex, dtype, device, bytearray, DTensor shard, replica reference -- a
 :class:`~tiercheck.codec.flatten.ReplicaRef`, left for :func:`~tiercheck.codec.replica.resolve`
 -- and, only when allowed, pickle) back into its object around the tensors given (typically
-views into a payload). The format, extension codes included, is defined in
-:mod:`~tiercheck.codec.flatten`.
+views into a payload). The format, tags included, is defined in
+:mod:`~tiercheck.codec.skeleton`; the walk is its :func:`~tiercheck.codec.skeleton.unpack`
+with a hook that turns each tag back into its object.
 """
 
 from __future__ import annotations
@@ -21,22 +22,22 @@ import numpy as np
 import torch
 
 from tiercheck.codec.dtensor import DTensorShard
-from tiercheck.codec.flatten import (
-    _EXT_BIGINT,
-    _EXT_BYTEARRAY,
-    _EXT_COMPLEX,
-    _EXT_DEVICE,
-    _EXT_DTENSOR,
-    _EXT_DTYPE,
-    _EXT_NDARRAY,
-    _EXT_ODICT,
-    _EXT_PICKLE,
-    _EXT_REPLICA,
-    _EXT_SIZE,
-    _EXT_TENSOR,
-    _EXT_TUPLE,
-    Layout,
-    ReplicaRef,
+from tiercheck.codec.flatten import Layout, ReplicaRef
+from tiercheck.codec.skeleton import (
+    EXT_BIGINT,
+    EXT_BYTEARRAY,
+    EXT_COMPLEX,
+    EXT_DEVICE,
+    EXT_DTENSOR,
+    EXT_DTYPE,
+    EXT_NDARRAY,
+    EXT_ODICT,
+    EXT_PICKLE,
+    EXT_REPLICA,
+    EXT_SIZE,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    unpack,
 )
 from tiercheck.errors import FormatError, UnsupportedObject
 
@@ -49,14 +50,7 @@ class _Unflattener:
         self.allow_pickle = allow_pickle
 
     def unpack(self, data: bytes) -> Any:
-        return msgpack.unpackb(
-            data,
-            ext_hook=self.ext_hook,
-            strict_map_key=False,
-            raw=False,
-            use_list=True,
-            unicode_errors="surrogatepass",
-        )
+        return unpack(data, self.ext_hook)
 
     def tensor(self, index: object) -> torch.Tensor:
         if type(index) is not int or not 0 <= index < len(self.tensors):
@@ -66,7 +60,7 @@ class _Unflattener:
         return self.tensors[index]
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == _EXT_TENSOR:
+        if code == EXT_TENSOR:
             # The index is a msgpack int; the one-byte form (positive fixint, index < 128) and
             # the uint16 form cover most states without a nested unpack.
             first = data[0] if data else 0xC1
@@ -75,43 +69,43 @@ class _Unflattener:
             if len(data) == 3 and first == 0xCD:
                 return self.tensor(int.from_bytes(data[1:], "big"))
             return self.tensor(self.unpack(data))
-        if code == _EXT_TUPLE:
+        if code == EXT_TUPLE:
             return tuple(self.unpack(data))
-        if code == _EXT_ODICT:
+        if code == EXT_ODICT:
             mapping, meta = self.unpack(data)
             od = collections.OrderedDict(mapping)
             if meta is not None:
                 od._metadata = meta  # type: ignore[attr-defined]
             return od
-        if code == _EXT_SIZE:
+        if code == EXT_SIZE:
             return torch.Size(self.unpack(data))
-        if code == _EXT_BIGINT:
+        if code == EXT_BIGINT:
             return int.from_bytes(data, "little", signed=True)
-        if code == _EXT_NDARRAY:
+        if code == EXT_NDARRAY:
             return self.ndarray(self.unpack(data))
-        if code == _EXT_COMPLEX:
+        if code == EXT_COMPLEX:
             re, im = np.frombuffer(data, dtype="<f8", count=2).tolist()
             return complex(re, im)
-        if code == _EXT_DTYPE:
+        if code == EXT_DTYPE:
             dtype = getattr(torch, data.decode(), None)
             if not isinstance(dtype, torch.dtype):
                 raise FormatError(f"skeleton names an unknown torch dtype {data!r}")
             return dtype
-        if code == _EXT_DEVICE:
+        if code == EXT_DEVICE:
             return torch.device(data.decode())
-        if code == _EXT_BYTEARRAY:
+        if code == EXT_BYTEARRAY:
             return bytearray(data)
-        if code == _EXT_DTENSOR:
+        if code == EXT_DTENSOR:
             index, record = self.unpack(data)
             if type(record) is not dict:
                 raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
             return DTensorShard.from_record(self.tensor(index), record)
-        if code == _EXT_REPLICA:
+        if code == EXT_REPLICA:
             rank, record = self.unpack(data)
             if type(rank) is not int or not (record is None or type(record) is dict):
                 raise FormatError(f"skeleton holds a malformed replica reference {data!r}")
             return ReplicaRef(rank, record)
-        if code == _EXT_PICKLE:
+        if code == EXT_PICKLE:
             if not self.allow_pickle:
                 raise UnsupportedObject(
                     "the state holds a pickled object; pass allow_pickle=True to load it "

@@ -28,18 +28,23 @@ from typing import Any
 import msgpack
 import torch
 
-from tiercheck.codec.flatten import (
-    _EXT_BIGINT,
-    _EXT_NDARRAY,
-    _EXT_REPLICA,
-    _EXT_TENSOR,
-    _INT_MAX,
-    _INT_MIN,
-    Layout,
-    replicated_record,
+from tiercheck.codec.flatten import Layout, replicated_record
+from tiercheck.codec.resources import paused_gc
+from tiercheck.codec.skeleton import (
+    EXT_NDARRAY,
+    EXT_REPLICA,
+    EXT_TENSOR,
+    MISSING,
+    DTensorNode,
+    Tuple,
+    Walker,
+    child,
+    encode_int,
+    leaves,
+    read_tree,
+    where,
+    write_tree,
 )
-from tiercheck.codec.plan import paused_gc
-from tiercheck.codec.reshard import _DTensor, _leaves, _ODict, _pack, _Tuple, _unpack
 from tiercheck.errors import FormatError
 
 __all__ = [
@@ -70,16 +75,13 @@ def referenced(layout: Layout) -> set[int]:
     """The ranks whose blobs ``layout``'s references point to (empty: it holds none)."""
     if not layout.has_refs:
         return set()
-    refs = _leaves(
-        _tree(layout, "the blob"),
-        lambda obj: type(obj) is msgpack.ExtType and obj.code == _EXT_REPLICA,
-    )
+    refs = leaves(_tree(layout, "the blob"), _is_ref)
     return {_ref(obj)[0] for obj in refs}
 
 
 def _tree(layout: Layout, whose: str) -> Any:
     try:
-        return _unpack(layout.skeleton)
+        return read_tree(layout.skeleton)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         if isinstance(exc, FormatError):
             raise
@@ -96,7 +98,10 @@ def _ref(ext: msgpack.ExtType) -> tuple[int, dict[str, Any] | None]:
     return rank, record
 
 
-class _Resolver:
+class _Resolver(Walker[int]):
+    """Walks rank trees (``ctx``: whose tree the node is in), renumbering tensors and, in the
+    resolving rank's own tree, replacing references with the values they lead to."""
+
     def __init__(self, own: Layout, rank: int, stores: Mapping[int, Layout]) -> None:
         self.rank = rank
         self.layouts = {**stores, rank: own}
@@ -127,43 +132,20 @@ class _Resolver:
         self.sources.append((rank, index))
         return len(self.entries) - 1
 
-    def walk(self, obj: Any, rank: int, steps: list[Any]) -> Any:
-        """``obj`` (a node of rank ``rank``'s tree at ``steps``) with tensors renumbered and,
-        in the resolving rank's own tree, references replaced."""
-        t = type(obj)
-        if t is dict:
-            out = {}
-            for k, v in obj.items():
-                steps.append(k)
-                out[k] = self.walk(v, rank, steps)
-                steps.pop()
-            return out
-        if t is list or t is _Tuple:
-            items = []
-            for i, v in enumerate(obj if t is list else obj.items):
-                steps.append(i)
-                items.append(self.walk(v, rank, steps))
-                steps.pop()
-            return items if t is list else _Tuple(tuple(items))
-        if t is _ODict:
-            mapping = self.walk(obj.mapping, rank, steps)
-            steps.append(_META)
-            meta = self.walk(obj.meta, rank, steps)
-            steps.pop()
-            return _ODict(mapping, meta)
-        if t is _DTensor:
-            return _DTensor(self.tensor(rank, obj.index), obj.record)
-        if t is msgpack.ExtType:
-            if obj.code == _EXT_TENSOR:
-                index = msgpack.unpackb(obj.data)
-                return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(self.tensor(rank, index)))
-            if obj.code == _EXT_NDARRAY:
-                fields = msgpack.unpackb(obj.data, raw=False, strict_map_key=False)
-                fields[0] = self.tensor(rank, fields[0])
-                return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb(fields, use_bin_type=True))
-            if obj.code == _EXT_REPLICA:
-                return self.replica(obj, rank, steps)
-        return obj
+    def leaf(self, node: Any, steps: list[Any], ctx: int) -> Any:
+        if type(node) is DTensorNode:
+            return DTensorNode(self.tensor(ctx, node.index), node.record)
+        if type(node) is msgpack.ExtType:
+            if node.code == EXT_TENSOR:
+                index = msgpack.unpackb(node.data)
+                return msgpack.ExtType(EXT_TENSOR, msgpack.packb(self.tensor(ctx, index)))
+            if node.code == EXT_NDARRAY:
+                fields = msgpack.unpackb(node.data, raw=False, strict_map_key=False)
+                fields[0] = self.tensor(ctx, fields[0])
+                return msgpack.ExtType(EXT_NDARRAY, msgpack.packb(fields, use_bin_type=True))
+            if node.code == EXT_REPLICA:
+                return self.replica(node, ctx, steps)
+        return node
 
     def replica(self, ext: msgpack.ExtType, holder: int, steps: list[Any]) -> Any:
         """The value the reference ``ext`` (in rank ``holder``'s tree at ``steps``) leads to,
@@ -174,7 +156,7 @@ class _Resolver:
         if store in self.chain:
             raise FormatError(
                 f"the references of ranks {[*self.chain, holder]} to one another for the value "
-                f"at {_where(steps)} go round in a circle"
+                f"at {where(steps)} go round in a circle"
             )
         self.chain.append(holder)
         try:
@@ -182,34 +164,34 @@ class _Resolver:
             for step in steps:
                 if _is_ref(node):
                     break  # the storing rank refers on, for a value holding this one
-                node = _step(node, step)
-                if node is _MISSING:
+                node = child(node, step)
+                if node is MISSING:
                     raise FormatError(
                         f"rank {holder}'s blob refers to rank {store}'s for the value at "
-                        f"{_where(steps)}, which rank {store}'s blob does not hold"
+                        f"{where(steps)}, which rank {store}'s blob does not hold"
                     )
             if _is_ref(node):
                 value = self.replica(node, store, steps)
                 if record is None:
                     return value
-                if type(value) is not _DTensor:
+                if type(value) is not DTensorNode:
                     raise FormatError(
                         f"rank {holder}'s blob refers to rank {store}'s for a DTensor at "
-                        f"{_where(steps)}; the value that leads to is something else"
+                        f"{where(steps)}; the value that leads to is something else"
                     )
                 self.check_shape(value.index, record, holder, steps)
-                return _DTensor(value.index, record)
+                return DTensorNode(value.index, record)
             if record is None:
-                return self.walk(node, store, steps)
-            if type(node) is not _DTensor:
+                return self.walk(node, steps, store)
+            if type(node) is not DTensorNode:
                 raise FormatError(
                     f"rank {holder}'s blob refers to rank {store}'s for a DTensor at "
-                    f"{_where(steps)}; rank {store}'s holds something else there"
+                    f"{where(steps)}; rank {store}'s holds something else there"
                 )
             index = self.tensor(store, node.index)
             self.check_shape(index, record, holder, steps)
             # The bytes are the storing rank's; the layout record stays the referring rank's.
-            return _DTensor(index, record)
+            return DTensorNode(index, record)
         finally:
             self.chain.pop()
 
@@ -220,43 +202,13 @@ class _Resolver:
         rank, _ = self.sources[index]
         if list(self.entries[index][2]) != list(record.get("shape", ())):
             raise FormatError(
-                f"rank {rank}'s replicated DTensor at {_where(steps)} does not have the global "
+                f"rank {rank}'s replicated DTensor at {where(steps)} does not have the global "
                 f"shape rank {holder} recorded ({record.get('shape')})"
             )
 
 
 def _is_ref(node: Any) -> bool:
-    return type(node) is msgpack.ExtType and node.code == _EXT_REPLICA
-
-
-_META = object()  # the step into an OrderedDict's ``_metadata``
-_MISSING = object()
-
-
-def _step(node: Any, step: Any) -> Any:
-    t = type(node)
-    if step is _META:
-        return node.meta if t is _ODict else _MISSING
-    if t is _ODict:
-        node, t = node.mapping, dict
-    if t is dict:
-        return node.get(step, _MISSING) if _hashable(step) else _MISSING
-    if t is list or t is _Tuple:
-        items = node if t is list else node.items
-        return items[step] if type(step) is int and 0 <= step < len(items) else _MISSING
-    return _MISSING
-
-
-def _hashable(obj: Any) -> bool:
-    try:
-        hash(obj)
-    except TypeError:
-        return False
-    return True
-
-
-def _where(steps: Sequence[Any]) -> str:
-    return "state" + "".join("._metadata" if s is _META else f"[{s!r}]" for s in steps)
+    return type(node) is msgpack.ExtType and node.code == EXT_REPLICA
 
 
 def resolve(own: Layout, rank: int, stores: Mapping[int, Layout]) -> Resolved:
@@ -269,8 +221,8 @@ def resolve(own: Layout, rank: int, stores: Mapping[int, Layout]) -> Resolved:
         return Resolved(own, tuple((rank, i) for i in range(len(own.specs))))
     with paused_gc():
         resolver = _Resolver(own, rank, stores)
-        tree = resolver.walk(resolver.tree(rank), rank, [])
-        skeleton = _pack(tree, lambda d: d)
+        tree = resolver.walk(resolver.tree(rank), [], rank)
+        skeleton = write_tree(tree)
         layout = Layout.build(skeleton, resolver.entries)
     if len(layout.index) != len(layout.specs):
         raise FormatError(f"rank {rank}'s blob and the blobs it refers to repeat tensor paths")
@@ -332,24 +284,24 @@ class _Leaner(_Resolver):
         self.hit: set[tuple[Any, ...]] = set()
         self.replaced = 0
 
-    def walk(self, obj: Any, rank: int, steps: list[Any]) -> Any:
+    def walk(self, node: Any, steps: list[Any], ctx: int) -> Any:
         if self.at:
-            where = tuple(steps)
-            if where in self.at:
-                self.hit.add(where)
+            here = tuple(steps)
+            if here in self.at:
+                self.hit.add(here)
                 self.replaced += 1
                 return msgpack.ExtType(
-                    _EXT_REPLICA, msgpack.packb([self.store, None], use_bin_type=True)
+                    EXT_REPLICA, msgpack.packb([self.store, None], use_bin_type=True)
                 )
-        if type(obj) is _DTensor and replicated_record(obj.record, self.world):
+        if type(node) is DTensorNode and replicated_record(node.record, self.world):
             self.replaced += 1
             record = msgpack.packb(
-                [self.store, obj.record], use_bin_type=True, unicode_errors="surrogatepass"
+                [self.store, node.record], use_bin_type=True, unicode_errors="surrogatepass"
             )
-            return msgpack.ExtType(_EXT_REPLICA, record)
-        if _is_ref(obj):
+            return msgpack.ExtType(EXT_REPLICA, record)
+        if _is_ref(node):
             raise FormatError("a layout to make lean holds references already")
-        return super().walk(obj, rank, steps)
+        return super().walk(node, steps, ctx)
 
 
 _FULL = -1  # the rank the leaner knows the full layout as
@@ -370,15 +322,15 @@ def lean(
         return None
     with paused_gc():
         leaner = _Leaner(layout, store, wanted, world_size)
-        tree = leaner.walk(_tree(layout, "the blob"), _FULL, [])
+        tree = leaner.walk(_tree(layout, "the blob"), [], _FULL)
         missed = wanted - leaner.hit
         if missed:
             raise ValueError(
-                f"the state skeleton holds no value at {sorted(_where(m) for m in missed)}"
+                f"the state skeleton holds no value at {sorted(where(m) for m in missed)}"
             )
         if not leaner.replaced:
             return None
-        skeleton = _pack(tree, lambda d: d)
+        skeleton = write_tree(tree)
         built = Layout.build(skeleton, leaner.entries)
     built.__dict__["has_refs"] = True
     return Lean(built, tuple(index for _, index in leaner.sources))
@@ -402,12 +354,7 @@ def _skeleton_key(key: object) -> Any:
     if key is None or t is str or t is bool or t is float or t is bytes:
         return key
     if t is int:
-        value: int = key  # type: ignore[assignment]
-        if _INT_MIN <= value <= _INT_MAX:
-            return value
-        return msgpack.ExtType(
-            _EXT_BIGINT, value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-        )
+        return encode_int(key)  # type: ignore[arg-type]
     if t is tuple:
-        return _Tuple(tuple(_skeleton_key(k) for k in key))  # type: ignore[attr-defined]
+        return Tuple(tuple(_skeleton_key(k) for k in key))  # type: ignore[attr-defined]
     raise _NotAKey

@@ -55,226 +55,40 @@ gives back every rank's own layout and tensors unchanged.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
-import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import msgpack
 import torch
 
-from tiercheck.codec.flatten import _EXT_DTENSOR, _EXT_ODICT, _EXT_TUPLE, Layout, TensorSpec
+from tiercheck.codec.layout import Layout, TensorSpec
 from tiercheck.codec.partial import widen
-from tiercheck.codec.plan import paused_gc
-from tiercheck.errors import ConfigError, FormatError, ReshardError, ShardsInconsistent
+from tiercheck.codec.resources import paused_gc
+from tiercheck.codec.shards import (
+    Piece,
+    Sharded,
+    Stored,
+    new_shard,
+    pieces_for,
+    plain_indices,
+    read_stored,
+    sharded_dtensor,
+    torch_chunk,
+)
+from tiercheck.codec.skeleton import DTensorNode, differences, write_tree
+from tiercheck.errors import ConfigError, ReshardError, ShardsInconsistent
 
 __all__ = ["Piece", "ReshardPlan", "assemble", "plan_reshard", "torch_chunk"]
 
 #: Where state outside DTensors comes from (see the module docstring).
 PerRank = Literal["refuse", "wrap"]
 
-#: What the messages tell a user whose state cannot be resharded.
-_SUPPORTED = (
-    "tiercheck reshards DTensors saved on a 1-D mesh over all saving ranks with Shard(d) or "
-    "Replicate() placements (FSDP2's layout)"
-)
-_INCONSISTENT = (
-    "The old blobs do not belong to one consistent save: restore another version (or on the "
-    "number of ranks that saved this one)."
-)
+#: The most paths (or rank pairs) one message names.
 _MAX_SHOWN = 20
 
 
-# --- skeleton walking ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tuple:
-    """A tuple of the skeleton (kept apart from lists, and hashable for dict keys)."""
-
-    items: tuple[Any, ...]
-
-    def __repr__(self) -> str:
-        return repr(self.items)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ODict:
-    """An ``OrderedDict`` of the skeleton (its mapping and ``_metadata``)."""
-
-    mapping: Any
-    meta: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _DTensor:
-    """A DTensor record of the skeleton: the index of its local tensor and the record."""
-
-    index: int
-    record: dict[str, Any]
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-    # Only the containers (which may hold DTensors) and DTensor records are opened; every
-    # other extension (tensor references, big ints, dtypes...) stays as its exact bytes.
-    if code == _EXT_TUPLE:
-        return _Tuple(tuple(_unpack(data)))
-    if code == _EXT_ODICT:
-        mapping, meta = _unpack(data)
-        return _ODict(mapping, meta)
-    if code == _EXT_DTENSOR:
-        index, record = _unpack(data)
-        if type(index) is not int or type(record) is not dict:
-            raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
-        return _DTensor(index, record)
-    return msgpack.ExtType(code, data)
-
-
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(
-        data,
-        ext_hook=_ext_hook,
-        strict_map_key=False,
-        raw=False,
-        use_list=True,
-        unicode_errors="surrogatepass",
-    )
-
-
-def _pack(obj: Any, dtensor: Callable[[_DTensor], Any]) -> bytes:
-    """The skeleton bytes of a tree from :func:`_unpack`, each DTensor record replaced by
-    ``dtensor(record)`` (packed as a DTensor extension when it returns a :class:`_DTensor`)."""
-
-    def default(value: Any) -> Any:
-        if type(value) is _Tuple:
-            return msgpack.ExtType(_EXT_TUPLE, _pack(list(value.items), dtensor))
-        if type(value) is _ODict:
-            return msgpack.ExtType(_EXT_ODICT, _pack([value.mapping, value.meta], dtensor))
-        if type(value) is _DTensor:
-            new = dtensor(value)
-            if type(new) is _DTensor:
-                return msgpack.ExtType(_EXT_DTENSOR, _pack([new.index, new.record], dtensor))
-            return new
-        raise TypeError(f"cannot pack {type(value).__name__}")
-
-    data = msgpack.packb(obj, default=default, use_bin_type=True, unicode_errors="surrogatepass")
-    assert isinstance(data, bytes)
-    return data
-
-
-def _leaves(tree: Any, keep: Callable[[Any], bool]) -> list[Any]:
-    """The leaves of an unpacked skeleton ``keep`` accepts, in skeleton order (keys too)."""
-    out: list[Any] = []
-
-    def walk(obj: Any) -> None:
-        t = type(obj)
-        if keep(obj):
-            out.append(obj)
-        elif t is dict:
-            for k, v in obj.items():
-                walk(k)
-                walk(v)
-        elif t is list:
-            for v in obj:
-                walk(v)
-        elif t is _Tuple:
-            for v in obj.items:
-                walk(v)
-        elif t is _ODict:
-            walk(obj.mapping)
-            walk(obj.meta)
-
-    walk(tree)
-    return out
-
-
-def _dtensors(tree: Any) -> list[_DTensor]:
-    """Every DTensor record in the tree, in skeleton order."""
-    return _leaves(tree, lambda obj: type(obj) is _DTensor)
-
-
-def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
-    """Append to ``out`` the paths where trees ``a`` and ``b`` differ (DTensor records are
-    compared by their local tensor's index only: their records are checked on their own)."""
-    ta, tb = type(a), type(b)
-    if ta is not tb:
-        out.append(path or "the state")
-    elif ta is dict:
-        if list(a) != list(b):
-            only_a = [k for k in a if k not in b]
-            only_b = [k for k in b if k not in a]
-            where = path or "the state"
-            if only_a or only_b:
-                out.append(f"{where} (keys {only_a} against {only_b})")
-                return
-            # Taking old rank 0's would be harmless, but "the same on every rank" is the rule.
-            out.append(f"{where} (the same keys in another order)")
-        for k in a:
-            _differences(a[k], b[k], f"{path}[{k!r}]", out)
-    elif ta is list or ta is _Tuple:
-        items_a, items_b = (a, b) if ta is list else (a.items, b.items)
-        if len(items_a) != len(items_b):
-            out.append(f"{path} (length {len(items_a)} against {len(items_b)})")
-            return
-        for i, (x, y) in enumerate(zip(items_a, items_b, strict=True)):
-            _differences(x, y, f"{path}[{i}]", out)
-    elif ta is _ODict:
-        _differences(a.mapping, b.mapping, path, out)
-        _differences(a.meta, b.meta, f"{path}._metadata", out)
-    elif ta is _DTensor:
-        if a.index != b.index:
-            out.append(path)
-    else:
-        # Leaves compare by their packed bytes: exact for floats (NaN, -0.0) and extensions.
-        same = _pack(a, lambda d: d) == _pack(b, lambda d: d)
-        if not same:
-            out.append(path)
-
-
-# --- torch's rule ----------------------------------------------------------------------------
-
-
-def torch_chunk(length: int, world: int, rank: int) -> tuple[int, int]:
-    """``(offset, size)`` of rank ``rank``'s shard of ``length`` rows split over ``world`` ranks.
-
-    torch's own rule for ``Shard(d)`` (``Shard.local_shard_size_and_offset`` and
-    ``compute_local_shape_and_global_offset``): ``torch.chunk`` semantics, chunks of
-    ``ceil(length / world)``; a rank past the end holds an empty shard at offset ``length``.
-    """
-    chunk = -(-length // world) if world else 0
-    start = min(rank * chunk, length)
-    return start, min(start + chunk, length) - start
-
-
-# --- the plan --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Piece:
-    """One box copied from an old rank's tensor into a new tensor.
-
-    ``size`` elements in every dimension, from ``src_start`` in tensor ``index`` of old rank
-    ``rank`` to ``dst_start`` in the new tensor (all tuples have the tensor's number of
-    dimensions; a 0-dim tensor has empty ones).
-    """
-
-    rank: int
-    index: int
-    src_start: tuple[int, ...]
-    dst_start: tuple[int, ...]
-    size: tuple[int, ...]
-
-    @property
-    def src(self) -> tuple[slice, ...]:
-        """The box in the old tensor, as an index."""
-        return tuple(slice(a, a + n) for a, n in zip(self.src_start, self.size, strict=True))
-
-    @property
-    def dst(self) -> tuple[slice, ...]:
-        """The box in the new tensor, as an index."""
-        return tuple(slice(a, a + n) for a, n in zip(self.dst_start, self.size, strict=True))
+# --- the plan -------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -321,212 +135,6 @@ class ReshardPlan:
     spans: dict[tuple[int, int], tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
-class _Stored:
-    """One old rank's layout, decoded once."""
-
-    rank: int
-    layout: Layout
-    tree: Any
-    dtensors: dict[str, _DTensor]  # by the path of the local tensor's spec
-
-
-def _decode(rank: int, layout: Layout) -> _Stored:
-    try:
-        tree = _unpack(layout.skeleton)
-    except (msgpack.UnpackException, ValueError, TypeError) as exc:
-        if isinstance(exc, FormatError):
-            raise
-        raise FormatError(f"old rank {rank}'s state skeleton is malformed: {exc}") from exc
-    dtensors: dict[str, _DTensor] = {}
-    for dt in _dtensors(tree):
-        if not 0 <= dt.index < len(layout.specs):
-            raise FormatError(
-                f"old rank {rank}'s skeleton refers to tensor {dt.index}; its layout has "
-                f"{len(layout.specs)}"
-            )
-        dtensors[layout.specs[dt.index].path] = dt
-    return _Stored(rank, layout, tree, dtensors)
-
-
-@dataclasses.dataclass
-class _Sharded:
-    """One DTensor as all old ranks hold it."""
-
-    path: str
-    record: dict[str, Any]  # old rank 0's
-    dtype: torch.dtype
-    dim: int | None  # the sharded dimension; None: replicated
-    # Per old rank, ascending by start: (start, stop, rank, index) along ``dim``.
-    intervals: list[tuple[int, int, int, int]]
-    indices: list[int]  # the local tensor's index in each old rank's layout
-    local_shapes: list[tuple[int, ...]]
-
-
-#: A DTensor record's fields that every rank holding it must agree on.
-_global_fields = operator.itemgetter("shape", "stride", "placements", "mesh", "names", "device")
-
-
-def _refuse_layout(path: str, what: str) -> ReshardError:
-    return ReshardError(
-        f"cannot reshard the DTensor at {path}: {what}. {_SUPPORTED}. Restore on the number "
-        "of ranks that saved it, or save this state with a supported layout."
-    )
-
-
-def _sharded(path: str, olds: Sequence[_Stored]) -> _Sharded:
-    n = len(olds)
-    first = olds[0].dtensors[path]
-    record = first.record
-    dtype = olds[0].layout.specs[first.index].dtype
-    try:
-        shape = tuple(int(d) for d in record["shape"])
-        mesh = [int(d) for d in record["mesh"]]
-        placements = [list(p) for p in record["placements"]]
-        reference = _global_fields(record)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"old rank 0 holds a malformed DTensor record at {path}: {exc}") from exc
-    if len(mesh) != 1 or len(placements) != 1:
-        raise _refuse_layout(path, f"it was saved on a mesh of shape {tuple(mesh)}")
-    if mesh[0] > n:
-        # No rank of a save can sit on a mesh larger than that save's world: the record of
-        # which world saved the version, or the blobs, are not what they should be.
-        raise ShardsInconsistent(
-            f"cannot reshard the DTensor at {path}: it was saved on a mesh of {mesh[0]} ranks, "
-            f"but {n} ranks are recorded as having saved the version. {_INCONSISTENT}"
-        )
-    if mesh[0] != n:
-        raise _refuse_layout(
-            path, f"it was saved on a mesh of {mesh[0]} ranks, but {n} ranks saved the version"
-        )
-    placement = placements[0]
-    kind = placement[0] if placement else None
-    dim: int | None
-    if kind == "replicate":
-        dim = None
-    elif kind == "shard" and len(placement) == 2 and type(placement[1]) is int:
-        dim = placement[1]
-        if not 0 <= dim < len(shape):
-            raise _refuse_layout(path, f"it is sharded on dimension {dim} of a {shape} tensor")
-    else:
-        raise _refuse_layout(path, f"its placement is {placement!r}")
-    indices: list[int] = []
-    local_shapes: list[tuple[int, ...]] = []
-    intervals: list[tuple[int, int, int, int]] = []
-    zeros = (0,) * len(shape)
-    for old in olds:
-        dt = old.dtensors.get(path)
-        if dt is None:
-            raise ShardsInconsistent(
-                f"cannot reshard: old rank 0 holds a DTensor at {path} but old rank {old.rank} "
-                "does not. The old ranks must hold the same DTensors (every rank of an FSDP2 "
-                "job does)."
-            )
-        spec = old.layout.specs[dt.index]
-        try:
-            fields = _global_fields(dt.record)
-            offset = tuple(map(int, dt.record["offset"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(
-                f"old rank {old.rank} holds a malformed DTensor record at {path}: {exc}"
-            ) from exc
-        if fields != reference or spec.dtype != dtype:
-            raise ShardsInconsistent(
-                f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
-                f"its layout (dtype, global shape, stride, placements or mesh): "
-                f"{str(dtype).removeprefix('torch.')} {reference} against "
-                f"{str(spec.dtype).removeprefix('torch.')} {fields}. {_INCONSISTENT}"
-            )
-        local = spec.shape
-        if dim is None:
-            fits = offset == zeros and local == shape
-        else:
-            # Along the sharded dimension an empty shard may sit anywhere up to the end
-            # (torch puts it at the end); elsewhere each shard spans the whole dimension.
-            fits = (
-                len(offset) == len(local) == len(shape)
-                and offset[:dim] == zeros[:dim]
-                and offset[dim + 1 :] == zeros[dim + 1 :]
-                and local[:dim] == shape[:dim]
-                and local[dim + 1 :] == shape[dim + 1 :]
-                and offset[dim] >= 0
-                and offset[dim] + local[dim] <= shape[dim]
-            )
-        if not fits:
-            raise _tiling(path, old.rank, offset, local, shape)
-        indices.append(dt.index)
-        local_shapes.append(local)
-        if dim is not None:
-            intervals.append((offset[dim], offset[dim] + local[dim], old.rank, dt.index))
-    if dim is not None:
-        intervals.sort()
-        end = 0
-        for start, stop, rank, _ in intervals:
-            if start == stop:
-                continue
-            if start != end:
-                raise ShardsInconsistent(
-                    f"cannot reshard the DTensor at {path}: the old shards do not cover its "
-                    f"dimension {dim} exactly (old rank {rank}'s shard starts at {start}, the "
-                    f"shards before it end at {end}). {_INCONSISTENT}"
-                )
-            end = stop
-        if end != shape[dim]:
-            raise ShardsInconsistent(
-                f"cannot reshard the DTensor at {path}: the old shards cover its dimension "
-                f"{dim} up to {end} of {shape[dim]}. {_INCONSISTENT}"
-            )
-        intervals = [iv for iv in intervals if iv[0] != iv[1]]
-    return _Sharded(path, record, dtype, dim, intervals, indices, local_shapes)
-
-
-def _tiling(
-    path: str, rank: int, offset: tuple[int, ...], local: tuple[int, ...], shape: tuple[int, ...]
-) -> ReshardError:
-    return ShardsInconsistent(
-        f"cannot reshard the DTensor at {path}: old rank {rank}'s local shard {local} at offset "
-        f"{offset} is not one a 1-D mesh gives a global {shape} tensor, so the pieces would not "
-        f"cover the new shards exactly. {_INCONSISTENT}"
-    )
-
-
-def _new_shard(sh: _Sharded, new_rank: int, new_world: int) -> tuple[tuple[int, ...], list[int]]:
-    """New rank's local shape and global offset of ``sh``."""
-    shape = [int(d) for d in sh.record["shape"]]
-    offset = [0] * len(shape)
-    if sh.dim is not None:
-        start, size = torch_chunk(shape[sh.dim], new_world, new_rank)
-        offset[sh.dim] = start
-        shape[sh.dim] = size
-    return tuple(shape), offset
-
-
-def _pieces(sh: _Sharded, local: tuple[int, ...], offset: list[int]) -> list[Piece]:
-    if math.prod(local) == 0:
-        return []
-    zeros = (0,) * len(local)
-    if sh.dim is None:
-        return [Piece(0, sh.indices[0], zeros, zeros, local)]
-    d = sh.dim
-    lo, hi = offset[d], offset[d] + local[d]
-    out: list[Piece] = []
-    first = bisect.bisect_right([iv[1] for iv in sh.intervals], lo)
-    for start, stop, rank, index in sh.intervals[first:]:
-        if start >= hi:
-            break
-        a, b = max(lo, start), min(hi, stop)
-        src = list(zeros)
-        dst = list(zeros)
-        size = list(local)
-        src[d], dst[d], size[d] = a - start, a - lo, b - a
-        out.append(Piece(rank, index, tuple(src), tuple(dst), tuple(size)))
-    return out
-
-
-def _plain_indices(layout: Layout, dtensor_indices: set[int]) -> list[int]:
-    return [i for i in range(len(layout.specs)) if i not in dtensor_indices]
-
-
 def plan_reshard(
     stored: Sequence[Layout],
     *,
@@ -559,7 +167,7 @@ def _plan(
         raise ConfigError(f"new rank {new_rank} is not a rank of a world of {new_world}")
     if per_rank not in ("refuse", "wrap"):
         raise ConfigError(f"per_rank must be 'refuse' or 'wrap', got {per_rank!r}")
-    olds = [_decode(s, layout) for s, layout in enumerate(stored)]
+    olds = [read_stored(s, layout) for s, layout in enumerate(stored)]
     paths = set(olds[0].dtensors)
     for old in olds[1:]:
         if set(old.dtensors) != paths:
@@ -569,7 +177,7 @@ def _plan(
                 f"({extra}). The old ranks must hold the same DTensors (every rank of an FSDP2 "
                 "job does)."
             )
-    sharded = {path: _sharded(path, olds) for path in olds[0].dtensors}
+    sharded = {path: sharded_dtensor(path, olds) for path in olds[0].dtensors}
 
     source = olds[new_rank % n if per_rank == "wrap" else 0]
     if per_rank == "refuse":
@@ -582,20 +190,20 @@ def _plan(
     pieces: list[list[Piece]] = [[] for _ in entries]
     dtensor_indices: set[int] = set()
 
-    def rewrite(dt: _DTensor) -> _DTensor:
+    def rewrite(dt: DTensorNode) -> DTensorNode:
         path = source.layout.specs[dt.index].path
         sh = sharded[path]
-        local, offset = _new_shard(sh, new_rank, new_world)
+        local, offset = new_shard(sh, new_rank, new_world)
         record = dict(dt.record)
         record["mesh"] = [new_world]
         record["coord"] = [new_rank]
         record["offset"] = offset
         entries[dt.index] = (path, sh.dtype, local)
-        pieces[dt.index] = _pieces(sh, local, offset)
+        pieces[dt.index] = pieces_for(sh, local, offset)
         dtensor_indices.add(dt.index)
-        return _DTensor(dt.index, record)
+        return DTensorNode(dt.index, record)
 
-    skeleton = _pack(source.tree, rewrite)
+    skeleton = write_tree(source.tree, rewrite)
     layout = (
         source.layout
         if skeleton == source.layout.skeleton
@@ -604,7 +212,7 @@ def _plan(
         )
         else Layout.build(skeleton, entries)
     )
-    for i in _plain_indices(source.layout, dtensor_indices):
+    for i in plain_indices(source.layout, dtensor_indices):
         shape = source.layout.specs[i].shape
         if math.prod(shape):
             zeros = (0,) * len(shape)
@@ -667,11 +275,11 @@ def _box_span(spec: TensorSpec, piece: Piece) -> tuple[int, int]:
     return first * size, (last + 1) * size
 
 
-def _plain_indices_of(old: _Stored) -> list[int]:
-    return _plain_indices(old.layout, {dt.index for dt in old.dtensors.values()})
+def _plain_indices_of(old: Stored) -> list[int]:
+    return plain_indices(old.layout, {dt.index for dt in old.dtensors.values()})
 
 
-def _read_for_shards(sharded: Mapping[str, _Sharded], olds: Sequence[_Stored]) -> set[int]:
+def _read_for_shards(sharded: Mapping[str, Sharded], olds: Sequence[Stored]) -> set[int]:
     """The old ranks some new rank reads DTensor pieces from, whatever the new world.
 
     Under ``Shard(d)`` every old shard with elements overlaps new shards with elements (the
@@ -689,20 +297,20 @@ def _read_for_shards(sharded: Mapping[str, _Sharded], olds: Sequence[_Stored]) -
     return out
 
 
-def _compare_plain(olds: Sequence[_Stored]) -> None:
+def _compare_plain(olds: Sequence[Stored]) -> None:
     """Refuse when old ranks differ in their non-DTensor values or plain tensors' specs."""
 
-    def normalized(dt: _DTensor) -> Any:
+    def normalized(dt: DTensorNode) -> Any:
         return ["dtensor", dt.index]
 
     first = olds[0]
-    base = _pack(first.tree, normalized)
+    base = write_tree(first.tree, normalized)
     specs0 = [first.layout.specs[i] for i in _plain_indices_of(first)]
     problems: list[str] = []
     for old in olds[1:]:
         paths: list[str] = []
-        if _pack(old.tree, normalized) != base:
-            _differences(first.tree, old.tree, "", paths)
+        if write_tree(old.tree, normalized) != base:
+            paths = differences(first.tree, old.tree)
             if not paths:
                 paths.append("(the encoding of the state)")
         specs = [old.layout.specs[i] for i in _plain_indices_of(old)]

@@ -7,13 +7,16 @@ What encoding and decoding frames (:mod:`.frames`) run on, apart from the format
 * :class:`Scratch` / :class:`ScratchPool`: the working buffers of one in-flight frame, shared by
   the frames of one call;
 * :class:`OutputArena`: fresh memory for stored raw planes, carved from large blocks;
-* :func:`run_bounded`: a map over threads with at most ``workers`` calls in flight.
+* :func:`run_bounded`: a map over threads with at most ``workers`` calls in flight;
+* :func:`paused_gc`: no cyclic garbage collection while a walk makes many small objects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
@@ -21,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from tiercheck.codec.flatten import align
+from tiercheck.codec.layout import align
 from tiercheck.codec.planes import BLOCK_BYTES, PlaneScratch
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "ScratchPool",
     "compressor",
     "decompressor",
+    "paused_gc",
     "run_bounded",
     "zstd_parameters",
 ]
@@ -200,3 +204,21 @@ class OutputArena:
             out = self._block[self._pos : self._pos + nbytes]
             self._pos += align(nbytes)
         return out
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (it is enabled again after, if it was).
+
+    Matching a state of thousands of tensors, or rebuilding one, creates tens of thousands of
+    short-lived objects; the allocations trigger the collector, and a full collection walks
+    every object of the training process (measured: 150 ms every other save of a 12,000-tensor
+    state, against 10 ms of work). The objects made here die by reference counting anyway.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
