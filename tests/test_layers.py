@@ -24,7 +24,7 @@ MAX_CLASS_LINES = 300
 
 #: The parts whose sizes this test holds to the limits. The engine (tiercheck/engine/) and the
 #: codec (tiercheck/codec/) are restructured separately and join this list once they fit.
-SIZED = ("catalog", "consistency", "tiers", "guard.py", "fence.py", "integrations", "cli")
+SIZED = ("catalog", "consistency", "tiers", "guard.py", "fence.py", "integrations", "cli", "codec")
 
 
 def module_name(path: Path) -> str:

@@ -19,26 +19,24 @@ from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
-from tiercheck.consistency.worlds import Spans, parse_spans, span_after, spans_of, world_of
+from tiercheck.consistency.worlds import Spans, span_after, spans_of, world_of
 from tiercheck.engine.collectives import Side, step
-from tiercheck.engine.stale import Stale, made_at, stale_message
+from tiercheck.engine.judgement import judge_opening
+from tiercheck.engine.stale import Stale, stale_message
 from tiercheck.engine.stored import commit_versions, location
 from tiercheck.errors import (
     FormatError,
     JobLocked,
-    StaleMemory,
     StorageError,
     Superseded,
     TiercheckError,
     UnsupportedFormat,
-    WorldSizeMismatch,
 )
 from tiercheck.guard import (
     Fence,
     RankLock,
     deletion_facts,
     discard_node_memory,
-    forget_deleted,
     node_holds_data,
     node_versions,
     probe,
@@ -356,203 +354,26 @@ class Claim:
             await write_job_record(tier, record)
 
     def judge(self, everyone: Sequence[OpenFacts]) -> dict[int, str]:
-        """Decide, from what every rank saw, whether this run may open; return stale nodes.
-
-        Pure: every rank computes the same verdict from the same exchange.
-        """
-        cfg, topo = self.ctx.options, self.ctx.topo
-        locked = [e.lock for e in everyone if e.lock]
-        if locked:
-            raise JobLocked(locked[0] + (f" ({len(locked)} ranks)" if len(locked) > 1 else ""))
-        broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e.probe.values()]
-        if broken:
-            raise StorageError(
-                "the durable storage of job "
-                f"{cfg.job.job_id!r} cannot be used, so the job does not start:\n  "
-                + "\n  ".join(broken[:8])
-            )
-        first = everyone[0]
-        if first.job_error:
-            raise StorageError(
-                f"cannot read the job record (JOB) of {cfg.job.job_id!r} at "
-                f"{location(self.durable[0]) if self.durable else '?'}: {first.job_error}. "
-                "Nothing was read or changed. If the record is damaged, `tiercheck repair-job "
-                f"<persistent URL> --job {cfg.job.job_id}` sets it aside and the next opening "
-                "writes it anew from the COMMIT records and the nodes' memory, without losing "
-                "a version."
-            )
-        nodes: dict[int, OpenFacts] = {}
-        for e in everyone:
-            nodes.setdefault(e.node, e)
-        identities: dict[int, NodeIdentity | None] = {}
-        stale: dict[int, Stale] = {}
-        for n, e in nodes.items():
-            if e.identity_error:
-                identities[n] = None
-                if e.identity_damaged and not e.has_data:
-                    continue  # nothing to protect: the record is written anew
-                if e.identity_damaged:
-                    stale[n] = Stale(
-                        "damaged",
-                        f"its identity record is damaged ({e.identity_error}): whose "
-                        "checkpoints it holds cannot be told",
-                    )
-                else:
-                    stale[n] = Stale(
-                        "unreadable",
-                        f"its identity record cannot be read ({e.identity_error})",
-                    )
-                continue
-            text = e.identity
-            identities[n] = None if text is None else NodeIdentity.from_bytes(text.encode())
-        job = first.job
-        durable = self.durable
-        here = location(durable[0]) if durable else None
-        # Memory of an incarnation `tiercheck rm-job` deleted is nobody's: out of the judging.
-        self.deleted_nodes = forget_deleted(identities, first.to_wire(), cfg.job.job_id, here)
-        # Identities of nodes whose memory says it belongs to this job at this location.
-        ours = {
-            i.token: i
-            for i in identities.values()
-            if i is not None and i.job_id == cfg.job.job_id and i.persistent == here
-        }
-        absent = job is not None and job["state"] == "absent"
-        worlds: Spans = ()
-        revision = 0
-        self._record_behind = False
-        if job is not None and job["state"] == "found":
-            token, world_size = job["token"], job["world_size"]
-            worlds = parse_spans(job.get("worlds"), world_size)
-            revision = int(job.get("revision", 0))
-            where = f"at {here}"
-            newer = [
-                i
-                for i in identities.values()
-                if i is not None
-                and i.token == token
-                and i.job_id == cfg.job.job_id
-                and i.persistent == here
-            ]
-            if job.get("repaired"):
-                # `tiercheck repair-job` wrote this record with a new token: the incarnation is
-                # the one the nodes' memory of this location names, where they agree.
-                tokens = {
-                    i.token
-                    for i in identities.values()
-                    if i is not None and i.job_id == cfg.job.job_id and i.persistent == here
-                }
-                if len(tokens) == 1:
-                    token = tokens.pop()
-                    newer = [i for i in identities.values() if i is not None and i.token == token]
-                    revision = -1  # whatever the identities say is newer than the repair
-                self._record_behind = True
-            newest = max(newer, key=lambda i: i.revision, default=None)
-            if newest is not None and newest.revision > revision:
-                # The record's last update failed; the nodes recorded the change: theirs is
-                # the history the stored versions follow.
-                world_size, worlds, revision = newest.world_size, newest.worlds, newest.revision
-                self._record_behind = True
-        elif job is not None:
-            where = f"at {here}"
-            world_size = job.get("world_size", topo.world_size)
-            worlds = parse_spans(job.get("worlds"), world_size)
-            if len(ours) == 1:
-                # The location lost its job record (deleted, a lifecycle rule, set aside by
-                # `tiercheck repair-job`) while the job was away, or predates it; the memory
-                # that names it is this job's.
-                token, remembered = next(iter(ours.items()))
-                if absent or world_of(
-                    max(job.get("committed") or [0]), remembered.worlds, remembered.world_size
-                ) == world_of(max(job.get("committed") or [0]), worlds, world_size):
-                    world_size, worlds = remembered.world_size, remembered.worlds
-                    revision = remembered.revision
-                if absent:
-                    logger.warning(
-                        "tiercheck: the durable location %s of job %r holds nothing, but the "
-                        "nodes' memory holds this job's checkpoints written there: the location "
-                        "was emptied. Using the memory and writing the job record again.",
-                        here,
-                        cfg.job.job_id,
-                    )
-            else:
-                token = first.fresh_token or ""
-        else:
-            tokens = {i.token for i in identities.values() if i is not None}
-            if len(tokens) > 1:
-                raise StaleMemory(
-                    f"the nodes of job {cfg.job.job_id!r} hold memory of different runs "
-                    f"(tokens {sorted(tokens)}); with no durable tier to tell which is this "
-                    "run's, none is used. Nothing was changed. Pass stale_memory='discard' "
-                    "to delete every node's memory of the job and start over (its versions "
-                    "exist nowhere else: there is no durable tier), or use another job_id."
-                )
-            token = tokens.pop() if tokens else first.fresh_token or ""
-            known = [i for i in identities.values() if i is not None]
-            if known:
-                # Nodes that joined later, or missed an update, know less: the newest wins.
-                best = max(known, key=lambda i: (i.revision, len(i.worlds)))
-                world_size, worlds, revision = best.world_size, best.worlds, best.revision
-            else:
-                world_size = topo.world_size
-            where = "in the nodes' memory"
-        if world_size != topo.world_size and not cfg.job.elastic:
-            raise WorldSizeMismatch(
-                f"job {cfg.job.job_id!r} {where} was saved by {world_size} ranks; this run has "
-                f"{topo.world_size}. Restart with {world_size} ranks, pass elastic=True to "
-                "restore it resharded onto this number of ranks, or give this run another "
-                "job_id. Nothing stored was read or changed."
-            )
-        self.stored_world = world_size
-        self.worlds = worlds
-        self.revision = revision
-        for n, identity in identities.items():
-            if n in stale or n in self.deleted_nodes:
-                continue
-            if identity is None:
-                if absent and nodes[n].has_data:
-                    stale[n] = Stale(
-                        "predates",
-                        "it holds checkpoints but no identity record, and the job's durable "
-                        "location holds nothing: they are not known to be this run's",
-                    )
-            elif identity.job_id != cfg.job.job_id:
-                stale[n] = Stale(
-                    "another-run", f"it belongs to job {identity.job_id!r}, not this one"
-                )
-            elif identity.token == token:
-                continue  # this incarnation's memory (its folder may have moved: same token)
-            elif identity.persistent != here:
-                stale[n] = Stale(
-                    "another-location",
-                    f"it belongs to this job as saved to another durable location "
-                    f"({identity.persistent}; this run uses {here})",
-                )
-            else:
-                stale[n] = Stale(
-                    "another-run",
-                    f"it belongs to another run of {identity.job_id!r} at the same durable "
-                    f"location (token {identity.token[:8]}, made "
-                    f"{made_at(identity.created)}), not the one the job record names (token "
-                    f"{token[:8]}): the job was deleted or started anew there since",
-                )
-        self.job_token = token
-        policy = cfg.job.stale_memory
-        # Memory of an incarnation `tiercheck rm-job` deleted goes whatever the policy says.
-        deleted = dict(self.deleted_nodes)
-        if not stale or policy == "discard":
-            return {**{n: why.text for n, why in stale.items()}, **deleted}
-        if policy == "adopt" and all(why.kind in ("damaged", "predates") for why in stale.values()):
-            logger.warning(
-                "tiercheck: adopting the memory of nodes %s as this run's (stale_memory='adopt'): "
-                "%s",
-                sorted(stale),
-                "; ".join(f"node {n}: {why.text}" for n, why in sorted(stale.items())),
-            )
-            self._adopted = sorted(stale)
-            return deleted
-        root = str(cfg.job.node_root)
-        damaged = tuple(sorted(n for n, why in stale.items() if why.kind == "damaged"))
-        raise StaleMemory(stale_message(cfg.job.job_id, root, stale, first, nodes), damaged=damaged)
+        """Decide, from what every rank saw, whether this run may open; return the nodes
+        whose memory goes (:func:`~tiercheck.engine.judgement.judge_opening`, applied here)."""
+        cfg = self.ctx.options
+        verdict = judge_opening(
+            everyone,
+            job_id=cfg.job.job_id,
+            here=location(self.durable[0]) if self.durable else None,
+            ranks=self.ctx.topo.world_size,
+            elastic=cfg.job.elastic,
+            stale_policy=cfg.job.stale_memory,
+            node_root=str(cfg.job.node_root),
+        )
+        self.deleted_nodes = verdict.deleted_nodes
+        self._record_behind = verdict.record_behind
+        self.stored_world = verdict.stored_world
+        self.worlds = verdict.worlds
+        self.revision = verdict.revision
+        self.job_token = verdict.job_token
+        self._adopted = list(verdict.adopted)
+        return verdict.discard
 
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""

@@ -1,0 +1,132 @@
+"""What one tier keeps: retention after each commit round, and versions removed from it.
+
+A part of :class:`~tiercheck.engine.tier.TierPipeline` (which sets these attributes up and
+keeps them current); retention trims the tier to its policy's ``keep``, never deleting a base a
+kept delta needs, a version in flight, or from a tier this rank cannot see whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tiercheck.consistency.abandoned import ABANDONED_PREFIX, SetInfo, kept_and_removable
+from tiercheck.consistency.keys import commit_key, parse_commit_key
+from tiercheck.consistency.manifest import Evict
+from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
+from tiercheck.engine.jobs import OwnBlob
+from tiercheck.engine.options import TierPolicy
+from tiercheck.engine.stored import commit_versions
+from tiercheck.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiercheck.engine.context import Context
+
+__all__ = ["Retention"]
+
+logger = logging.getLogger("tiercheck")
+
+
+class Retention:
+    """Retention and removal of versions, for :class:`~tiercheck.engine.tier.TierPipeline`."""
+
+    ctx: Context
+    tier: Tier
+    name: str
+    policy: TierPolicy
+    durable: bool
+    blocked: str | None
+    unlisted: bool
+    abandoned: dict[str, SetInfo]
+    own: dict[int, OwnBlob]
+    others: dict[int, list[str]]
+    committed: set[int]
+    settled: int
+
+    async def retain(self) -> None:
+        """Trim the tier to its policy's ``keep`` (never a base a kept delta needs, never a
+        version in flight)."""
+        if self.unlisted or self.blocked or (self.ctx.claim.superseded and self.durable):
+            # Never delete from a tier this run cannot see whole or no longer owns, nor from
+            # one that still holds another timeline's versions (they would count as its own).
+            return
+        if self.durable:
+            # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
+            # lifecycle rule) must not count towards `keep`.
+            self.committed &= await commit_versions(self.tier)
+        # Abandoned sets: those retention lets go, and the live bases the others still need
+        # (every rank decides alike; rank 0 removes the sets' keys).
+        protected, removable = kept_and_removable(self.abandoned, self.committed, self.policy.keep)
+        doomed = evictable(
+            committed=self.committed,
+            # Another world's packed blob may be a delta on any older version: UNKNOWN_BASE
+            # keeps those while it stays.
+            own={
+                **{
+                    v: None if all(k.endswith(".full") for k in keys) else UNKNOWN_BASE
+                    for v, keys in self.others.items()
+                },
+                **{v: b.base for v, b in self.own.items()},
+            },
+            keep=self.policy.keep,
+            # Rounds run in version order, so everything newer than `settled` is in flight
+            # in this tier and stays; in flight elsewhere does not matter here.
+            settled_upto=self.settled,
+            protected=protected,
+        )
+        # Newest first: a delta goes before its base, so no COMMIT record is ever left naming
+        # a base that is gone, whenever the process dies.
+        for version in reversed(doomed):
+            await self.evict(version, "retention")
+        for tag in removable:
+            await self.remove_abandoned(tag)
+
+    async def remove_abandoned(self, tag: str) -> None:
+        """Delete the abandoned set ``tag``: its ``SET`` record first (it is then an
+        incomplete set, which nothing restores), then everything else in it."""
+        self.abandoned.pop(tag, None)
+        if self.ctx.rank != 0:
+            return
+        prefix = f"{ABANDONED_PREFIX}{tag}/"
+        keys = [key async for key in self.tier.list(prefix)]
+        for key in sorted(keys, key=lambda k: not k.endswith("/SET")):
+            await self.ctx.claim.check(self.tier)
+            await self.tier.delete(key)
+        logger.info(
+            "tiercheck: removed the abandoned set %s from the %r tier: the run holds %s "
+            "committed versions of its own after it",
+            tag,
+            self.name,
+            self.policy.keep,
+        )
+
+    async def evict(self, version: int, reason: str) -> None:
+        """Delete ``version`` from the tier: this rank's blob, and rank 0 its COMMIT record."""
+        if self.ctx.claim.superseded and self.durable:
+            return
+        if self.ctx.rank == 0 and self.durable:
+            await self.tier.delete(commit_key(version))
+        blob = self.own.pop(version, None)
+        if blob is not None:
+            await self.tier.delete(blob.key)
+        for key in self.others.pop(version, []):
+            await self.tier.delete(key)
+        self.committed.discard(version)
+        self.ctx.stats.evicted[self.name] = self.ctx.stats.evicted.get(self.name, 0) + 1
+        self.ctx.journal.log(Evict(version, self.ctx.rank, self.name, reason))
+
+    async def truncate_from(self, first: int, reason: str) -> None:
+        """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
+        doomed = {v for v in (*self.own, *self.others) if v >= first}
+        if self.ctx.rank == 0 and self.durable:
+            async for key in self.tier.list("v"):
+                v = parse_commit_key(key)
+                if v is not None and v >= first:
+                    doomed.add(v)
+        for version in sorted(doomed, reverse=True):
+            try:
+                await self.evict(version, reason)
+            except Exception:
+                logger.exception(
+                    "tiercheck: removing version %s from %r failed", version, self.name
+                )
