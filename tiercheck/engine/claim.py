@@ -375,6 +375,16 @@ class Claim:
         self._adopted = list(verdict.adopted)
         return verdict.discard
 
+    def use_durable(self, tiers: list[Tier]) -> None:
+        """The tiers that outlive the cluster, once they are built (see :attr:`durable`)."""
+        self.durable = tiers
+
+    def mark_superseded(self) -> None:
+        """A newer opening of the job took the durable tiers over: this one stops writing
+        there (see :class:`~tiercheck.errors.Superseded`)."""
+        self.superseded = True
+        self.ctx.stats.superseded = True
+
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""
         if self.superseded:
@@ -389,8 +399,7 @@ class Claim:
             if await fence.check():
                 await self.write_job_record()  # the location was emptied under the job
         except Superseded as exc:
-            self.superseded = True
-            self.ctx.stats.superseded = True
+            self.mark_superseded()
             logger.error(
                 "tiercheck: %s. Its saves still go to the memory tiers; durable saves, retention "
                 "and restore-time cleanup in %r stop.",

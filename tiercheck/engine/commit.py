@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tiercheck.consistency.keys import commit_key
-from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.protocol import (
     AckReason,
     CommitAck,
@@ -82,7 +81,7 @@ class CommitRounds:
                     ),
                 )
             finally:
-                pipe.settled = max(pipe.settled, job.version)
+                pipe.round_over(job.version)
                 job.rounds_left -= 1
                 if job.rounds_left == 0:
                     job.finished.set()
@@ -97,7 +96,7 @@ class CommitRounds:
                 except Exception:
                     logger.exception("tiercheck: retention in the %r tier failed", tier.name)
                 else:
-                    pipe.peer_warned = False
+                    pipe.peers_back()
                 # Retention may have left the versions of whole saves behind in every tier:
                 # their records need not stay in the manifest's log (versions in flight do).
                 pipe.ctx.journal.compact(
@@ -179,16 +178,13 @@ class CommitRounds:
                 )
             pipe.fail(job, error)
             return
-        pipe.committed.add(job.version)
-        pipe.ctx.journal.log(Commit(job.version, name))
-        pipe.skip_logged.clear()
-        pipe.peer_warned = False
+        pipe.commit(job.version)
         stats = job.handle.stats.tiers[name]
         stats.state = "committed"
         stats.seconds = time.perf_counter() - job.started
         pipe.ctx.stats.committed[name] = pipe.ctx.stats.committed.get(name, 0) + 1
         pipe.ctx.stats.last_committed[name] = job.version
-        job.handle._resolve(name)
+        job.handle.resolve_tier(name)
 
     async def _base_present(self, base: int) -> bool:
         tier = self.pipe.tier
@@ -206,8 +202,7 @@ class CommitRounds:
     def _lose_bases(self, bases: set[int]) -> None:
         """Bases that vanished from ``tier``: forget them; the next save starts a new one."""
         self.on_base_lost()
-        for base in bases:
-            self.pipe.committed.discard(base)
+        self.pipe.forget_bases(bases)
         logger.warning(
             "tiercheck: a delta's base vanished from the %r tier (of versions %s); the next "
             "save is stored as a base",
@@ -242,5 +237,5 @@ class CommitRounds:
         if ack.ok:
             return [], ""
         if ack.why == "superseded":
-            ctx.claim.superseded = ctx.stats.superseded = True
+            ctx.claim.mark_superseded()
         return [0], ack.why

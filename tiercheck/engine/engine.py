@@ -21,7 +21,7 @@ from tiercheck._threads import DaemonExecutor
 from tiercheck.codec.flatten import ReplicaRef
 from tiercheck.codec.plan import Planner
 from tiercheck.consistency.manifest import Abort
-from tiercheck.consistency.protocol import Outcome, SessionToken, Step
+from tiercheck.consistency.protocol import SessionToken, Step
 from tiercheck.defaults import NodeRoot, persistent_job_url
 from tiercheck.engine.collectives import step
 from tiercheck.engine.context import Context
@@ -37,7 +37,7 @@ from tiercheck.engine.shutdown import Shutdown
 from tiercheck.engine.stage import Stager
 from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
 from tiercheck.engine.timeline import Timeline
-from tiercheck.errors import ConfigError, SaveSkipped, StatefulError, TierClosed
+from tiercheck.errors import ConfigError, SaveSkipped, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
 __all__ = ["Engine"]
@@ -86,6 +86,14 @@ class Engine:
         self.open_started: float | None = None
         self.closed = False
         self.closing = False
+
+    def mark_closing(self) -> None:
+        """A close began (see :class:`~tiercheck.engine.shutdown.Shutdown`)."""
+        self.closing = True
+
+    def mark_closed(self) -> None:
+        """Closed: no save or restore is accepted any more."""
+        self.closed = True
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -138,7 +146,7 @@ class Engine:
                 self.tiers.append(spec)
             elif spec != "peer":
                 self.tiers.append(await asyncio.to_thread(build_tier, spec, setup))
-        ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
+        ctx.claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
         await ctx.claim.guard()
         if ctx.topo.local_rank == 0:
             # This opening now holds the job: what killed writers left can go.
@@ -150,7 +158,7 @@ class Engine:
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.tiers.sort(key=lambda t: int(t.survives))
-        ctx.claim.durable = [t for t in self.tiers if writes_commit_records(t)]
+        ctx.claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
         await ctx.journal.open(NodeRoot(cfg.job.node_root).manifest)
         for tier in self.tiers:
             # Fails early on a tier without a policy.
@@ -320,21 +328,8 @@ class Engine:
         return await self.restorer.restore(agreement, state, strict, started, failed=failed)
 
     async def loaded(self, error: str | None) -> None:
-        """After a restore, every rank says whether its ``load_state_dict`` calls succeeded.
-
-        A Stateful object that refuses its value on one rank must not leave the other ranks
-        training on: each rank whose own loading went well raises
-        :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
-        failed raises its own error).
-        """
-        said = await step(self.ctx, Step.LOADED, Outcome(error))
-        failed = [(r, e.error) for r, e in enumerate(said) if e.error is not None]
-        if failed and error is None:
-            rank, text = failed[0]
-            raise StatefulError(
-                f"the restore failed on ranks {[r for r, _ in failed]} (rank {rank}: {text}); "
-                "this rank restored its part, but the job cannot go on from a partial state"
-            )
+        """After a restore (collective): see :meth:`Restorer.loaded`."""
+        await self.restorer.loaded(error)
 
     async def aclose(self, how: CloseMode) -> None:
         """Close, in one of three ways (see :data:`~tiercheck.engine.options.CloseMode`)."""

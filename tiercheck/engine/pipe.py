@@ -8,6 +8,7 @@ narrow view, so that neither imports the module that builds them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -32,11 +33,8 @@ class Pipe(Protocol):
     blocked: str | None
     own: dict[int, OwnBlob]
     committed: set[int]
-    settled: int
     reserve_size: int
     idle: asyncio.Event
-    skip_logged: set[str]
-    peer_warned: bool
 
     def skip(self, job: Job, exc: BaseException) -> None:
         """``job`` is not written to this tier (``exc`` says why)."""
@@ -52,6 +50,22 @@ class Pipe(Protocol):
 
     def peer_trouble(self, what: str, exc: BaseException) -> None:
         """The other ranks (or a holder) failed ``what``; warned once until it works again."""
+        ...
+
+    def round_over(self, version: int) -> None:
+        """The commit round of ``version`` is over (committed or not)."""
+        ...
+
+    def commit(self, version: int) -> None:
+        """``version`` is committed in the tier for every rank."""
+        ...
+
+    def forget_bases(self, bases: Collection[int]) -> None:
+        """``bases`` vanished from the tier: no longer committed there."""
+        ...
+
+    def peers_back(self) -> None:
+        """Work with the other ranks succeeded again."""
         ...
 
     async def retain(self) -> None:

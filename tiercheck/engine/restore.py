@@ -26,8 +26,13 @@ import torch
 from tiercheck.codec import RawState, unflatten
 from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.plan import paused_gc
-from tiercheck.consistency.manifest import Commit
-from tiercheck.consistency.protocol import InventoryReport, RestoreVerdict, Step, whole_in_tier
+from tiercheck.consistency.protocol import (
+    InventoryReport,
+    Outcome,
+    RestoreVerdict,
+    Step,
+    whole_in_tier,
+)
 from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.collectives import step
 from tiercheck.engine.elastic import ElasticReader
@@ -53,7 +58,17 @@ if TYPE_CHECKING:
     from tiercheck.engine.tier import TierPipeline
     from tiercheck.engine.timeline import Timeline
 
-__all__ = ["Agreement", "Restorer", "rejection_report"]
+__all__ = [
+    "Agreement",
+    "RestoreOutcome",
+    "Restorer",
+    "TierAdoption",
+    "TierView",
+    "fresh_outcome",
+    "rebuild",
+    "rejection_report",
+    "restore_outcome",
+]
 
 logger = logging.getLogger("tiercheck")
 
@@ -95,6 +110,177 @@ def rejection_report(job_id: str, rejected: Mapping[int, list[str]], unlisted: l
     lines.extend(f"  {line}" for line in unlisted)
     lines.append("Run `tiercheck verify` on the locations for details.")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TierAdoption:
+    """What one tier's pipeline takes on from a restore
+    (:meth:`~tiercheck.engine.tier.TierPipeline.adopt`)."""
+
+    name: str
+    #: Replaces what the tier counts as committed (a durable tier this rank listed: every
+    #: version up to the restored one with a ``COMMIT`` record, another world's too, so that
+    #: retention keeps the newest ``keep`` of them all); ``None``: unchanged.
+    committed: frozenset[int] | None
+    #: Versions committed too, in order (a memory tier's versions every rank holds whole that
+    #: the manifest missed: a crash between a commit and its manifest line); the manifest is
+    #: told.
+    adopted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TierView:
+    """What the pure step (:func:`restore_outcome`) needs to know of one tier, for this rank."""
+
+    name: str
+    durable: bool
+    #: This rank could not list the tier for the restore.
+    unlisted: bool
+    #: The versions of this rank's blobs in the tier.
+    own: frozenset[int]
+    #: The versions the tier counts as committed now.
+    committed: frozenset[int]
+    #: A durable tier's versions with ``COMMIT`` records, as the inventory listed them.
+    listed: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    """What a restore (or a fresh start) leaves the engine to apply, in one place
+    (:meth:`Restorer.apply`): made by :func:`restore_outcome` or :func:`fresh_outcome`."""
+
+    #: The restored version; ``None`` when nothing was restored (a fresh start).
+    version: int | None
+    #: The tier this rank read from, and the one every rank read from, by rank.
+    source_tier: str | None
+    source_tiers: Mapping[int, str]
+    #: How many ranks saved the version.
+    saved_by: int
+    #: Newer versions passed over, and why (by version: one line per rank).
+    rejected: Mapping[int, tuple[str, ...]]
+    #: What each tier's pipeline adopts, in pipeline order.
+    tiers: tuple[TierAdoption, ...]
+    #: The schedule restarts after this version (the next save a base, newer than it);
+    #: ``None``: the session only starts (the first save checks what is stored).
+    restart_from: int | None
+    #: Where the run goes on from, for the timeline to settle at the next save (versions after
+    #: it set aside); ``None``: nothing to settle.
+    continuation: Continuation | None
+
+    def restored(self, state: Any, seconds: float) -> Restored:
+        """The caller's result of the restore, with the rebuilt ``state``."""
+        assert self.version is not None
+        assert self.source_tier is not None
+        return Restored(
+            version=self.version,
+            state=state,
+            source_tier=self.source_tier,
+            source_tiers=self.source_tiers,
+            seconds=seconds,
+            rejected=self.rejected,
+            saved_by=self.saved_by,
+        )
+
+
+def restore_outcome(
+    *,
+    chosen: int,
+    requested: int | None,
+    source: str,
+    sources: Sequence[str | None],
+    rejected: Mapping[int, Sequence[str]],
+    saved_by: int,
+    tiers: Sequence[TierView],
+    everyone: Sequence[Inventory],
+) -> RestoreOutcome:
+    """The outcome of restoring ``chosen``, whole on every rank (pure: nothing is changed).
+
+    ``requested``: the version asked for, or ``None`` (the newest every rank could restore);
+    ``source``: the tier this rank read from, ``sources`` every rank's by rank; ``rejected``:
+    why newer versions were passed over; ``saved_by``: how many ranks saved ``chosen``;
+    ``tiers``: this rank's view of each tier, in pipeline order; ``everyone``: the inventories
+    the ranks exchanged.
+    """
+    adoptions = []
+    for tier in tiers:
+        if tier.durable:
+            committed = None if tier.unlisted else frozenset(v for v in tier.listed if v <= chosen)
+            adoptions.append(TierAdoption(tier.name, committed, ()))
+        else:
+            # A memory tier's commits live in the node's manifest, written just after the
+            # commit: a crash in between leaves a version whole in the tier (every rank's blob
+            # there, each put atomic) that the manifest does not know, and retention would
+            # take it for a failed save's leftover and delete it, the restored version
+            # included. The inventories every rank exchanged show what is whole: adopt it.
+            whole = whole_in_tier(tier.name, tier.own, everyone)
+            adopted = tuple(sorted(v for v in whole - tier.committed if v <= chosen))
+            adoptions.append(TierAdoption(tier.name, None, adopted))
+    if requested is not None:
+        reason = f"the run went back to version {chosen}"
+    elif rejected:
+        reason = f"versions {sorted(rejected)} could not be restored"
+    else:
+        reason = f"the run went on from version {chosen}, the newest every rank could restore"
+    return RestoreOutcome(
+        version=chosen,
+        source_tier=source,
+        source_tiers={r: s or "" for r, s in enumerate(sources)},
+        saved_by=saved_by,
+        rejected={v: tuple(lines) for v, lines in rejected.items()},
+        tiers=tuple(adoptions),
+        restart_from=chosen,
+        continuation=Continuation(chosen, reason),
+    )
+
+
+def fresh_outcome(*, torn: bool) -> RestoreOutcome:
+    """The outcome of a fresh start (nothing any rank could restore); ``torn``: only pieces of
+    saves that never committed are stored, which the first save removes."""
+    return RestoreOutcome(
+        version=None,
+        source_tier=None,
+        source_tiers={},
+        saved_by=0,
+        rejected={},
+        tiers=(),
+        restart_from=None,
+        continuation=(
+            Continuation(-1, "pieces of saves that never committed, no whole version")
+            if torn
+            else None
+        ),
+    )
+
+
+def rebuild(raw: RawState | Resharded, state: Any, strict: bool, *, allow_pickle: bool) -> Any:
+    """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
+    if state is not None:
+        # Views only read from, to be copied into the state (and cloned where strict=False
+        # adds a key): inference tensors, which cost less to make than tracked views.
+        with torch.inference_mode():
+            tensors = raw.tensors()
+    else:
+        tensors = raw.tensors()
+    if state is None:
+        # Small tensors get storage of their own: some consumers read a tensor from the
+        # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
+        # Large ones stay views of the payload: no second copy.
+        tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
+    rebuilt = unflatten(raw.layout, tensors, allow_pickle=allow_pickle)
+    if state is not None:
+        mismatches = check_into(state, rebuilt, strict=strict)
+        if mismatches:
+            shown = mismatches[:50]
+            more = len(mismatches) - len(shown)
+            raise StateMismatch(
+                f"the state to restore into does not match version {raw.version}; nothing "
+                "was written into it:\n  "
+                + "\n  ".join(shown)
+                + (f"\n  ... and {more} more" if more else "")
+                + "\nRestore without a state (restore()) and load what fits yourself, or "
+                "pass strict=False to allow keys present on one side only."
+            )
+    return rebuilt
 
 
 class Restorer:
@@ -174,10 +360,9 @@ class Restorer:
                 self.ctx.job_id,
                 sorted(mine.versions()),
             )
-            self.timeline.continue_from(
-                Continuation(-1, "pieces of saves that never committed, no whole version")
-            )
-        self.schedule.session_started = True
+            self.apply(fresh_outcome(torn=True))
+        else:
+            self.apply(fresh_outcome(torn=False))
         return None
 
     async def restore(
@@ -236,7 +421,9 @@ class Restorer:
             if raw is not None:
                 try:
                     with paused_gc():  # tens of thousands of short-lived objects: see there
-                        rebuilt = self._rebuild(raw, state, strict)
+                        rebuilt = rebuild(
+                            raw, state, strict, allow_pickle=self.ctx.options.encode.allow_pickle
+                        )
                 except StateMismatch as exc:
                     refusal = ("StateMismatch", str(exc))
                 except UnsupportedObject as exc:
@@ -275,7 +462,7 @@ class Restorer:
         assert source is not None
         # The version is whole on every rank: from here on, the run continues from it.
         if state is not None:
-            # _rebuild checked this state against this version, and the caller is waiting for
+            # rebuild() checked this state against this version, and the caller is waiting for
             # restore to return: copy without walking it a second time.
             with paused_gc():
                 rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
@@ -288,79 +475,60 @@ class Restorer:
                 old_world,
                 self.ctx.topo.world_size,
             )
-        self._adopt_whole(everyone, upto=chosen)
-        for pipe in self.pipes.values():
-            if pipe.durable and not pipe.unlisted:
-                # Every version with a COMMIT record counts, another world's too: retention
-                # keeps the newest `keep` of them all.
-                pipe.committed = {v for v in self._listed.get(pipe.name, ()) if v <= chosen}
-        self.schedule.restart_from(chosen)
-        self.encoder.drop_base()
-        if version is not None:
-            reason = f"the run went back to version {chosen}"
-        elif rejected:
-            reason = f"versions {sorted(rejected)} could not be restored"
-        else:
-            reason = f"the run went on from version {chosen}, the newest every rank could restore"
-        self.timeline.continue_from(Continuation(chosen, reason))
-        return Restored(
-            version=chosen,
-            state=rebuilt,
-            source_tier=source,
-            source_tiers={r: v.source or "" for r, v in enumerate(verdicts)},
-            seconds=time.perf_counter() - started,
-            rejected={v: tuple(lines) for v, lines in rejected.items()},
+        outcome = restore_outcome(
+            chosen=chosen,
+            requested=version,
+            source=source,
+            sources=[v.source for v in verdicts],
+            rejected=rejected,
             saved_by=old_world,
-        )
-
-    def _rebuild(self, raw: RawState | Resharded, state: Any, strict: bool) -> Any:
-        """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
-        if state is not None:
-            # Views only read from, to be copied into the state (and cloned where strict=False
-            # adds a key): inference tensors, which cost less to make than tracked views.
-            with torch.inference_mode():
-                tensors = raw.tensors()
-        else:
-            tensors = raw.tensors()
-        if state is None:
-            # Small tensors get storage of their own: some consumers read a tensor from the
-            # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
-            # Large ones stay views of the payload: no second copy.
-            tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
-        rebuilt = unflatten(raw.layout, tensors, allow_pickle=self.ctx.options.encode.allow_pickle)
-        if state is not None:
-            mismatches = check_into(state, rebuilt, strict=strict)
-            if mismatches:
-                shown = mismatches[:50]
-                more = len(mismatches) - len(shown)
-                raise StateMismatch(
-                    f"the state to restore into does not match version {raw.version}; nothing "
-                    "was written into it:\n  "
-                    + "\n  ".join(shown)
-                    + (f"\n  ... and {more} more" if more else "")
-                    + "\nRestore without a state (restore()) and load what fits yourself, or "
-                    "pass strict=False to allow keys present on one side only."
+            tiers=[
+                TierView(
+                    pipe.name,
+                    pipe.durable,
+                    pipe.unlisted,
+                    frozenset(pipe.own),
+                    frozenset(pipe.committed),
+                    frozenset(self._listed.get(pipe.name, ())),
                 )
-        return rebuilt
+                for pipe in self.pipes.values()
+            ],
+            everyone=everyone,
+        )
+        self.apply(outcome)
+        return outcome.restored(rebuilt, time.perf_counter() - started)
 
-    def _adopt_whole(self, everyone: Sequence[Inventory], *, upto: int) -> None:
-        """Count as committed, in the tiers without commit records, what every rank holds.
+    def apply(self, outcome: RestoreOutcome) -> None:
+        """The one place a restore's outcome changes the engine: each tier's pipeline adopts
+        what it holds committed, the schedule (re)starts, the held base goes (after a
+        restore), and the timeline learns where the run goes on from."""
+        for adoption in outcome.tiers:
+            self.pipes[adoption.name].adopt(committed=adoption.committed, adopted=adoption.adopted)
+        if outcome.restart_from is not None:
+            self.schedule.restart_from(outcome.restart_from)
+            self.encoder.drop_base()
+        else:
+            # The Schedule's own field, until it has a method that starts the session alone.
+            self.schedule.session_started = True
+        if outcome.continuation is not None:
+            self.timeline.continue_from(outcome.continuation)
 
-        Those tiers' commits live in the node's manifest, written just after the commit; a
-        crash in between leaves a version whole in the tier (every rank's blob there, each put
-        atomic) that the manifest does not know. Retention would then take it for a failed
-        save's leftover and delete it, the restored version included. The inventories every
-        rank exchanged for the restore show what is whole: adopt it, and record it.
+    async def loaded(self, error: str | None) -> None:
+        """After a restore, every rank says whether its ``load_state_dict`` calls succeeded.
+
+        A Stateful object that refuses its value on one rank must not leave the other ranks
+        training on: each rank whose own loading went well raises
+        :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
+        failed raises its own error).
         """
-        for pipe in self.pipes.values():
-            name = pipe.name
-            if pipe.durable:
-                continue
-            whole = whole_in_tier(name, pipe.own, everyone)
-            adopted = sorted(v for v in whole - pipe.committed if v <= upto)
-            if adopted:
-                pipe.committed.update(adopted)
-                self.ctx.journal.log(*(Commit(v, name) for v in adopted))
+        said = await step(self.ctx, Step.LOADED, Outcome(error))
+        failed = [(r, e.error) for r, e in enumerate(said) if e.error is not None]
+        if failed and error is None:
+            rank, text = failed[0]
+            raise StatefulError(
+                f"the restore failed on ranks {[r for r, _ in failed]} (rank {rank}: {text}); "
+                "this rank restored its part, but the job cannot go on from a partial state"
+            )
 
     async def _inventory(self) -> tuple[Inventory, dict[str, str]]:
         """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""
@@ -370,7 +538,7 @@ class Restorer:
         elastic = self.ctx.options.job.elastic
         for pipe in self.pipes.values():
             try:
-                pipe.own = await pipe.list_own()
+                await pipe.relist()
                 if pipe.durable:
                     listed = self._listed[pipe.name] = await commit_versions(pipe.tier)
                     versions = {v for v in listed if self.ctx.claim.world_of(v) == world}
@@ -382,9 +550,9 @@ class Restorer:
             except Exception as exc:
                 logger.warning("tiercheck: cannot list the %r tier for restore: %r", pipe.name, exc)
                 errors[pipe.name] = f"{type(exc).__name__}: {exc}"
-                pipe.unlisted = True
+                pipe.listed(False)
                 versions = set()
             else:
-                pipe.unlisted = False
+                pipe.listed(True)
             by_tier[pipe.name] = frozenset(versions)
         return Inventory(self.ctx.rank, by_tier), errors

@@ -236,7 +236,29 @@ class SaveHandle:
         fut = self._futures_for(tier)[0]
         return fut.done() and fut.exception() is None
 
-    def _resolve(self, tier: str, error: BaseException | None = None) -> None:
+    # --- the engine's side (not for callers) ----------------------------------------------
+
+    def confirm_at(self, point: _Point) -> None:
+        """The engine's: the calls on this handle confirm overlapped copies at ``point``."""
+        self._point = point
+
+    def staging(self, copied: concurrent.futures.Future[None]) -> None:
+        """The engine's: the snapshot copy runs on after ``save`` returned; ``copied``
+        resolves once it is done (see :meth:`staged`)."""
+        self._staged = copied
+
+    def tier_future(self, tier: str) -> concurrent.futures.Future[None] | None:
+        """The engine's: what waiters on ``tier`` wait for; ``None`` where not targeted."""
+        return self._futures.get(tier)
+
+    def undecided_tiers(self) -> list[str]:
+        """The engine's: the targeted tiers where the version is neither committed nor failed
+        yet, in target order."""
+        return [t for t, fut in self._futures.items() if not fut.done()]
+
+    def resolve_tier(self, tier: str, error: BaseException | None = None) -> None:
+        """The engine's: the version is committed in ``tier`` (``error`` ``None``) or failed
+        there (``error`` is what the waiters raise); the first word counts."""
         fut = self._futures[tier]
         if fut.done():
             return

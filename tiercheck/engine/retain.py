@@ -1,18 +1,22 @@
-"""What one tier keeps: retention after each commit round, and versions removed from it.
+"""What one tier keeps: what it counts as committed, retention after each commit round, and
+versions removed from it.
 
 A part of :class:`~tiercheck.engine.tier.TierPipeline` (which sets these attributes up and
-keeps them current); retention trims the tier to its policy's ``keep``, never deleting a base a
-kept delta needs, a version in flight, or from a tier this rank cannot see whole.
+keeps them current); a restore's outcome and a vanished base change what it counts as committed
+(:meth:`Retention.adopt`, :meth:`Retention.forget_bases`); retention trims the tier to its
+policy's ``keep``, never deleting a base a kept delta needs, a version in flight, or from a tier
+this rank cannot see whole.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from tiercheck.consistency.abandoned import ABANDONED_PREFIX, SetInfo, kept_and_removable
 from tiercheck.consistency.keys import commit_key, parse_commit_key
-from tiercheck.consistency.manifest import Evict
+from tiercheck.consistency.manifest import Commit, Evict
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.options import TierPolicy
@@ -28,7 +32,8 @@ logger = logging.getLogger("tiercheck")
 
 
 class Retention:
-    """Retention and removal of versions, for :class:`~tiercheck.engine.tier.TierPipeline`."""
+    """What is committed, retention and removal of versions, for
+    :class:`~tiercheck.engine.tier.TierPipeline`."""
 
     ctx: Context
     tier: Tier
@@ -42,6 +47,22 @@ class Retention:
     others: dict[int, list[str]]
     committed: set[int]
     settled: int
+
+    def adopt(self, *, committed: Collection[int] | None, adopted: Collection[int]) -> None:
+        """What a restore settled for the tier: ``committed`` (where not ``None``) replaces
+        what it counts as committed (a durable tier's ``COMMIT`` records); ``adopted``, in
+        order, are whole for every rank and committed too (a memory tier's versions the
+        manifest missed: it is told)."""
+        if committed is not None:
+            self.committed = set(committed)
+        if adopted:
+            self.committed.update(adopted)
+            self.ctx.journal.log(*(Commit(v, self.name) for v in adopted))
+
+    def forget_bases(self, bases: Collection[int]) -> None:
+        """``bases`` vanished from the tier: no longer committed there."""
+        for base in bases:
+            self.committed.discard(base)
 
     async def retain(self) -> None:
         """Trim the tier to its policy's ``keep`` (never a base a kept delta needs, never a

@@ -52,6 +52,14 @@ class Closable(Protocol):
     closed: bool
     closing: bool
 
+    def mark_closing(self) -> None:
+        """A close began (a second one returns at once)."""
+        ...
+
+    def mark_closed(self) -> None:
+        """No save or restore is accepted any more."""
+        ...
+
     async def wait(self) -> None:
         """Wait until every save so far is committed or failed in every tier."""
         ...
@@ -70,7 +78,7 @@ class Shutdown:
         store that is gone, and never waits on one beyond the configured bounds."""
         if self.engine.closed or self.engine.closing:
             return
-        self.engine.closing = True
+        self.engine.mark_closing()
         # The close decides every overlapped save: the caller confirmed what it could before
         # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
         self.engine.stager.abandon(
@@ -86,7 +94,7 @@ class Shutdown:
                 await self._flush_bounded()
             await self._close_now()
         finally:
-            self.engine.closed = True
+            self.engine.mark_closed()
 
     async def _let_staging_finish(self) -> None:
         """A save may still be staging (its caller was interrupted, by a KeyboardInterrupt say,
@@ -125,7 +133,7 @@ class Shutdown:
         except Exception:
             logger.exception("tiercheck: finishing the saves in flight failed")
             saved = False
-        self.engine.closed = True
+        self.engine.mark_closed()
         await self._end_workers(cancel=False)
         collective = self.engine.ctx.coordinator.world_size > 1
         if collective:
@@ -146,9 +154,9 @@ class Shutdown:
         deadline = loop.time() + self.engine.cfg.coordination.close_timeout
         for tier in self.engine.tiers:  # fastest first: the order of survival scopes
             futures = [
-                job.handle._futures[tier.name]
+                future
                 for job in list(self.engine.ctx.jobs)
-                if tier.name in job.handle._futures
+                if (future := job.handle.tier_future(tier.name)) is not None
             ]
             settled = _when_all_done(futures)
             while not settled.is_set():
@@ -171,19 +179,18 @@ class Shutdown:
 
     async def _close_now(self) -> None:
         """Close without waiting for saves: cancel the pipeline, stop serving (bounded), release."""
-        self.engine.closed = True
+        self.engine.mark_closed()
         pending = list(self.engine.ctx.jobs)  # cancelled round workers drop their jobs from the set
         await self._end_workers(cancel=True)
         for job in pending:  # whoever waits on their handles learns they never commit
-            for name, future in job.handle._futures.items():
-                if not future.done():
-                    self.engine.pipes[name].fail(
-                        job,
-                        TierWriteFailed(
-                            f"version {job.version} was abandoned in the {name!r} tier: the "
-                            "checkpointer closed without waiting for it"
-                        ),
-                    )
+            for name in job.handle.undecided_tiers():
+                self.engine.pipes[name].fail(
+                    job,
+                    TierWriteFailed(
+                        f"version {job.version} was abandoned in the {name!r} tier: the "
+                        "checkpointer closed without waiting for it"
+                    ),
+                )
         self.engine.ctx.jobs.clear()
         await self._stop_serving()
         await self._release(flush=False)

@@ -30,7 +30,7 @@ from tiercheck.consistency.abandoned import (
 from tiercheck.consistency.keys import (
     parse_blob_key,
 )
-from tiercheck.consistency.manifest import Durable
+from tiercheck.consistency.manifest import Commit, Durable
 from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE
 from tiercheck.engine.jobs import Job, OwnBlob
@@ -169,6 +169,15 @@ class TierPipeline(Retention):
         self.others = others
         return out
 
+    async def relist(self) -> dict[int, OwnBlob]:
+        """List this rank's blobs anew (a restore's inventory): :attr:`own` is what is there."""
+        self.own = await self.list_own()
+        return self.own
+
+    def listed(self, ok: bool) -> None:
+        """Whether a restore's inventory could list the tier (see :attr:`unlisted`)."""
+        self.unlisted = not ok
+
     def keys_from(self, first: int) -> dict[int, list[str]]:
         """This rank's blob keys of versions ``>= first``, by version (those of another world's
         versions this rank looks after included, see :attr:`others`)."""
@@ -295,6 +304,22 @@ class TierPipeline(Retention):
         job.handle.stats.tiers[self.name].bytes = meta.nbytes
         return record
 
+    def round_over(self, version: int) -> None:
+        """The commit round of ``version`` is over (committed or not): see :attr:`settled`."""
+        self.settled = max(self.settled, version)
+
+    def commit(self, version: int) -> None:
+        """``version`` is committed in the tier for every rank: count it, tell the manifest;
+        the reasons logged once and the trouble with peers start over."""
+        self.committed.add(version)
+        self.ctx.journal.log(Commit(version, self.name))
+        self.skip_logged.clear()
+        self.peer_warned = False
+
+    def peers_back(self) -> None:
+        """Work with the other ranks succeeded again: the next trouble is warned about."""
+        self.peer_warned = False
+
     def peer_trouble(self, what: str, exc: BaseException) -> None:
         """Another rank is gone or silent: one WARNING line per spell, then DEBUG."""
         if self.peer_warned:
@@ -321,4 +346,4 @@ class TierPipeline(Retention):
             stats.seconds = time.perf_counter() - job.started
         if job.kind != "skipped" and not skipped:
             self.ctx.stats.failed[self.name] = self.ctx.stats.failed.get(self.name, 0) + 1
-        job.handle._resolve(self.name, error)
+        job.handle.resolve_tier(self.name, error)

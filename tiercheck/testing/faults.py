@@ -167,7 +167,7 @@ def abandon(checkpointer: CheckpointerCore) -> None:
     loop, engine = checkpointer._loop, checkpointer._engine
     if loop is not None:
         if engine is not None:
-            engine.closed = True
+            engine.mark_closed()
         loop.stop()
         checkpointer._loop = None
     if engine is not None:
