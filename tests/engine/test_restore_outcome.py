@@ -6,8 +6,10 @@ without a checkpointer, tiers or ranks; and the one place that applies it
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from types import SimpleNamespace
 from typing import Any, cast
 
+from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.engine.restore import (
     RestoreOutcome,
@@ -17,6 +19,7 @@ from tiercheck.engine.restore import (
     fresh_outcome,
     restore_outcome,
 )
+from tiercheck.engine.retain import Retention
 from tiercheck.engine.timeline import Continuation
 
 
@@ -200,3 +203,30 @@ def test_apply_of_a_fresh_start_starts_the_session_and_keeps_the_held_base() -> 
         assert schedule.session_started
         expected = fresh_outcome(torn=True).continuation
         assert calls == ([("timeline", "continue_from", expected)] if torn else [])
+
+
+class _Journal:
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def log(self, *records: Any) -> None:
+        self.records.extend(records)
+
+
+def test_a_tier_adopts_what_the_outcome_says_and_tells_the_manifest_of_what_it_adds() -> None:
+    journal = _Journal()
+    tier = Retention()
+    tier.ctx, tier.name, tier.committed = (
+        cast(Any, SimpleNamespace(journal=journal)),
+        "local",
+        {1, 9},
+    )
+    tier.adopt(committed=None, adopted=(3, 5))
+    assert tier.committed == {1, 3, 5, 9}
+    assert journal.records == [Commit(3, "local"), Commit(5, "local")]
+    # Replaced (a durable tier's COMMIT records up to the restored version): nothing to tell.
+    tier.adopt(committed=frozenset({1, 3}), adopted=())
+    assert tier.committed == {1, 3}
+    assert len(journal.records) == 2
+    tier.forget_bases({1, 7})
+    assert tier.committed == {3}

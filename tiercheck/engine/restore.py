@@ -7,10 +7,13 @@ ranks agree on the newest version every one of them can rebuild
 (:func:`~tiercheck.consistency.recovery.agree`); each rank reads it from its fastest tier
 (:class:`~tiercheck.engine.read.Reader`) and checks it against the caller's state; the ranks
 exchange verdicts, and a version that failed anywhere is passed over for the next older one.
-Once the chosen version is whole on every rank, the memory tiers' versions every rank holds are
-adopted as committed (the manifest is told), and the run's next save is told where the run goes
-on from (:class:`~tiercheck.engine.timeline.Continuation`): newer versions leave the timeline
-then, set aside in durable tiers, never deleted by a restore.
+Once the chosen version is whole on every rank, a pure step (:func:`restore_outcome`; a fresh
+start's, :func:`fresh_outcome`) computes the :class:`RestoreOutcome` from what the ranks agreed:
+what each tier counts as committed (the memory tiers' versions every rank holds adopted, the
+manifest told), where the schedule restarts, and where the run goes on from
+(:class:`~tiercheck.engine.timeline.Continuation`: newer versions leave the timeline at the next
+save, set aside in durable tiers, never deleted by a restore). :meth:`Restorer.apply`, the one
+place that applies it, hands each part to the object that owns it.
 """
 
 from __future__ import annotations
