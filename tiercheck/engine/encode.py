@@ -74,7 +74,7 @@ class Encoder:
 
     def start(self, job: Job) -> None:
         """Encode ``job`` in the background, after the job before it."""
-        self.schedule.pending.append(job)
+        self.schedule.occupy(job)
         task = asyncio.create_task(self.run(job))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)

@@ -161,6 +161,10 @@ class Schedule:
         """A delta's base vanished from a tier: the next save is a base."""
         self.force_base = True
 
+    def occupy(self, job: Job) -> None:
+        """``job`` is about to be encoded: it holds a slot until :meth:`release`."""
+        self.pending.append(job)
+
     async def release(self, job: Job) -> None:
         """``job`` is encoded (or failed): its slot is free."""
         if job in self.pending:
