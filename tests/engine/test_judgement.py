@@ -13,6 +13,7 @@ from tiercheck.engine.judgement import judge_opening
 from tiercheck.errors import JobLocked, StaleMemory, StorageError, WorldSizeMismatch
 
 HERE = "file:///durable/job"
+TOKEN = "t" + "0"  # an incarnation token, made up
 
 
 def judge(everyone: list[OpenFacts], **kw: Any) -> Any:
@@ -40,12 +41,13 @@ def found(token: str, world: int = 2) -> dict[str, Any]:
 def test_a_new_job_takes_rank_0s_fresh_token_and_this_world() -> None:
     verdict = judge(
         [
-            OpenFacts(0, 0, job={"state": "absent"}, fresh_token="t0", has_data=False),
+            OpenFacts(0, 0, job={"state": "absent"}, fresh_token=TOKEN, has_data=False),
             OpenFacts(1, 0, has_data=False),
         ]
     )
-    assert (verdict.job_token, verdict.stored_world, verdict.discard) == ("t0", 2, {})
-    assert not verdict.record_behind and verdict.adopted == ()
+    assert (verdict.job_token, verdict.stored_world, verdict.discard) == (TOKEN, 2, {})
+    assert not verdict.record_behind
+    assert verdict.adopted == ()
 
 
 def test_the_job_records_incarnation_and_history_win() -> None:
@@ -82,7 +84,8 @@ def test_memory_of_another_run_is_refused_discarded_or_never_adopted() -> None:
     with pytest.raises(StaleMemory, match="another run"):
         judge(facts)
     discarded = judge(facts, stale_policy="discard")
-    assert list(discarded.discard) == [1] and "another run" in discarded.discard[1]
+    assert list(discarded.discard) == [1]
+    assert "another run" in discarded.discard[1]
     # "adopt" takes only memory whose owner cannot be told, never another run's.
     with pytest.raises(StaleMemory):
         judge(facts, stale_policy="adopt")

@@ -4,7 +4,11 @@ Jobs are encoded one after the other, in save order (a delta needs its base enco
 the raw payload is hashed; a snapshot staged in a tier's own memory is published there; the
 state is encoded once per encoding its tiers use (``"full"``: the payload as is; ``"packed"``:
 a delta against the base held in memory, byte planes, zstd) and offered to each tier's lane.
-A base stays held (:attr:`Encoder.base`) until the next base replaces it.
+A base stays held (:attr:`Encoder.base`) until the next base replaces it. The encoder
+executes the save's plan (:mod:`tiercheck.engine.plan`) and tells the schedule what became of
+a base (:meth:`~tiercheck.engine.schedule.Schedule.base_held` and the like); the one decision
+it takes is the one known only now: a delta whose base is not held is encoded as a base
+(:func:`~tiercheck.engine.plan.base_unusable`).
 
 An overlapped snapshot (``overlap=True``) is encoded while the caller may not have confirmed it
 unchanged yet (see :mod:`tiercheck.staging`): it is published in the tier whose memory it was
@@ -39,6 +43,7 @@ from tiercheck.codec.replica import Lean, lean, skeleton_steps
 from tiercheck.consistency.manifest import Abort, Begin
 from tiercheck.engine.jobs import HeldBase, Job
 from tiercheck.engine.options import TierEncoding
+from tiercheck.engine.plan import base_unusable
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import FormatError, StateChanged, TierClosed, TierWriteFailed
 from tiercheck.tiers.base import Buffer
@@ -69,7 +74,7 @@ class Encoder:
 
     def start(self, job: Job) -> None:
         """Encode ``job`` in the background, after the job before it."""
-        self.schedule.pending.append(job)
+        self.schedule.occupy(job)
         task = asyncio.create_task(self.run(job))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -148,20 +153,23 @@ class Encoder:
             digest = tree_root(leaves, job.layout.payload_nbytes)
             raw = RawState(job.version, job.layout, job.payload, digest, tuple(leaves))
             base: RawState | None = None
-            if job.kind == "delta":
-                if self.base is not None and self.base.raw.version == job.base_version:
-                    base = self.base.raw
-                else:
-                    logger.warning(
-                        "tiercheck: base %s of version %s is unavailable; encoding it as a base",
-                        job.base_version,
-                        job.version,
-                    )
-                    job.kind = "base"
-                    job.handle.stats.kind = "base"
+            held = None if self.base is None else self.base.raw.version
+            if base_unusable(job.kind, job.base_version, held):
+                logger.warning(
+                    "tiercheck: base %s of version %s is unavailable; encoding it as a base",
+                    job.base_version,
+                    job.version,
+                )
+                job.encode_as_base()
+            elif job.kind == "delta":
+                assert self.base is not None
+                base = self.base.raw
             if job.reservation is not None:
+                assert job.reserved_in is not None
                 # Published as soon as the caller confirms it, while the rest is encoded.
-                job.publish = asyncio.create_task(self._publish_when_confirmed(job, raw))
+                job.publish = asyncio.create_task(
+                    _publish_when_confirmed(self.ctx, self.pipes[job.reserved_in], job, raw)
+                )
             # What the durable tiers store: the lean state, on a node's first rank but rank 0.
             lean_raw = await self._lean_state(job, raw) if job.held is not None else None
             held_base = self.base if base is not None else None
@@ -188,7 +196,7 @@ class Encoder:
             if job.kind == "base":
                 # Held at once, for the next save's deltas (if it is not confirmed, the save
                 # after it is a base: see _settle).
-                self.schedule.planned_base = job.version
+                self.schedule.base_held(job.version)
                 job.holder.acquire()
                 old, self.base = self.base, HeldBase(raw, job.holder, lean_raw)
                 if old is not None:
@@ -208,7 +216,7 @@ class Encoder:
                 logger.exception("tiercheck: %s version %s failed", doing, job.version)
             self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"{doing} failed: {exc!r}"))
             if job.publish is None:
-                await self._abort_reservation(job)
+                await _abort_reservation(job)
             for name in job.targets:
                 if job.publish is not None and name == job.reserved_in:
                     # A confirmed snapshot is stored there whatever became of the encoding.
@@ -222,8 +230,8 @@ class Encoder:
                     ),
                     cause=exc,
                 )
-            if job.kind == "base" and self.schedule.planned_base == job.version:
-                self.schedule.planned_base = None
+            if job.kind == "base":
+                self.schedule.base_failed(job.version)
             return None
         return raw
 
@@ -244,74 +252,7 @@ class Encoder:
         if job.kind == "base":
             # No more deltas against it: the next save is a base. The held copy stays until
             # that one replaces it -- a delta encoding now may still be reading it.
-            if self.schedule.planned_base == job.version:
-                self.schedule.planned_base = None
-            self.schedule.lose_base()
-
-    async def _publish_when_confirmed(self, job: Job, raw: RawState) -> None:
-        """Publish a snapshot staged in a tier's memory once the caller confirmed it; discard
-        it otherwise (a blob there is restorable: a torn one must never get there)."""
-        assert job.reserved_in is not None
-        try:
-            why = await job.unconfirmed()
-        except asyncio.CancelledError:  # closing without waiting: nothing is published
-            await self._abort_reservation(job)
-            raise
-        if why is None:
-            await self._publish_reserved(job, raw)
-        else:
-            await self._abort_reservation(job)
-            job.lane_done(job.reserved_in, None, why)
-
-    async def _abort_reservation(self, job: Job) -> None:
-        """Discard a snapshot staged in a tier's memory that was not published (logged)."""
-        if (
-            job.reservation is not None
-            and job.reserved_in in job.results
-            and not job.results[job.reserved_in].done()
-        ):
-            try:
-                await job.reservation.abort()
-            except Exception:
-                logger.exception(
-                    "tiercheck: discarding version %s from the %r tier failed",
-                    job.version,
-                    job.reserved_in,
-                )
-
-    async def _publish_reserved(self, job: Job, raw: RawState) -> None:
-        reservation = job.reservation
-        assert reservation is not None
-        assert job.reserved_in is not None
-        pipe = self.pipes[job.reserved_in]
-        try:
-            assert job.layout is not None
-            meta = await asyncio.to_thread(
-                finalize_full_blob,
-                reservation.buffer,
-                raw_digest=raw.raw_digest,
-                chunk_digests=raw.chunk_digests,
-                executor=self.ctx.cpu,
-                known=(job.layout, job.version, self.ctx.rank),
-            )
-            await reservation.commit()
-        except Exception as exc:
-            logger.exception(
-                "tiercheck: publishing version %s in the %s tier failed", job.version, pipe.name
-            )
-            with contextlib.suppress(Exception):
-                await reservation.abort()
-            job.lane_done(
-                pipe.name,
-                None,
-                TierWriteFailed(
-                    f"version {job.version} could not be written to the {pipe.name} tier: {exc!r}"
-                ),
-                cause=exc,
-            )
-            return
-        durable = pipe.record_durable(job, reservation.key, meta)
-        job.lane_done(pipe.name, durable)
+            self.schedule.base_unconfirmed(job.version)
 
     async def _lean_state(self, job: Job, raw: RawState) -> RawState | None:
         """``raw`` with its replicated state left to rank 0 (see
@@ -377,3 +318,73 @@ class Encoder:
             options=self.ctx.options.encode.codec,
             executor=self.ctx.cpu,
         )
+
+
+async def _publish_when_confirmed(
+    ctx: Context, pipe: TierPipeline, job: Job, raw: RawState
+) -> None:
+    """Publish a snapshot staged in a tier's memory once the caller confirmed it; discard
+    it otherwise (a blob there is restorable: a torn one must never get there)."""
+    assert job.reserved_in is not None
+    try:
+        why = await job.unconfirmed()
+    except asyncio.CancelledError:  # closing without waiting: nothing is published
+        await _abort_reservation(job)
+        raise
+    if why is None:
+        await _publish_reserved(ctx, pipe, job, raw)
+    else:
+        await _abort_reservation(job)
+        job.lane_done(job.reserved_in, None, why)
+
+
+async def _abort_reservation(job: Job) -> None:
+    """Discard a snapshot staged in a tier's memory that was not published (logged)."""
+    if (
+        job.reservation is not None
+        and job.reserved_in in job.results
+        and not job.results[job.reserved_in].done()
+    ):
+        try:
+            await job.reservation.abort()
+        except Exception:
+            logger.exception(
+                "tiercheck: discarding version %s from the %r tier failed",
+                job.version,
+                job.reserved_in,
+            )
+
+
+async def _publish_reserved(ctx: Context, pipe: TierPipeline, job: Job, raw: RawState) -> None:
+    """Finish the blob staged in ``pipe``'s memory and publish it (its lane result)."""
+    reservation = job.reservation
+    assert reservation is not None
+    assert job.reserved_in is not None
+    try:
+        assert job.layout is not None
+        meta = await asyncio.to_thread(
+            finalize_full_blob,
+            reservation.buffer,
+            raw_digest=raw.raw_digest,
+            chunk_digests=raw.chunk_digests,
+            executor=ctx.cpu,
+            known=(job.layout, job.version, ctx.rank),
+        )
+        await reservation.commit()
+    except Exception as exc:
+        logger.exception(
+            "tiercheck: publishing version %s in the %s tier failed", job.version, pipe.name
+        )
+        with contextlib.suppress(Exception):
+            await reservation.abort()
+        job.lane_done(
+            pipe.name,
+            None,
+            TierWriteFailed(
+                f"version {job.version} could not be written to the {pipe.name} tier: {exc!r}"
+            ),
+            cause=exc,
+        )
+        return
+    durable = pipe.record_durable(job, reservation.key, meta)
+    job.lane_done(pipe.name, durable)

@@ -28,7 +28,8 @@ from tiercheck.engine.context import Context
 from tiercheck.engine.encode import Encoder
 from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
-from tiercheck.engine.options import CloseMode, Options, TierEncoding
+from tiercheck.engine.options import CloseMode, Options
+from tiercheck.engine.plan import SavePlan
 from tiercheck.engine.read import Reader
 from tiercheck.engine.restore import Agreement, Restorer
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
@@ -215,31 +216,27 @@ class Engine:
         flat = self.planner.flatten(state)
         layout = flat.layout
         await schedule.check_fresh_start(version)
-        scheduled_base, targets = schedule.targets(version)
-        busy = schedule.busy()
-        if busy and self.cfg.schedule.on_busy == "skip":
+        plan = await schedule.plan(version, on_host=flat.on_host, pinned=self.stager.pool.pin)
+        if plan.kind == "skipped":
             schedule.consume(version)
-            return self._skip(version, targets, started)
-        if busy:
-            await schedule.wait_for_slot()
-        kind = schedule.kind(scheduled_base)
-        stats = SaveStats(version, kind, raw_bytes=layout.payload_nbytes)
+            return self._skip(plan, started)
+        stats = SaveStats(version, plan.kind, raw_bytes=layout.payload_nbytes)
+        targets = plan.encodings
         handle = SaveHandle(version, list(targets), stats)
         handle._point = self.stager
         job = Job(
             version=version,
-            kind=kind,
-            base_version=None if kind == "base" else schedule.planned_base,
+            kind=plan.kind,
+            base_version=plan.base,
             targets=targets,
             handle=handle,
             started=started,
             layout=layout,
             held=tuple(held or ()) if self.leans else None,
         )
-        await self.stager.stage(job, flat, marks)  # a failure here leaves the version unused
-        schedule.consume(version)
-        if kind == "base":
-            schedule.planned_base = version
+        # A failure here leaves the version unused.
+        await self.stager.stage(job, flat, marks, into=plan.stage_in)
+        schedule.staged(plan)
         stats.stall_s = time.perf_counter() - started
         if job.copy is None:
             stats.staged_s = stats.stall_s
@@ -247,8 +244,9 @@ class Engine:
         self._launch(job)
         return handle
 
-    def _skip(self, version: int, targets: dict[str, TierEncoding], started: float) -> SaveHandle:
-        """Back-pressure skipped ``version``: a handle that says so for every tier."""
+    def _skip(self, plan: SavePlan, started: float) -> SaveHandle:
+        """Back-pressure skipped ``plan``'s version: a handle that says so for every tier."""
+        version, targets = plan.version, plan.encodings
         stats = SaveStats(version, "skipped", stall_s=time.perf_counter() - started)
         handle = SaveHandle(version, list(targets), stats)
         handle._point = self.stager

@@ -87,6 +87,13 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     rounds_left: int = 0
 
+    def encode_as_base(self) -> None:
+        """Planned as a delta, but its base is not held when it is encoded
+        (:func:`~tiercheck.engine.plan.base_unusable`): it is encoded, and reported, as a
+        base. (:attr:`base_version` stays: it is what was planned.)"""
+        self.kind = "base"
+        self.handle.stats.kind = "base"
+
     async def unconfirmed(self) -> BaseException | None:
         """Wait until the snapshot is confirmed: ``None``, or why the version must not be
         stored (:meth:`staged_failure` of it). At once for a blocking save."""

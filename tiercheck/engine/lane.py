@@ -2,11 +2,12 @@
 
 The encoder offers each encoded version to the lane of every tier it goes to
 (:meth:`Lane.offer`); a lane ``tier_queue`` versions behind drops the version for its tier
-rather than hold training's memory. The lane worker (:meth:`Lane.run`) writes each blob -- in a
-memory tier, whose blobs are restorable once there, only after the caller confirmed an
-overlapped snapshot unchanged (:meth:`~tiercheck.engine.jobs.Job.unconfirmed`) --,
-records it as durable in the pipeline's holdings and the manifest, and reports the outcome to
-the job; the pipeline's commit round (:mod:`tiercheck.engine.commit`) takes it from there.
+rather than hold training's memory (:func:`~tiercheck.engine.plan.queue_full`). The lane
+worker (:meth:`Lane.run`) writes each blob -- in a memory tier, whose blobs are restorable
+once there, only after the caller confirmed an overlapped snapshot unchanged
+(:meth:`~tiercheck.engine.jobs.Job.unconfirmed`) --, records it as durable in the pipeline's
+holdings and the manifest, and reports the outcome to the job; the pipeline's commit round
+(:mod:`tiercheck.engine.commit`) takes it from there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.keys import BlobKind, blob_key
 from tiercheck.engine.jobs import Job
+from tiercheck.engine.plan import queue_full
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import Buffer
 
@@ -53,7 +55,7 @@ class Lane:
                 ),
             )
             return False
-        if self.queue.qsize() >= tier_queue:
+        if queue_full(self.queue.qsize(), tier_queue):
             job.lane_done(
                 self.pipe.name,
                 None,

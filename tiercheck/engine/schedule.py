@@ -1,21 +1,25 @@
-"""Save scheduling: which versions may be saved, base or delta, and back-pressure.
+"""Save scheduling: which versions may be saved, their plans, and back-pressure.
 
-Saves are scheduled in call order (one at a time, under the engine's save lock): every
-``base_every``-th save is a base, the others deltas against the newest base -- unless no base
-is planned yet, or a delta's base vanished from a tier (:meth:`Schedule.lose_base`). At most
-``max_pending`` saves are encoded at once; beyond that ``on_busy`` waits for a slot or skips the
-save. The first save of a session may not overwrite versions already stored (restore first).
+Saves are scheduled in call order (one at a time, under the engine's save lock). The schedule
+gathers what a save's plan depends on and has :func:`~tiercheck.engine.plan.plan_save` decide
+(every ``base_every``-th save is a base, the others deltas against the newest base -- unless no
+base is planned yet, or a delta's base vanished from a tier: :meth:`Schedule.lose_base`). At
+most ``max_pending`` saves are encoded at once; beyond that ``on_busy`` waits for a slot or
+skips the save. The first save of a session may not overwrite versions already stored (restore
+first). The schedule's fields change only through its methods: the engine and the encoder say
+what happened (:meth:`Schedule.staged`, :meth:`Schedule.base_held`, ...), the schedule keeps it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from tiercheck.consistency.keys import check_version
 from tiercheck.engine.jobs import Job
-from tiercheck.engine.options import TierEncoding
+from tiercheck.engine.plan import SaveInputs, SavePlan, plan_save, waits_for_slot
 from tiercheck.errors import VersionError
+from tiercheck.tiers.base import SupportsReserve
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
@@ -79,16 +83,40 @@ class Schedule:
                 "use a new job_id to start another, or remove the old versions with `tiercheck gc`"
             )
 
-    def targets(self, version: int) -> tuple[bool, dict[str, TierEncoding]]:
-        """Whether ``version`` is scheduled as a base, and the tiers it goes to (encoding)."""
-        scheduled_base = self.count % self.ctx.options.schedule.base_every == 0
-        policy = self.ctx.options.tiers.policy
-        targets = {
-            name: policy(name).encoding
-            for name in self.pipes
-            if policy(name).targets(version, scheduled_base)
-        }
-        return scheduled_base, targets
+    async def plan(self, version: int, *, on_host: bool, pinned: bool) -> SavePlan:
+        """The plan of the save of ``version`` (:func:`~tiercheck.engine.plan.plan_save`).
+
+        A busy save with ``on_busy="wait"`` waits for a slot first; its tiers are chosen from
+        the schedule as it was when it was called, base or delta from the schedule after the
+        wait (a base may have been encoded, or lost, meanwhile). A plan for a base clears
+        ``force_base``. ``on_host``/``pinned``: where the state is, and whether the staging
+        pool pins (they decide whether a tier's memory can take the copy).
+        """
+        options = self.ctx.options
+        count, busy = self.count, self.busy()
+        policies = {name: options.tiers.policy(name) for name in self.pipes}
+        if waits_for_slot(busy, options.schedule.on_busy):
+            await self.wait_for_slot()
+        plan = plan_save(
+            SaveInputs(
+                version=version,
+                count=count,
+                base_every=options.schedule.base_every,
+                policies=policies,
+                busy=busy,
+                on_busy=options.schedule.on_busy,
+                planned_base=self.planned_base,
+                force_base=self.force_base,
+                reservable=tuple(
+                    n for n, p in self.pipes.items() if isinstance(p.tier, SupportsReserve)
+                ),
+                on_host=on_host,
+                pinned=pinned,
+            )
+        )
+        if plan.kind == "base":
+            self.force_base = False
+        return plan
 
     def busy(self) -> bool:
         """Whether ``max_pending`` saves are being encoded already."""
@@ -100,13 +128,6 @@ class Schedule:
         async with self.slot_freed:
             await self.slot_freed.wait_for(lambda: len(self.pending) < max_pending)
 
-    def kind(self, scheduled_base: bool) -> Literal["base", "delta"]:
-        """Base or delta, for a save about to be staged (a base clears ``force_base``)."""
-        if scheduled_base or self.planned_base is None or self.force_base:
-            self.force_base = False
-            return "base"
-        return "delta"
-
     def consume(self, version: int) -> None:
         """The save of ``version`` happened (possibly as a skip): advance the schedule."""
         self.session_started = True
@@ -114,9 +135,35 @@ class Schedule:
         self.count += 1
         self.ctx.stats.saves += 1
 
+    def staged(self, plan: SavePlan) -> None:
+        """The snapshot of ``plan``'s version is staged: the schedule advances, and a base is
+        what the next deltas are planned against."""
+        self.consume(plan.version)
+        if plan.kind == "base":
+            self.planned_base = plan.version
+
+    def base_held(self, version: int) -> None:
+        """The base ``version`` is encoded and held in memory: deltas go against it."""
+        self.planned_base = version
+
+    def base_failed(self, version: int) -> None:
+        """The base ``version`` could not be encoded: no delta is planned against it."""
+        if self.planned_base == version:
+            self.planned_base = None
+
+    def base_unconfirmed(self, version: int) -> None:
+        """The snapshot of the base ``version`` was found changed: no delta against it, and
+        the next save is a base."""
+        self.base_failed(version)
+        self.lose_base()
+
     def lose_base(self) -> None:
         """A delta's base vanished from a tier: the next save is a base."""
         self.force_base = True
+
+    def occupy(self, job: Job) -> None:
+        """``job`` is about to be encoded: it holds a slot until :meth:`release`."""
+        self.pending.append(job)
 
     async def release(self, job: Job) -> None:
         """``job`` is encoded (or failed): its slot is free."""

@@ -1,8 +1,9 @@
 """Staging: the snapshot copy from the caller's tensors into host memory.
 
-The copy goes straight into a tier's own memory when the fastest tier that can reserve memory
-(:class:`~tiercheck.tiers.base.SupportsReserve`) stores the version as is; else into a staging
-buffer lent by a pool (pinned for GPU tensors). A blocking save copies to the end; an
+The copy goes straight into a tier's own memory when the save's plan says so (the fastest tier
+that can reserve memory, :class:`~tiercheck.tiers.base.SupportsReserve`, and stores the
+version as is: :func:`~tiercheck.engine.plan.plan_save`); else into a staging buffer lent by
+a pool (pinned for GPU tensors). A blocking save copies to the end; an
 overlapped one (``overlap=True``) starts the copy on a worker thread and hands the caller the
 fence (:meth:`Stager.fence`, :meth:`~tiercheck.SaveHandle.staged`).
 
@@ -34,7 +35,6 @@ from tiercheck.consistency.keys import blob_key
 from tiercheck.engine.jobs import Holder, Job
 from tiercheck.errors import TiercheckError, TierWriteFailed
 from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool
-from tiercheck.tiers.base import SupportsReserve
 
 if TYPE_CHECKING:
     from tiercheck.engine.context import Context
@@ -113,29 +113,24 @@ class Stager:
             self._step_fence.remove()
         self.pool.clear()
 
-    async def stage(self, job: Job, flat: Flat, marks: dict[int, Any] | None) -> None:
-        """Copy the state into host memory: a tier's own memory where one can hand it out.
+    async def stage(
+        self, job: Job, flat: Flat, marks: dict[int, Any] | None, *, into: str | None
+    ) -> None:
+        """Copy the state into host memory: the memory of the tier ``into``, where the save's
+        plan says so (:attr:`~tiercheck.engine.plan.SavePlan.stage_in`), else a staging buffer.
 
-        The fastest tier that can reserve memory (:class:`SupportsReserve`, the local tier) and
-        stores this version as is (``"full"``) receives the snapshot in place: once published,
-        the copy is the stored blob. A tier that cannot take the version (full, or failing) is
-        skipped for it, and the snapshot goes to a staging buffer instead, so the other tiers
-        still get it: storage trouble never reaches the caller. Tensors on a GPU go to a pinned
-        staging buffer (a device-to-host copy into shared memory could not be asynchronous);
-        the reserving tier then gets a copy of it like any other tier.
+        A snapshot copied into a tier's own memory (:class:`SupportsReserve`, the local tier)
+        is, once published, the stored blob. A tier that cannot take the version (full, or
+        failing) is skipped for it, and the snapshot goes to a staging buffer instead, so the
+        other tiers still get it: storage trouble never reaches the caller. (The plan names
+        no tier for tensors on a GPU with a pinned pool: a device-to-host copy into shared
+        memory could not be asynchronous; the tier then gets a copy like any other tier.)
         """
         layout = job.layout
         assert layout is not None
         rank, watch = self.ctx.rank, self.ctx.options.schedule.overlap
-        reserving = next(
-            (
-                p
-                for p in self.pipes.values()
-                if isinstance(p.tier, SupportsReserve) and job.targets.get(p.name) == "full"
-            ),
-            None,
-        )
-        if reserving is not None and (flat.on_host or not self.pool.pin):
+        if into is not None:
+            reserving = self.pipes[into]
             size, offset = full_blob_size(layout, version=job.version, rank=rank)
             key = blob_key(job.version, rank, "full")
             try:
