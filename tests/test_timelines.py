@@ -265,6 +265,32 @@ TestTimelines = TimelineMachine.TestCase
 TestTimelines.settings = settings(max_examples=50, stateful_step_count=8, deadline=None)
 
 
+def test_a_fresh_start_records_its_world_over_a_history_of_versions_never_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the machine above: 2 ranks save v0 only in memory and die; 1 rank restores it
+    from memory, saves v1 (the history: v0 by 2 ranks, v1 on by 1) and dies; the node's memory
+    is lost, so the next 1-rank run starts fresh and saves v0 again -- which the history still
+    said 2 ranks saved, so no later run could restore it. A run's first save now records its
+    world from that version on whenever the history says otherwise."""
+    monkeypatch.setattr(sys.modules[__name__], "note", lambda _line: None)
+    machine = TimelineMachine()
+    try:
+        for world, saves, killed, wipe in [
+            (2, 0, False, False),
+            (1, 0, False, False),
+            (2, 2, True, False),
+            (1, 1, True, False),
+            (1, 1, False, True),
+            (1, 0, False, False),
+        ]:
+            machine.run(world=world, saves=saves, back=None, killed=killed, wipe=wipe)
+            machine.abandoned_sets_are_whole()
+        assert machine.story[-1].startswith("run 6: 1 ranks, wipe=False, asked None, restored 0")
+    finally:
+        machine.teardown()
+
+
 REPORTED = textwrap.dedent(
     """
     import os, sys, math, signal, torch

@@ -208,14 +208,15 @@ class Engine:
         self._check_open()
         schedule = self.schedule
         schedule.check_version(version)
-        # After a restore, the first save settles where the run goes on from (versions that
-        # left the timeline set aside) before anything of this version is written anywhere.
-        await self.timeline.settle()
         # Inline: pure Python walking the state, shorter than a hop to a thread and back. A
         # state shaped like the previous one reuses its layout (see tiercheck.codec.plan).
         flat = self.planner.flatten(state)
         layout = flat.layout
         await schedule.check_fresh_start(version)
+        # After a restore, the first save settles where the run goes on from (versions that
+        # left the timeline set aside, the world-size history) before anything of this version
+        # is written anywhere -- and only once the save is known to be allowed at all.
+        await self.timeline.settle(version)
         plan = await schedule.plan(version, on_host=flat.on_host, pinned=self.stager.pool.pin)
         if plan.kind == "skipped":
             schedule.consume(version)

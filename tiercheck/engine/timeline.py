@@ -79,15 +79,18 @@ class Timeline:
         self._owed: dict[str, Continuation] = {}
         self._world_owed: int | None = None
         self._saves_since_failure = 0
+        # Whether this opening saved anything yet (its first save may owe the history).
+        self._saved = False
 
     def continue_from(self, continuation: Continuation) -> None:
         """A restore chose where the run goes on from; settled at the next save."""
         self._pending = continuation
 
-    async def settle(self) -> None:
-        """At the start of a save (every rank, in the same order): settle a pending
-        continuation, or retry what could not be settled before. Never raises for a tier's
-        failure: that tier takes no new versions until a retry succeeds."""
+    async def settle(self, version: int) -> None:
+        """At the start of the save of ``version`` (every rank, in the same order): settle a
+        pending continuation, or retry what could not be settled before. Never raises for a
+        tier's failure: that tier takes no new versions until a retry succeeds."""
+        first_save, self._saved = not self._saved, True
         pending, self._pending = self._pending, None
         if pending is not None:
             # A new continuation replaces whatever an earlier one still owed: its set-aside
@@ -95,6 +98,13 @@ class Timeline:
             self._owed.clear()
             self._world_owed = None
             await self._settle(pending, list(self.pipes.values()))
+            return
+        if first_save and self._world_owed is None and self.ctx.claim.needs_world_record(version):
+            # A run that restored nothing (or never asked) on a job with a world-size history:
+            # its versions are this world's from the first one on, whatever the history said
+            # of versions that were never stored or were lost with a node's memory.
+            await self._record_world(version)
+            self._unblock_settled()
             return
         if not self._owed and self._world_owed is None:
             return
