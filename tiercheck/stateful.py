@@ -221,16 +221,18 @@ def _nesting_error(state: Any, verb: str) -> UnsupportedObject | None:
 
 
 def for_save(
-    state: Any, replica: ReplicaRef | None = None, held: list[tuple[Any, ...]] | None = None
+    state: Any,
+    replica: ReplicaRef | None = None,
+    replicated_paths: list[tuple[Any, ...]] | None = None,
 ) -> Any:
     """``state`` with each Stateful object replaced by its ``state_dict()``; ``state`` itself
     (the same object) when it holds none.
 
     Each :class:`Replicated` value is replaced by ``replica`` where given (on a rank that is
     not its node's first: the reference to that rank's copy), else by its value (converted
-    likewise); then, with ``held`` given, the path of keys and indices from the root to each
-    such value is appended to it (what a node's first rank leaves out of its blob in durable
-    tiers, see :func:`tiercheck.codec.replica.lean`).
+    likewise); then, with ``replicated_paths`` given, the path of keys and indices from the
+    root to each such value is appended to it (what a node's first rank leaves out of its
+    blob in durable tiers, see :func:`tiercheck.codec.replica.lean`).
     """
     steps: list[Any] = []
     inside = False  # within a Replicated value (a Replicated in it is part of it)
@@ -241,13 +243,13 @@ def for_save(
         if t in _PLAIN:
             return obj
         if t in _CONTAINERS:
-            return _rebuild(obj, convert if held is None else stepping)
+            return _rebuild(obj, convert if replicated_paths is None else stepping)
         if t is Replicated:
             if replica is not None:
                 return replica
-            if held is None or inside:
+            if replicated_paths is None or inside:
                 return convert(obj.value)
-            held.append(tuple(steps))
+            replicated_paths.append(tuple(steps))
             inside = True
             try:
                 return convert(obj.value)

@@ -153,8 +153,8 @@ class Encoder:
             digest = tree_root(leaves, job.layout.payload_nbytes)
             raw = RawState(job.version, job.layout, job.payload, digest, tuple(leaves))
             base: RawState | None = None
-            held = None if self.base is None else self.base.raw.version
-            if base_unusable(job.kind, job.base_version, held):
+            in_memory = None if self.base is None else self.base.raw.version
+            if base_unusable(job.kind, job.base_version, in_memory):
                 logger.warning(
                     "tiercheck: base %s of version %s is unavailable; encoding it as a base",
                     job.base_version,
@@ -171,7 +171,9 @@ class Encoder:
                     _publish_when_confirmed(self.ctx, self.pipes[job.reserved_in], job, raw)
                 )
             # What the durable tiers store: the lean state, on a node's first rank but rank 0.
-            lean_raw = await self._lean_state(job, raw) if job.held is not None else None
+            lean_raw = (
+                await self._lean_state(job, raw) if job.replicated_paths is not None else None
+            )
             held_base = self.base if base is not None else None
             encoded: dict[tuple[TierEncoding, bool], tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
@@ -179,7 +181,9 @@ class Encoder:
                     continue
                 if job.publish is not None and name == job.reserved_in:
                     continue  # staged in place: the publishing task decides it
-                durable = job.held is not None and writes_commit_records(self.pipes[name].tier)
+                durable = job.replicated_paths is not None and writes_commit_records(
+                    self.pipes[name].tier
+                )
                 source = lean_raw if durable and lean_raw is not None else raw
                 if (encoding, durable) not in encoded:
                     against = None if held_base is None else held_base.for_tier(durable)
@@ -257,18 +261,22 @@ class Encoder:
     async def _lean_state(self, job: Job, raw: RawState) -> RawState | None:
         """``raw`` with its replicated state left to rank 0 (see
         :func:`~tiercheck.codec.replica.lean`); ``None`` when it holds none."""
-        assert job.held is not None
+        assert job.replicated_paths is not None
         # Needed by a durable tier this version goes to, or, for a base, by the deltas after it.
         wanted = job.targets if job.kind == "delta" else self.pipes
         if not any(writes_commit_records(self.pipes[name].tier) for name in wanted):
             return None
         layout = raw.layout
         cached = self._lean
-        if cached is not None and cached[0] == layout.skeleton and cached[1] == job.held:
+        if (
+            cached is not None
+            and cached[0] == layout.skeleton
+            and cached[1] == job.replicated_paths
+        ):
             made = cached[2]
         else:
             made = None
-            steps = [skeleton_steps(h) for h in job.held]
+            steps = [skeleton_steps(h) for h in job.replicated_paths]
             try:
                 if any(step is None for step in steps):
                     raise ValueError("a Replicated value sits under a key no skeleton holds")
@@ -283,7 +291,7 @@ class Encoder:
                     self.ctx.rank,
                     exc,
                 )
-            self._lean = (layout.skeleton, job.held, made)
+            self._lean = (layout.skeleton, job.replicated_paths, made)
         if made is None:
             return None
         try:

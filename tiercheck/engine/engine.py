@@ -182,15 +182,15 @@ class Engine:
         version: int,
         state: Any,
         marks: dict[int, Any] | None = None,
-        held: list[tuple[Any, ...]] | None = None,
+        replicated_paths: list[tuple[Any, ...]] | None = None,
     ) -> SaveHandle:
         """Snapshot ``state`` as ``version``; see :meth:`tiercheck.Checkpointer.save`.
 
-        ``held``: where :attr:`leans`, the paths of the state's ``Replicated`` values (from
-        :func:`tiercheck.stateful.for_save`)."""
+        ``replicated_paths``: where :attr:`leans`, the paths of the state's ``Replicated``
+        values (from :func:`tiercheck.stateful.for_save`)."""
         # One save at a time: the schedule (version, base or delta) is decided in call order.
         async with self.save_lock:
-            return await self._save(version, state, marks, held)
+            return await self._save(version, state, marks, replicated_paths)
 
     def fence(self, timeout: float | None) -> None:
         """Block (any thread but the loop's) until every overlapped snapshot started so far is
@@ -202,7 +202,7 @@ class Engine:
         version: int,
         state: Any,
         marks: dict[int, Any] | None = None,
-        held: list[tuple[Any, ...]] | None = None,
+        replicated_paths: list[tuple[Any, ...]] | None = None,
     ) -> SaveHandle:
         started = time.perf_counter()
         self._check_open()
@@ -233,7 +233,7 @@ class Engine:
             handle=handle,
             started=started,
             layout=layout,
-            held=tuple(held or ()) if self.leans else None,
+            replicated_paths=tuple(replicated_paths or ()) if self.leans else None,
         )
         # A failure here leaves the version unused.
         await self.stager.stage(job, flat, marks, into=plan.stage_in)

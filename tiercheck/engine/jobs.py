@@ -66,7 +66,7 @@ class Job:
     layout: Layout | None = None
     #: On a node's first rank other than rank 0: the paths of the ``Replicated`` values (see
     #: :func:`tiercheck.stateful.for_save`), left out of its blobs in durable tiers.
-    held: tuple[tuple[Any, ...], ...] | None = None
+    replicated_paths: tuple[tuple[Any, ...], ...] | None = None
     payload: torch.Tensor | None = None
     # The snapshot copy still running after save returned (overlapped saves only).
     copy: SnapshotCopy | None = None

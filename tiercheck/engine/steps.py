@@ -250,9 +250,11 @@ class CallSteps:
         self._settle()  # a confirmation point for the saves before (never waits)
         marks = caller_marks()
         engine = yield from self._open_steps()
-        held: list[tuple[Any, ...]] | None = [] if engine.leans else None
-        state = stateful.for_save(state, engine.replica, held)  # Stateful -> state_dict()
-        handle: SaveHandle = yield engine.save(version, state, marks, held)
+        replicated_paths: list[tuple[Any, ...]] | None = [] if engine.leans else None
+        state = stateful.for_save(
+            state, engine.replica, replicated_paths
+        )  # Stateful -> state_dict()
+        handle: SaveHandle = yield engine.save(version, state, marks, replicated_paths)
         return handle
 
     def _restore_steps(
