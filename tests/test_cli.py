@@ -112,7 +112,9 @@ def _write(root: Path) -> dict[int, Any]:
             trainer.step()
             ckpt.save(step, trainer.state())
             states[step] = clone_state(trainer.state())
-        ckpt.wait()
+            # Every version stored before the next: saves faster than a loaded machine writes
+            # them would overflow the persistent tier's queue (tier_queue) and skip versions.
+            ckpt.wait()
     return states
 
 
