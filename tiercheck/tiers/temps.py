@@ -44,6 +44,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -63,6 +64,7 @@ __all__ = [
     "process_verdict",
     "temp_name",
     "valid_tag",
+    "walk_files",
 ]
 
 #: The character that marks a name as tiercheck's own (never valid in a key).
@@ -269,14 +271,17 @@ class TempFile:
     mtime: float
 
 
-def find_temps(root: str) -> list[TempFile]:
-    """Every temporary file at or below folder ``root`` (tiercheck's hidden folders included).
+def walk_files(
+    start: str, *, enter: Callable[[str], bool] = lambda _name: True
+) -> Iterator[os.DirEntry[str]]:
+    """Every regular file at or below folder ``start``, entering the folders whose name
+    ``enter`` accepts (never following a link).
 
-    Only names :func:`parse_temp_owner` reads are listed; files that vanish while listing (a
-    writer renaming its file) are skipped. A missing ``root`` holds none.
+    Made for folders others change while it walks: a folder or file that vanishes meanwhile
+    (a concurrent delete, a writer renaming its file) is passed over, as is a ``start`` that is
+    missing or is a file.
     """
-    found: list[TempFile] = []
-    stack = [root]
+    stack = [start]
     while stack:
         folder = stack.pop()
         try:
@@ -286,14 +291,31 @@ def find_temps(root: str) -> list[TempFile]:
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
+                    if enter(entry.name):
+                        stack.append(entry.path)
                     continue
-                owner = parse_temp_owner(entry.name)
-                if owner is None or not entry.is_file(follow_symlinks=False):
+                if not entry.is_file(follow_symlinks=False):
                     continue
-                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            found.append(TempFile(entry.path, owner, st.st_size, st.st_mtime))
+            yield entry
+
+
+def find_temps(root: str) -> list[TempFile]:
+    """Every temporary file at or below folder ``root`` (tiercheck's hidden folders included).
+
+    Only names :func:`parse_temp_owner` reads are listed; files that vanish while listing (a
+    writer renaming its file) are skipped. A missing ``root`` holds none.
+    """
+    found: list[TempFile] = []
+    for entry in walk_files(root):
+        owner = parse_temp_owner(entry.name)
+        if owner is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        found.append(TempFile(entry.path, owner, st.st_size, st.st_mtime))
     found.sort(key=lambda t: t.path)
     return found

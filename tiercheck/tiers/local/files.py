@@ -24,6 +24,7 @@ from typing import Final
 from tiercheck.errors import InvalidKey, StorageError, TiercheckError, TierFull
 from tiercheck.tiers import atomic
 from tiercheck.tiers.base import validate_key
+from tiercheck.tiers.temps import walk_files
 
 DIR_MODE: Final = 0o700
 FILE_MODE: Final = 0o600
@@ -61,28 +62,13 @@ def valid_key(key: str) -> bool:
 
 def walk_keys(root: str, start: str) -> Iterator[str]:
     """Every blob key at or below folder ``start`` (skips the tier's own files and folders)."""
-    stack = [start]
-    while stack:
-        folder = stack.pop()
-        try:
-            entries = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError):
-            # Pruned by a concurrent delete, or the prefix names a blob: nothing below it.
+    # A folder pruned by a concurrent delete, or a prefix that names a blob: nothing below it.
+    for entry in walk_files(start, enter=lambda name: not atomic.is_internal_name(name)):
+        if atomic.is_internal_name(entry.name):
             continue
-        for entry in entries:
-            if atomic.is_internal_name(entry.name):
-                continue
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                    continue
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-            except FileNotFoundError:
-                continue
-            key = os.path.relpath(entry.path, root)
-            if valid_key(key):
-                yield key
+        key = os.path.relpath(entry.path, root)
+        if valid_key(key):
+            yield key
 
 
 def anonymous_memory(size: int, *, populate: bool = False) -> mmap.mmap:
@@ -166,29 +152,15 @@ def scan_sizes(root: str, *, sweep: bool = True) -> dict[str, int]:
     spares of dead processes on the way (:func:`tiercheck.tiers.atomic.owned_by_dead_process`:
     never a file whose writer runs, nor one whose writer cannot be judged from here)."""
     sizes: dict[str, int] = {}
-    stack = [root]
-    while stack:
-        folder = stack.pop()
-        try:
-            entries = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError):
+    for entry in walk_files(root):
+        if atomic.is_internal_name(entry.name):
+            if sweep and atomic.owned_by_dead_process(entry.name):
+                atomic.discard(entry.path)
             continue
-        for entry in entries:
-            try:
-                is_dir = entry.is_dir(follow_symlinks=False)
-                is_file = entry.is_file(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if is_dir:
-                stack.append(entry.path)
-            elif is_file and atomic.is_internal_name(entry.name):
-                if sweep and atomic.owned_by_dead_process(entry.name):
-                    atomic.discard(entry.path)
-            elif is_file:
-                key = os.path.relpath(entry.path, root)
-                if valid_key(key):
-                    with contextlib.suppress(FileNotFoundError):
-                        sizes[key] = entry.stat(follow_symlinks=False).st_size
+        key = os.path.relpath(entry.path, root)
+        if valid_key(key):
+            with contextlib.suppress(FileNotFoundError):
+                sizes[key] = entry.stat(follow_symlinks=False).st_size
     return sizes
 
 
