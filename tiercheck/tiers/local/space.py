@@ -239,9 +239,7 @@ class _Accounting:
             try:
                 self._free_prepared(dropped)
             finally:
-                with self._lock:
-                    self._leaving -= dropped.nbytes
-                    self._left.notify_all()
+                self._gone(dropped.nbytes)
         for victim in victims:
             self._remove_leaving(victim.path, victim.size)
         return spare
@@ -301,9 +299,14 @@ class _Accounting:
         try:
             atomic.discard(path)
         finally:
-            with self._lock:
-                self._leaving -= nbytes
-                self._left.notify_all()
+            self._gone(nbytes)
+
+    def _gone(self, nbytes: int) -> None:
+        """``nbytes`` counted as leaving no longer occupy the filesystem: writes waiting for
+        room may count again."""
+        with self._lock:
+            self._leaving -= nbytes
+            self._left.notify_all()
 
     def _forget(self, key: str) -> int:
         """Under the lock: the blob under ``key`` is gone; its size as counted."""
@@ -393,9 +396,7 @@ class _Space(_Accounting):
                 pass
             finally:
                 if excess:
-                    with self._lock:
-                        self._leaving -= excess
-                        self._left.notify_all()
+                    self._gone(excess)
         return atomic.create_temp(directory, file_mode=FILE_MODE, dir_mode=DIR_MODE)
 
     def _keep_or_remove(self, path: str, nbytes: int) -> None:
