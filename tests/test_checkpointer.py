@@ -323,7 +323,7 @@ async def test_a_version_that_is_not_an_int_is_refused_before_anything_opens(
                 await _settle(fresh.restore(version=bad))  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="strict"):
             await _settle(fresh.restore(strict="no"))  # type: ignore[arg-type]
-        assert fresh._engine is None, f"{bad!r}: the checkpointer was opened"
+        assert not fresh.opened, f"{bad!r}: the checkpointer was opened"
     assert not (tmp_path / "shm").exists()
     # The job itself is untouched by all this: it saves and restores as before.
     async with _ckpt(tmp_path) as ckpt:

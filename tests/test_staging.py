@@ -229,10 +229,8 @@ def test_a_repeating_state_reuses_its_plan_in_the_checkpointer(tmp_path: Path) -
             ckpt.save(version, t.state())
             t.step()
         ckpt.wait()
-        engine = ckpt._engine
-        assert engine is not None
-        assert engine.planner.misses == 1
-        assert engine.planner.hits == 3
+        assert ckpt.stats.layouts_planned == 1
+        assert ckpt.stats.layouts_reused == 3
     for version, state in saved.items():
         assert_state_equal(_stored(tmp_path, version), state)
 

@@ -198,16 +198,18 @@ def _schedule(
     max_pending: int = 1,
 ) -> Schedule:
     """A schedule over tiers named by ``policies`` (``reservable`` of them can reserve)."""
-    options = SimpleNamespace(
+    options: Any = SimpleNamespace(
         tiers=TierOptions((), policies, None, 0, 2),
         schedule=ScheduleOptions(base_every, on_busy, max_pending, False),
+        job=SimpleNamespace(topology=SimpleNamespace(world_size=1), job_id="job"),
     )
-    ctx: Any = SimpleNamespace(options=options, stats=SimpleNamespace(saves=0))
+    stats: Any = SimpleNamespace(saves=0)
+    claim: Any = SimpleNamespace()  # planning never asks the claim
     pipes: Any = {
         name: SimpleNamespace(tier=_Reserving() if name in reservable else object())
         for name in policies
     }
-    return Schedule(ctx, pipes)
+    return Schedule(options, stats, claim, pipes)
 
 
 class _OldSchedule:

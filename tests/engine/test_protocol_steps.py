@@ -41,7 +41,7 @@ from tiercheck.testing import LocalGroup
 
 
 class FakeSide:
-    """One rank's coordinator and its serial channel threads, as the engine's Context has."""
+    """One rank's coordinator and its serial channel threads, as the engine's Channels have."""
 
     def __init__(self, coordinator: Coordinator, channels: tuple[str, ...]) -> None:
         self.coordinator = coordinator

@@ -146,6 +146,9 @@ class _Recorder:
     def restart_from(self, version: int) -> None:
         self.calls.append((self.name, "restart_from", version))
 
+    def begin_session(self) -> None:
+        self.session_started = True
+
     def drop_base(self) -> None:
         self.calls.append((self.name, "drop_base"))
 
@@ -156,12 +159,16 @@ class _Recorder:
 def _restorer(calls: list[tuple[Any, ...]]) -> tuple[Restorer, _Recorder]:
     pipes = {n: _Recorder(calls, n) for n in ("local", "persistent")}
     schedule = _Recorder(calls, "schedule")
+    options = SimpleNamespace(job=SimpleNamespace(topology=SimpleNamespace(rank=0), job_id="j"))
     restorer = Restorer(
+        cast(Any, options),
         cast(Any, None),
-        cast(Any, pipes),
         cast(Any, None),
-        cast(Any, schedule),
-        cast(Any, _Recorder(calls, "encoder")),
+        pipes=cast(Any, pipes),
+        reader=cast(Any, None),
+        elastic=cast(Any, None),
+        schedule=cast(Any, schedule),
+        encoder=cast(Any, _Recorder(calls, "encoder")),
         timeline=cast(Any, _Recorder(calls, "timeline")),
     )
     return restorer, schedule
@@ -216,11 +223,7 @@ class _Journal:
 def test_a_tier_adopts_what_the_outcome_says_and_tells_the_manifest_of_what_it_adds() -> None:
     journal = _Journal()
     tier = Retention()
-    tier.ctx, tier.name, tier.committed = (
-        cast(Any, SimpleNamespace(journal=journal)),
-        "local",
-        {1, 9},
-    )
+    tier.journal, tier.name, tier.committed = cast(Any, journal), "local", {1, 9}
     tier.adopt(committed=None, adopted=(3, 5))
     assert tier.committed == {1, 3, 5, 9}
     assert journal.records == [Commit(3, "local"), Commit(5, "local")]

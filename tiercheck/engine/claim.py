@@ -13,15 +13,17 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
 from tiercheck.consistency.worlds import Spans, span_after, spans_of, world_of
-from tiercheck.engine.collectives import Side, step
+from tiercheck.engine.collectives import Channels, step
 from tiercheck.engine.judgement import judge_opening
+from tiercheck.engine.options import Options
+from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.stale import Stale, stale_message
 from tiercheck.engine.stored import commit_versions, location
 from tiercheck.errors import (
@@ -47,58 +49,19 @@ from tiercheck.guard import (
 )
 from tiercheck.tiers.base import Tier
 
-if TYPE_CHECKING:
-    from tiercheck.engine.options import Options
-    from tiercheck.engine.results import CheckpointerStats
-    from tiercheck.topology import Topology
-
-__all__ = ["Claim", "ClaimContext", "Stale", "gather_facts", "read_job_facts", "stale_message"]
+__all__ = ["Claim", "Stale", "gather_facts", "read_job_facts", "stale_message"]
 
 logger = logging.getLogger("tiercheck")
 
 
-class ClaimContext(Side, Protocol):
-    """What the claim needs of the engine's shared state (the engine's ``Context``, which
-    holds the claim: a narrow view, so that this module does not import that one)."""
-
-    @property
-    def options(self) -> Options:
-        """The checkpointer's options."""
-        ...
-
-    @property
-    def topo(self) -> Topology:
-        """This rank's place in the job."""
-        ...
-
-    @property
-    def rank(self) -> int:
-        """This rank."""
-        ...
-
-    @property
-    def job_id(self) -> str:
-        """The job's id."""
-        ...
-
-    @property
-    def session(self) -> str:
-        """The incarnation of this opening, agreed by every rank."""
-        ...
-
-    @property
-    def stats(self) -> CheckpointerStats:
-        """Running totals (the claim marks ``superseded``)."""
-        ...
-
-
 async def gather_facts(
-    ctx: ClaimContext, lock_of_rank: RankLock, durable: Sequence[Tier]
+    options: Options, session: str, lock_of_rank: RankLock, durable: Sequence[Tier]
 ) -> OpenFacts:
     """What this rank sees before the job opens (step ``OPEN_FACTS``): its writer lock (taken
     here), whether the durable tiers work, its node's identity and memory; rank 0 also what
     the durable tiers say of the job (:func:`read_job_facts`) and of its deletion."""
-    cfg, topo = ctx.options, ctx.topo
+    cfg, topo = options, options.job.topology
+    rank = topo.rank
     locked = None
     try:
         await asyncio.to_thread(lock_of_rank.acquire)
@@ -107,13 +70,13 @@ async def gather_facts(
     probes: dict[str, str] = {}
     for tier in durable:
         try:
-            await probe(tier, ctx.session, ctx.rank)
+            await probe(tier, session, rank)
         except (TiercheckError, OSError) as exc:
             probes[tier.name] = str(exc)
     job: dict[str, Any] | None = None
     job_error: str | None = None
     deleted: dict[str, Any] = {}
-    if ctx.rank == 0 and durable and not probes:
+    if rank == 0 and durable and not probes:
         try:
             job = await read_job_facts(durable)
         except (TiercheckError, OSError) as exc:
@@ -155,7 +118,7 @@ async def gather_facts(
         identity_damaged=damaged,
         has_data=has_data,
         held=held,
-        fresh_token=os.urandom(8).hex() if ctx.rank == 0 else None,
+        fresh_token=os.urandom(8).hex() if rank == 0 else None,
     )
 
 
@@ -198,9 +161,14 @@ async def read_job_facts(durable: Sequence[Tier]) -> dict[str, Any]:
 class Claim:
     """The writer lock of this rank, the job's incarnation, and the fences of durable tiers."""
 
-    def __init__(self, ctx: ClaimContext) -> None:
-        self.ctx = ctx
-        self.lock = RankLock(ctx.options.job.node_root, ctx.rank)
+    def __init__(self, options: Options, stats: CheckpointerStats, channels: Channels) -> None:
+        self.options = options
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.job_id = options.job.job_id
+        self.stats = stats
+        self.channels = channels
+        self.lock = RankLock(options.job.node_root, self.rank)
         # The job's incarnation (see tiercheck.consistency.identity) and, per durable tier, the
         # writer generation this opening claimed there.
         self.job_token = ""
@@ -211,7 +179,7 @@ class Claim:
         self.durable: list[Tier] = []
         #: How many ranks saved the job's newest versions, and its world-size history (see
         #: tiercheck.consistency.worlds); set by :meth:`judge`.
-        self.stored_world = ctx.topo.world_size
+        self.stored_world = self.topo.world_size
         self.worlds: Spans = ()
         #: How many times the history was changed (the newer of the job record and the nodes'
         #: identities wins where they disagree).
@@ -228,7 +196,7 @@ class Claim:
     @property
     def world_changed(self) -> bool:
         """Whether this run has another number of ranks than the one that saved the job."""
-        return self.stored_world != self.ctx.topo.world_size
+        return self.stored_world != self.topo.world_size
 
     def world_of(self, version: int) -> int:
         """How many ranks saved ``version``."""
@@ -238,7 +206,7 @@ class Claim:
         """Whether versions from ``first_version`` on, saved by this run, need the world-size
         history changed: this run has another number of ranks than the history's newest span,
         or the history names spans from ``first_version`` on (versions that left the timeline)."""
-        if self.stored_world != self.ctx.topo.world_size:
+        if self.stored_world != self.topo.world_size:
             return True
         return any(first >= first_version for first, _ in self.worlds)
 
@@ -252,11 +220,11 @@ class Claim:
         :meth:`sync_job_record` succeeds), else ``None``. The identities carry a newer revision
         than the record then, so an opening in between believes them.
         """
-        new = self.ctx.topo.world_size
+        new = self.topo.world_size
         self.worlds = span_after(self.worlds, self.stored_world, first_version, new)
         self.stored_world = new
         self.revision += 1
-        if self.ctx.topo.local_rank == 0:
+        if self.topo.local_rank == 0:
             await self._write_identity()
         return await self.sync_job_record()
 
@@ -264,12 +232,12 @@ class Claim:
         """Collective: rank 0 writes the job record with what every rank knows; returns why
         it could not (every rank alike), else ``None``."""
         error = None
-        if self.ctx.rank == 0 and self.durable and not self.superseded:
+        if self.rank == 0 and self.durable and not self.superseded:
             try:
                 await self.write_job_record()
             except (TiercheckError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        said = await step(self.ctx, Step.JOB_RECORD, Outcome(error))
+        said = await step(self.channels, Step.JOB_RECORD, Outcome(error))
         failed = [e.error for e in said if e.error is not None]
         return failed[0] if failed else None
 
@@ -281,10 +249,10 @@ class Claim:
         generation. One exchange later every rank decides from the same facts, so every rank
         raises the same typed error, or none does.
         """
-        cfg, topo = self.ctx.options, self.ctx.topo
+        cfg, topo = self.options, self.topo
         durable = self.durable
-        mine = await gather_facts(self.ctx, self.lock, durable)
-        everyone = await step(self.ctx, Step.OPEN_FACTS, mine)
+        mine = await gather_facts(self.options, self.channels.session, self.lock, durable)
+        everyone = await step(self.channels, Step.OPEN_FACTS, mine)
         stale = self.judge(everyone)
         # Past this point every rank may open: only now is anything written.
         if stale and topo.local_rank == 0 and topo.node_index in stale:
@@ -298,28 +266,28 @@ class Claim:
             await asyncio.to_thread(discard_node_memory, cfg.job.node_root)
         claimed: dict[str, int] = {}
         failure = ""
-        if self.ctx.rank == 0 and durable:
+        if self.rank == 0 and durable:
             try:
                 if (everyone[0].job or {}).get("state") != "found" or self._record_behind:
                     await self.write_job_record()
                 for tier in durable:
-                    fence = Fence(tier, self.ctx.session)
+                    fence = Fence(tier, self.channels.session)
                     claimed[tier.name] = await fence.claim()
                     self.fences[tier.name] = fence
             except (TiercheckError, OSError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
         # Also a barrier: no rank reads its node's memory while it is being discarded.
-        decided = (await step(self.ctx, Step.CLAIM, ClaimOutcome(claimed, failure)))[0]
+        decided = (await step(self.channels, Step.CLAIM, ClaimOutcome(claimed, failure)))[0]
         if decided.failure:
             raise StorageError(
                 f"cannot claim job {cfg.job.job_id!r} in its durable storage: {decided.failure}"
             )
         for tier in durable:
             if tier.name not in self.fences:
-                fence = Fence(tier, self.ctx.session)
+                fence = Fence(tier, self.channels.session)
                 fence.adopt(decided.generations[tier.name])
                 self.fences[tier.name] = fence
-        me = everyone[self.ctx.rank]
+        me = everyone[self.rank]
         if topo.local_rank == 0 and (
             me.identity is None or topo.node_index in stale or topo.node_index in self._adopted
         ):
@@ -328,7 +296,7 @@ class Claim:
     async def _write_identity(self) -> None:
         durable = self.durable
         identity = NodeIdentity(
-            job_id=self.ctx.job_id,
+            job_id=self.job_id,
             token=self.job_token,
             world_size=self.stored_world,
             persistent=location(durable[0]) if durable else None,
@@ -337,13 +305,13 @@ class Claim:
             revision=self.revision,
         )
         try:
-            await asyncio.to_thread(write_identity, self.ctx.options.job.node_root, identity)
+            await asyncio.to_thread(write_identity, self.options.job.node_root, identity)
         except OSError as exc:  # memory that cannot take a small file takes no blob either
             logger.warning("tiercheck: cannot record the node's identity: %r", exc)
 
     async def write_job_record(self) -> None:
         record = JobRecord(
-            self.ctx.options.job.job_id,
+            self.options.job.job_id,
             self.job_token,
             self.stored_world,
             time.time(),
@@ -356,12 +324,12 @@ class Claim:
     def judge(self, everyone: Sequence[OpenFacts]) -> dict[int, str]:
         """Decide, from what every rank saw, whether this run may open; return the nodes
         whose memory goes (:func:`~tiercheck.engine.judgement.judge_opening`, applied here)."""
-        cfg = self.ctx.options
+        cfg = self.options
         verdict = judge_opening(
             everyone,
             job_id=cfg.job.job_id,
             here=location(self.durable[0]) if self.durable else None,
-            ranks=self.ctx.topo.world_size,
+            ranks=self.topo.world_size,
             elastic=cfg.job.elastic,
             stale_policy=cfg.job.stale_memory,
             node_root=str(cfg.job.node_root),
@@ -383,13 +351,13 @@ class Claim:
         """A newer opening of the job took the durable tiers over: this one stops writing
         there (see :class:`~tiercheck.errors.Superseded`)."""
         self.superseded = True
-        self.ctx.stats.superseded = True
+        self.stats.superseded = True
 
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""
         if self.superseded:
             raise Superseded(
-                f"a newer opening of job {self.ctx.job_id!r} took over the {tier.name!r} tier; "
+                f"a newer opening of job {self.job_id!r} took over the {tier.name!r} tier; "
                 "this run no longer writes there"
             )
         fence = self.fences.get(tier.name)

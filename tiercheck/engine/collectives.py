@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Protocol, TypeVar
 
 import msgpack
 
-from tiercheck.consistency.coordinator import Coordinator
-from tiercheck.consistency.protocol import STEP_MESSAGES, Message, Step
+from tiercheck._threads import DaemonExecutor
+from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator, TorchCoordinator
+from tiercheck.consistency.protocol import STEP_MESSAGES, Message, SessionToken, Step
 from tiercheck.errors import PeerUnavailable
 
-__all__ = ["Side", "step"]
+__all__ = ["Channels", "Side", "step"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -78,3 +79,70 @@ async def step(side: Side, which: Step, message: M, *, channel: str = "control")
         exc.add_note(f"tiercheck: in step {which.value!r} on channel {channel!r}")
         raise
     return [type(message).from_wire(msgpack.unpackb(g, raw=False)) for g in gathered]
+
+
+class Channels:
+    """This rank's side of the exchanges: the coordinator, one serial thread per channel, and
+    the session every rank agreed at opening. A :class:`Side`; it changes only through its
+    methods (the engine opens it, :mod:`~tiercheck.engine.shutdown` closes it)."""
+
+    def __init__(self) -> None:
+        self._coordinator: Coordinator = SoloCoordinator()
+        # One thread per channel keeps its exchanges in order; daemon threads, because an
+        # exchange may wait on a dead rank for minutes and must never delay the process's exit.
+        self._executors: dict[str, DaemonExecutor] = {}
+        self._session = ""
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The ranks' coordinator (a :class:`SoloCoordinator` until :meth:`use`)."""
+        return self._coordinator
+
+    @property
+    def channels(self) -> Mapping[str, Executor]:
+        """Channel name -> the single daemon thread its exchanges run on."""
+        return self._executors
+
+    @property
+    def session(self) -> str:
+        """The incarnation of this opening, agreed by every rank (``""`` before
+        :meth:`agree_session`)."""
+        return self._session
+
+    def add(self, name: str) -> Executor:
+        """Open channel ``name`` (its serial thread); returns that thread."""
+        executor = self._executors[name] = DaemonExecutor(1, f"tiercheck-sync-{name}")
+        return executor
+
+    async def connect(
+        self,
+        coordinator: Coordinator | None,
+        *,
+        world_size: int,
+        names: Sequence[str],
+        timeout: float,
+    ) -> None:
+        """Open the ``"control"`` channel and exchange through ``coordinator``; without one, a
+        job of several ranks makes a :class:`TorchCoordinator` with a group per channel of
+        ``names`` (``timeout``: ``peer_timeout``), a job of one rank exchanges nothing."""
+        control = self.add("control")
+        if coordinator is not None:
+            self._coordinator = coordinator
+        elif world_size > 1:
+            # Creating groups is a collective that waits on every rank: on a daemon thread,
+            # like every exchange.
+            self._coordinator = await asyncio.get_running_loop().run_in_executor(
+                control, lambda: TorchCoordinator(list(names), timeout=timeout)
+            )
+
+    async def agree_session(self, token: str) -> str:
+        """Step ``SESSION``: every rank proposes ``token``; rank 0's is the session."""
+        self._session = (await step(self, Step.SESSION, SessionToken(token)))[0].token
+        return self._session
+
+    def close(self) -> None:
+        """Stop the channels' threads (an exchange still waiting on a dead rank stays on its
+        daemon thread) and close the coordinator's groups."""
+        for executor in self._executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+        self._coordinator.close()

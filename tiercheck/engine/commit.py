@@ -82,10 +82,8 @@ class CommitRounds:
                 )
             finally:
                 pipe.round_over(job.version)
-                job.rounds_left -= 1
-                if job.rounds_left == 0:
-                    job.finished.set()
-                    pipe.ctx.jobs.discard(job)
+                if job.round_over():
+                    pipe.inflight.discard(job)
             # A round that lost its peers committed nothing new, and retention in a tier that
             # needs them (the peer tier) would only wait for them to time out again.
             if not peers_gone:
@@ -99,9 +97,7 @@ class CommitRounds:
                     pipe.peers_back()
                 # Retention may have left the versions of whole saves behind in every tier:
                 # their records need not stay in the manifest's log (versions in flight do).
-                pipe.ctx.journal.compact(
-                    min([j.version for j in pipe.ctx.jobs], default=job.version + 1)
-                )
+                pipe.journal.compact(pipe.inflight.oldest_version(default=job.version + 1))
             if isinstance(tier, SupportsPrepare) and pipe.reserve_size and queue.empty():
                 # Retention just freed memory to recycle: ready the next snapshot's, so the
                 # next save's reserve costs a rename instead of sizing and mapping pages.
@@ -141,7 +137,7 @@ class CommitRounds:
                 base=durable.base,
             )
         # Phase 2, vote: every rank's word on this version in this tier.
-        everyone = await step(pipe.ctx, Step.VOTE, mine, channel=name)
+        everyone = await step(pipe.channels, Step.VOTE, mine, channel=name)
         # Phase 3, decide: unanimous, and (in a durable tier) the COMMIT record landed.
         failed = round_failures(everyone)
         why: AckReason = ""
@@ -182,8 +178,8 @@ class CommitRounds:
         stats = job.handle.stats.tiers[name]
         stats.state = "committed"
         stats.seconds = time.perf_counter() - job.started
-        pipe.ctx.stats.committed[name] = pipe.ctx.stats.committed.get(name, 0) + 1
-        pipe.ctx.stats.last_committed[name] = job.version
+        pipe.stats.committed[name] = pipe.stats.committed.get(name, 0) + 1
+        pipe.stats.last_committed[name] = job.version
         job.handle.resolve_tier(name)
 
     async def _base_present(self, base: int) -> bool:
@@ -214,28 +210,28 @@ class CommitRounds:
         self, version: int, everyone: list[Vote]
     ) -> tuple[list[int], AckReason]:
         """Rank 0 writes the ``COMMIT`` record; everyone learns whether it landed, and why not."""
-        ctx, tier = self.pipe.ctx, self.pipe.tier
+        pipe, tier = self.pipe, self.pipe.tier
         ok = True
         why: AckReason = ""
-        if ctx.rank == 0:
+        if pipe.rank == 0:
             try:
-                await ctx.claim.check(tier)
+                await pipe.claim.check(tier)
                 bases = sorted({v.base for v in everyone if v.base is not None})
                 for base in bases:
                     if not await tier.exists(commit_key(base)):
                         ok, why = False, "base-missing"
                 if ok:
-                    record = commit_record(ctx.job_id, version, everyone, time.time())
+                    record = commit_record(pipe.job_id, version, everyone, time.time())
                     await tier.put(commit_key(version), record.to_bytes())
             except Superseded:
                 ok, why = False, "superseded"
             except Exception:
                 logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
                 ok, why = False, "error"
-        acks = await step(ctx, Step.ACK, CommitAck(ok, why), channel=tier.name)
+        acks = await step(pipe.channels, Step.ACK, CommitAck(ok, why), channel=tier.name)
         ack = acks[0]  # rank 0's is the one that counts
         if ack.ok:
             return [], ""
         if ack.why == "superseded":
-            ctx.claim.mark_superseded()
+            pipe.claim.mark_superseded()
         return [0], ack.why

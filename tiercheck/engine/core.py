@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +218,18 @@ class CheckpointerCore(CallSteps):
         return persistent_job_url(self._config.job.persistent_url, self._config.job.job_id)
 
     @property
+    def opened(self) -> bool:
+        """Whether the checkpointer was opened (explicitly, or by the first call that needed
+        its tiers); it stays ``True`` after closing. A call refused for bad input before
+        anything was touched leaves it ``False``."""
+        return self._engine is not None
+
+    @property
     def stats(self) -> CheckpointerStats:
         """Running totals (a snapshot copy)."""
         if self._engine is None:
             return CheckpointerStats()
-        return replace(self._engine.stats)
+        return self._engine.figures()
 
     def fence(self, timeout: float | None = None) -> None:
         """Block until every snapshot this checkpointer is still copying is staged.

@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 from collections.abc import Collection, Mapping
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,14 +47,16 @@ from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.defaults import NodeRoot
+from tiercheck.engine.claim import Claim
 from tiercheck.engine.held import WithHeld
+from tiercheck.engine.options import Options
+from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
 from tiercheck.tiers.base import Buffer, SupportsRangedGet, Tier
 from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
     from tiercheck.engine.read import Reader
     from tiercheck.engine.tier import TierPipeline
 
@@ -65,8 +68,24 @@ logger = logging.getLogger("tiercheck")
 class ElasticReader:
     """Reads versions another number of ranks saved, resharded for this rank."""
 
-    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline], reader: Reader) -> None:
-        self.ctx = ctx
+    def __init__(
+        self,
+        options: Options,
+        stats: CheckpointerStats,
+        claim: Claim,
+        *,
+        cpu: Executor,
+        pipes: Mapping[str, TierPipeline],
+        reader: Reader,
+    ) -> None:
+        self.options = options
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.job_id = options.job.job_id
+        self.stats = stats
+        self.claim = claim
+        #: Worker threads for checking digests.
+        self.cpu = cpu
         self.pipes = pipes
         self.reader = reader
         # The peer replicas this node holds for the job (read in place; see engine/held.py),
@@ -89,7 +108,7 @@ class ElasticReader:
         ``listed`` is what the durable tier's ``COMMIT`` records list; ``None`` for a memory
         tier, whose blobs are listed here.
         """
-        world, claim = self.ctx.topo.world_size, self.ctx.claim
+        world, claim = self.topo.world_size, self.claim
         if listed is not None:
             return {v for v in listed if claim.world_of(v) != world}
 
@@ -110,7 +129,7 @@ class ElasticReader:
         if held is None:
             return alone
         # A lost node's blobs survive as the replicas this node holds for its ranks.
-        view = WithHeld(pipe.tier, held, self.ctx.job_id)
+        view = WithHeld(pipe.tier, held, self.job_id)
         keys |= {key async for key in view.held_keys("v", keys)}
         self._with_held = whole(keys) - alone
         return alone | self._with_held
@@ -122,14 +141,14 @@ class ElasticReader:
 
     @property
     def _node_root(self) -> Path:
-        return Path(self.ctx.options.job.node_root)
+        return Path(self.options.job.node_root)
 
     def _held_replicas(self) -> Tier | None:
         """The peer replicas this node holds (a tier over its ``replicas/`` folder), when it
         holds any of this job's."""
         if self._held is None:
             replicas = NodeRoot(self._node_root).replicas
-            if not (replicas / self.ctx.job_id).is_dir():
+            if not (replicas / self.job_id).is_dir():
                 return None
             self._held = LocalTier(replicas, name="held-replicas")
         return self._held
@@ -137,7 +156,7 @@ class ElasticReader:
     def _source(self, tier: Tier, version: int) -> Tier:
         """What ``version`` is read from in ``tier``: with the held replicas where needed."""
         if version in self._with_held and self._is_node_local(tier) and self._held is not None:
-            return WithHeld(tier, self._held, self.ctx.job_id)
+            return WithHeld(tier, self._held, self.job_id)
         return tier
 
     async def fetch(
@@ -155,7 +174,7 @@ class ElasticReader:
             except ReshardError:
                 raise
             except Exception as exc:
-                self.ctx.stats.restore_fallbacks += 1
+                self.stats.restore_fallbacks += 1
                 reasons.append(f"{name}: {type(exc).__name__}: {exc}")
                 logger.warning(
                     "tiercheck: version %s (resharded) from the %r tier is unusable (%r); "
@@ -177,7 +196,7 @@ class ElasticReader:
             self._blobs.clear()
 
     async def _read(self, tier: Tier, version: int) -> Resharded:
-        old_world = self.ctx.claim.world_of(version)
+        old_world = self.claim.world_of(version)
         keys = await self._keys(tier, version, old_world)
         metas = await asyncio.gather(
             *(self._meta(tier, keys[s], version, s) for s in range(old_world))
@@ -188,9 +207,9 @@ class ElasticReader:
         resolved = await asyncio.to_thread(resolve_all, [m.layout for m in metas])
         plan = plan_reshard(
             [r.layout for r in resolved],
-            new_rank=self.ctx.rank,
-            new_world=self.ctx.topo.world_size,
-            per_rank=self.ctx.options.job.per_rank,
+            new_rank=self.rank,
+            new_world=self.topo.world_size,
+            per_rank=self.options.job.per_rank,
         )
         # Per blob, the tensors wanted and the bytes of each the plan uses (a new shard needs
         # only the rows of an old one it overlaps).
@@ -241,7 +260,7 @@ class ElasticReader:
         """A synchronous ``fetch(start, end)`` of ``key``'s bytes, for the codec's worker threads:
         ranged reads where the tier serves them, else slices of the whole blob (read once)."""
         loop = asyncio.get_running_loop()
-        stats, lock = self.ctx.stats, self._lock
+        stats, lock = self.stats, self._lock
         # Every tier's get copies the whole blob (the local tier's too: it never maps a file
         # others may truncate), so a tier that serves ranges reads only what is needed.
         if isinstance(tier, SupportsRangedGet):
@@ -287,7 +306,7 @@ class ElasticReader:
         (a delta's base likewise)."""
         base: RangedBlob | None = None
         if meta.base is not None:
-            base_world = self.ctx.claim.world_of(meta.base.version)
+            base_world = self.claim.world_of(meta.base.version)
             base_keys = await self._keys(
                 tier, meta.base.version, base_world, range(meta.rank, meta.rank + 1)
             )
@@ -306,7 +325,7 @@ class ElasticReader:
                     sorted(spans),
                     base=base,
                     spans=spans,
-                    executor=self.ctx.cpu,
+                    executor=self.cpu,
                 )
             )
         except (ChecksumMismatch, FormatError) as exc:

@@ -29,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from typing import Any
 
 from tiercheck.codec import (
     BlobMeta,
@@ -42,16 +44,13 @@ from tiercheck.codec.digest import chunk_digests, tree_root
 from tiercheck.codec.replica import Lean, lean, skeleton_steps
 from tiercheck.consistency.manifest import Abort, Begin
 from tiercheck.engine.jobs import HeldBase, Job
-from tiercheck.engine.options import TierEncoding
+from tiercheck.engine.journal import Journal
+from tiercheck.engine.options import Options, TierEncoding
 from tiercheck.engine.plan import base_unusable
-from tiercheck.engine.tier import writes_commit_records
+from tiercheck.engine.schedule import Schedule
+from tiercheck.engine.tier import TierPipeline, writes_commit_records
 from tiercheck.errors import FormatError, StateChanged, TierClosed, TierWriteFailed
 from tiercheck.tiers.base import Buffer
-
-if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
-    from tiercheck.engine.schedule import Schedule
-    from tiercheck.engine.tier import TierPipeline
 
 __all__ = ["Encoder"]
 
@@ -61,8 +60,20 @@ logger = logging.getLogger("tiercheck")
 class Encoder:
     """Runs each save's encoding task; holds the newest base for the deltas after it."""
 
-    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline], schedule: Schedule) -> None:
-        self.ctx = ctx
+    def __init__(
+        self,
+        options: Options,
+        journal: Journal,
+        cpu: Executor,
+        pipes: Mapping[str, TierPipeline],
+        schedule: Schedule,
+    ) -> None:
+        self.options = options
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.journal = journal
+        #: Worker threads for hashing and compression.
+        self.cpu = cpu
         self.pipes = pipes
         self.schedule = schedule
         #: The newest base, in memory: what deltas are encoded against.
@@ -107,16 +118,13 @@ class Encoder:
             if job.publish is not None:
                 await job.publish
         finally:
-            publish, job.publish = job.publish, None
+            publish = job.take_publish()
             if publish is not None and not publish.done():
                 publish.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await publish
             job.holder.drop()
-            # The holder (and, for a base, self.base) keeps the payload for as long as it is
-            # needed; the job itself must not, or finished saves would pin their memory.
-            job.payload = None
-            job.reservation = None
+            job.let_go()
 
     async def _encode_job(self, job: Job) -> RawState | None:
         """Everything but the verdict on an overlapped snapshot: the raw state (``None`` when
@@ -127,29 +135,25 @@ class Encoder:
         assert job.holder is not None
         doing = "staging"
         try:
-            if job.previous is not None:
-                await job.previous.encoded.wait()
-                job.previous = None  # a chain of finished jobs would keep their memory alive
-            if job.copy is not None:
-                # An overlapped snapshot: nothing reads the payload before it is staged.
-                await asyncio.wrap_future(job.copy.done)
-                job.copy = None
+            await job.after_previous()
+            # An overlapped snapshot: nothing reads the payload before it is staged.
+            await job.copied()
             if job.confirmed is not None and job.confirmed.done():
                 found = job.confirmed.exception()
                 if found is not None:
                     raise found  # found changed already: nothing to encode
             doing = "encoding"
-            self.ctx.journal.log(
+            self.journal.log(
                 Begin(
                     job.version,
-                    self.ctx.rank,
+                    self.rank,
                     "delta" if job.kind == "delta" else "base",
                     job.base_version,
                 )
             )
             # The leaves of the digest are kept: a full blob stores them (format 1.1), so that
             # a reader of part of it can check what it reads.
-            leaves = await asyncio.to_thread(chunk_digests, job.payload, executor=self.ctx.cpu)
+            leaves = await asyncio.to_thread(chunk_digests, job.payload, executor=self.cpu)
             digest = tree_root(leaves, job.layout.payload_nbytes)
             raw = RawState(job.version, job.layout, job.payload, digest, tuple(leaves))
             base: RawState | None = None
@@ -167,8 +171,12 @@ class Encoder:
             if job.reservation is not None:
                 assert job.reserved_in is not None
                 # Published as soon as the caller confirms it, while the rest is encoded.
-                job.publish = asyncio.create_task(
-                    _publish_when_confirmed(self.ctx, self.pipes[job.reserved_in], job, raw)
+                job.publishing(
+                    asyncio.create_task(
+                        _publish_when_confirmed(
+                            self.pipes[job.reserved_in], job, raw, cpu=self.cpu, rank=self.rank
+                        )
+                    )
                 )
             # What the durable tiers store: the lean state, on a node's first rank but rank 0.
             lean_raw = (
@@ -218,7 +226,7 @@ class Encoder:
                 )
             else:
                 logger.exception("tiercheck: %s version %s failed", doing, job.version)
-            self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"{doing} failed: {exc!r}"))
+            self.journal.log(Abort(job.version, self.rank, f"{doing} failed: {exc!r}"))
             if job.publish is None:
                 await _abort_reservation(job)
             for name in job.targets:
@@ -250,7 +258,7 @@ class Encoder:
             logger.warning("tiercheck: version %s is not stored: %s", job.version, cause)
         else:
             logger.warning("tiercheck: version %s is not stored: %r", job.version, cause)
-        self.ctx.journal.log(Abort(job.version, self.ctx.rank, f"staging failed: {cause!r}"))
+        self.journal.log(Abort(job.version, self.rank, f"staging failed: {cause!r}"))
         for name in job.targets:
             job.lane_done(name, None, job.staged_failure(cause))
         if job.kind == "base":
@@ -281,14 +289,14 @@ class Encoder:
                 if any(step is None for step in steps):
                     raise ValueError("a Replicated value sits under a key no skeleton holds")
                 made = await asyncio.to_thread(
-                    lean, layout, [s for s in steps if s is not None], 0, self.ctx.topo.world_size
+                    lean, layout, [s for s in steps if s is not None], 0, self.topo.world_size
                 )
             except (ValueError, FormatError) as exc:
                 # Safe, only larger: the durable tiers get this rank's replicated state too.
                 logger.warning(
                     "tiercheck: rank %s stores its replicated state whole in durable tiers "
                     "(it could not be told apart: %s)",
-                    self.ctx.rank,
+                    self.rank,
                     exc,
                 )
             self._lean = (layout.skeleton, job.replicated_paths, made)
@@ -296,12 +304,12 @@ class Encoder:
             return None
         try:
             payload = await asyncio.to_thread(made.payload, layout, raw.payload)
-            leaves = await asyncio.to_thread(chunk_digests, payload, executor=self.ctx.cpu)
+            leaves = await asyncio.to_thread(chunk_digests, payload, executor=self.cpu)
         except Exception:
             # The lean copy is an economy: without it the durable tiers store the state whole.
             logger.exception(
                 "tiercheck: rank %s could not make version %s lean; durable tiers store it whole",
-                self.ctx.rank,
+                self.rank,
                 raw.version,
             )
             return None
@@ -317,19 +325,19 @@ class Encoder:
         self, raw: RawState, encoding: TierEncoding, base: RawState | None
     ) -> tuple[list[Buffer], BlobMeta]:
         if encoding == "full":
-            return encode_full(raw, rank=self.ctx.rank)
+            return encode_full(raw, rank=self.rank)
         return await asyncio.to_thread(
             encode_packed,
             raw,
-            rank=self.ctx.rank,
+            rank=self.rank,
             base=base,
-            options=self.ctx.options.encode.codec,
-            executor=self.ctx.cpu,
+            options=self.options.encode.codec,
+            executor=self.cpu,
         )
 
 
 async def _publish_when_confirmed(
-    ctx: Context, pipe: TierPipeline, job: Job, raw: RawState
+    pipe: TierPipeline, job: Job, raw: RawState, *, cpu: Executor, rank: int
 ) -> None:
     """Publish a snapshot staged in a tier's memory once the caller confirmed it; discard
     it otherwise (a blob there is restorable: a torn one must never get there)."""
@@ -340,7 +348,7 @@ async def _publish_when_confirmed(
         await _abort_reservation(job)
         raise
     if why is None:
-        await _publish_reserved(ctx, pipe, job, raw)
+        await _publish_reserved(pipe, job, raw, cpu=cpu, rank=rank)
     else:
         await _abort_reservation(job)
         job.lane_done(job.reserved_in, None, why)
@@ -363,7 +371,9 @@ async def _abort_reservation(job: Job) -> None:
             )
 
 
-async def _publish_reserved(ctx: Context, pipe: TierPipeline, job: Job, raw: RawState) -> None:
+async def _publish_reserved(
+    pipe: TierPipeline, job: Job, raw: RawState, *, cpu: Executor, rank: int
+) -> None:
     """Finish the blob staged in ``pipe``'s memory and publish it (its lane result)."""
     reservation = job.reservation
     assert reservation is not None
@@ -375,8 +385,8 @@ async def _publish_reserved(ctx: Context, pipe: TierPipeline, job: Job, raw: Raw
             reservation.buffer,
             raw_digest=raw.raw_digest,
             chunk_digests=raw.chunk_digests,
-            executor=ctx.cpu,
-            known=(job.layout, job.version, ctx.rank),
+            executor=cpu,
+            known=(job.layout, job.version, rank),
         )
         await reservation.commit()
     except Exception as exc:

@@ -15,18 +15,19 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tiercheck._threads import DaemonExecutor
 from tiercheck.codec.flatten import ReplicaRef
 from tiercheck.codec.plan import Planner
 from tiercheck.consistency.manifest import Abort
-from tiercheck.consistency.protocol import SessionToken, Step
 from tiercheck.defaults import NodeRoot, persistent_job_url
-from tiercheck.engine.collectives import step
-from tiercheck.engine.context import Context
+from tiercheck.engine.claim import Claim
+from tiercheck.engine.collectives import Channels
+from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.encode import Encoder
-from tiercheck.engine.jobs import Job, LaneResult
+from tiercheck.engine.jobs import InFlight, Job
+from tiercheck.engine.journal import Journal
 from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
 from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.plan import SavePlan
@@ -38,7 +39,7 @@ from tiercheck.engine.shutdown import Shutdown
 from tiercheck.engine.stage import Stager
 from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
 from tiercheck.engine.timeline import Timeline
-from tiercheck.errors import ConfigError, SaveSkipped, TierClosed
+from tiercheck.errors import ConfigError, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
 __all__ = ["Engine"]
@@ -49,13 +50,24 @@ class Engine:
 
     def __init__(self, config: Options) -> None:
         self.cfg = config
-        self.ctx = Context(config)
+        self.topo = topo = config.job.topology
+        self.rank = topo.rank
+        #: Running totals (the public face hands out copies).
+        self.stats = CheckpointerStats()
+        #: The node's manifest, as this rank keeps it.
+        self.journal = Journal(self.stats)
+        #: This rank's side of the exchanges with the others.
+        self.channels = Channels()
+        #: The writer lock, the job's incarnation, the fences of durable tiers.
+        self.claim = Claim(config, self.stats, self.channels)
+        #: Worker threads for hashing and compression.
+        self.cpu = ThreadPoolExecutor(config.encode.threads, thread_name_prefix="tiercheck-cpu")
+        #: Saves whose commit rounds are not all over yet.
+        self.inflight = InFlight()
         #: The tiers in use, fastest first (once open).
         self.tiers: list[Tier] = []
         #: Each tier's pipeline, by name, fastest first (once open).
         self.pipes: dict[str, TierPipeline] = {}
-        # The previous save's structure: a repeating state is not walked and encoded anew.
-        topo = self.ctx.topo
         leader = topo.node_index * topo.ranks_per_node
         #: On a rank that is not its node's first, the reference it stores in place of
         #: replicated state (that rank stores it); ``None`` on the first.
@@ -68,16 +80,22 @@ class Engine:
             replica=self.replica,
             world_size=topo.world_size,
         )
-        self.schedule = Schedule(self.ctx, self.pipes)
-        self.stager = Stager(self.ctx, self.pipes)
-        self.encoder = Encoder(self.ctx, self.pipes, self.schedule)
-        self.timeline = Timeline(self.ctx, self.pipes)
+        self.schedule = Schedule(config, self.stats, self.claim, self.pipes)
+        self.stager = Stager(config, self.pipes)
+        self.encoder = Encoder(config, self.journal, self.cpu, self.pipes, self.schedule)
+        self.timeline = Timeline(config, self.claim, self.channels, self.pipes)
+        reader = Reader(config, self.stats, self.claim, self.cpu, self.pipes)
         self.restorer = Restorer(
-            self.ctx,
-            self.pipes,
-            Reader(self.ctx, self.pipes),
-            self.schedule,
-            self.encoder,
+            config,
+            self.claim,
+            self.channels,
+            pipes=self.pipes,
+            reader=reader,
+            elastic=ElasticReader(
+                config, self.stats, self.claim, cpu=self.cpu, pipes=self.pipes, reader=reader
+            ),
+            schedule=self.schedule,
+            encoder=self.encoder,
             timeline=self.timeline,
         )
         self.shutdown = Shutdown(self)
@@ -88,6 +106,14 @@ class Engine:
         self.closed = False
         self.closing = False
 
+    def figures(self) -> CheckpointerStats:
+        """A copy of the running totals, with the planner's and the staging pool's figures."""
+        return self.stats.snapshot(
+            layouts_reused=self.planner.hits,
+            layouts_planned=self.planner.misses,
+            staging_bytes=self.stager.pool.allocated_bytes,
+        )
+
     def mark_closing(self) -> None:
         """A close began (see :class:`~tiercheck.engine.shutdown.Shutdown`)."""
         self.closing = True
@@ -96,43 +122,28 @@ class Engine:
         """Closed: no save or restore is accepted any more."""
         self.closed = True
 
-    @property
-    def stats(self) -> CheckpointerStats:
-        """Running totals (the live object; the public face hands out copies)."""
-        return self.ctx.stats
-
     # --- opening ------------------------------------------------------------------------------
 
     async def open(self) -> None:
         """Coordination, tiers (checked by the claim before anything is written), manifest,
         and each tier's pipeline with what it holds."""
-        cfg, ctx = self.cfg, self.ctx
+        cfg, channels, claim = self.cfg, self.channels, self.claim
         self.open_started = time.time()
         # Coordination first: creating process groups is a collective, and every rank must
         # create them in the same order (the coordinator's, then the peer tier's).
-        ctx.channels["control"] = DaemonExecutor(1, "tiercheck-sync-control")
-        loop = asyncio.get_running_loop()
-        if cfg.coordination.coordinator is not None:
-            ctx.coordinator = cfg.coordination.coordinator
-        elif ctx.topo.world_size > 1:
-            from tiercheck.consistency.coordinator import TorchCoordinator
-
-            names = cfg.tier_names
-            # Creating groups waits on every rank: on a daemon thread, like every exchange.
-            ctx.coordinator = await loop.run_in_executor(
-                ctx.channels["control"],
-                lambda: TorchCoordinator(
-                    ["control", *names], timeout=cfg.coordination.peer_timeout
-                ),
-            )
+        await channels.connect(
+            cfg.coordination.coordinator,
+            world_size=self.topo.world_size,
+            names=["control", *cfg.tier_names],
+            timeout=cfg.coordination.peer_timeout,
+        )
         # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
-        token = os.urandom(8).hex()
-        ctx.session = (await step(ctx, Step.SESSION, SessionToken(token)))[0].token
+        session = await channels.agree_session(os.urandom(8).hex())
         setup = TierSetup(
             job_id=cfg.job.job_id,
-            session=ctx.session,
-            topology=ctx.topo,
+            session=session,
+            topology=self.topo,
             node_root=cfg.job.node_root,
             persistent_url=persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
             storage_options=cfg.job.storage_options,
@@ -147,11 +158,11 @@ class Engine:
                 self.tiers.append(spec)
             elif spec != "peer":
                 self.tiers.append(await asyncio.to_thread(build_tier, spec, setup))
-        ctx.claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
-        await ctx.claim.guard()
-        if ctx.topo.local_rank == 0:
+        claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
+        await claim.guard()
+        if self.topo.local_rank == 0:
             # This opening now holds the job: what killed writers left can go.
-            await sweep_leftovers(ctx.claim.durable, ctx.session)
+            await sweep_leftovers(claim.durable, session)
             await asyncio.to_thread(sweep_node_root, cfg.job.node_root)
         if "peer" in cfg.tiers.specs:
             self.tiers.append(await asyncio.to_thread(build_tier, "peer", setup))
@@ -159,14 +170,24 @@ class Engine:
         if len(set(names)) != len(names):
             raise ConfigError(f"tier names must be unique, got {names}")
         self.tiers.sort(key=lambda t: int(t.survives))
-        ctx.claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
-        await ctx.journal.open(NodeRoot(cfg.job.node_root).manifest)
+        claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
+        await self.journal.open(NodeRoot(cfg.job.node_root).manifest)
         for tier in self.tiers:
             # Fails early on a tier without a policy.
             policy = cfg.tiers.policy(tier.name)
-            pipe = TierPipeline(ctx, tier, policy, self.schedule.lose_base)
+            pipe = TierPipeline(
+                tier,
+                policy,
+                options=cfg,
+                stats=self.stats,
+                journal=self.journal,
+                claim=claim,
+                channels=channels,
+                inflight=self.inflight,
+                on_base_lost=self.schedule.lose_base,
+            )
             self.pipes[tier.name] = pipe
-            ctx.channels[tier.name] = DaemonExecutor(1, f"tiercheck-sync-{tier.name}")
+            channels.add(tier.name)
             await pipe.load()
             pipe.start()
         self.opened = True
@@ -224,7 +245,7 @@ class Engine:
         stats = SaveStats(version, plan.kind, raw_bytes=layout.payload_nbytes)
         targets = plan.encodings
         handle = SaveHandle(version, list(targets), stats)
-        handle._point = self.stager
+        handle.confirm_at(self.stager)
         job = Job(
             version=version,
             kind=plan.kind,
@@ -241,7 +262,7 @@ class Engine:
         stats.stall_s = time.perf_counter() - started
         if job.copy is None:
             stats.staged_s = stats.stall_s
-        self.ctx.stats.stall_s_total += stats.stall_s
+        self.stats.stall_s_total += stats.stall_s
         self._launch(job)
         return handle
 
@@ -250,35 +271,22 @@ class Engine:
         version, targets = plan.version, plan.encodings
         stats = SaveStats(version, "skipped", stall_s=time.perf_counter() - started)
         handle = SaveHandle(version, list(targets), stats)
-        handle._point = self.stager
-        self.ctx.stats.skipped += 1
+        handle.confirm_at(self.stager)
+        self.stats.skipped += 1
         job = Job(version, "skipped", None, targets, handle, started)
-        job.encoded.set()
+        job.skip_everywhere()
         for name in targets:
-            fut: asyncio.Future[LaneResult] = asyncio.get_running_loop().create_future()
-            fut.set_result(LaneResult(None, SaveSkipped(f"version {version} was skipped")))
-            job.results[name] = fut
             stats.tiers[name].state = "skipped"
-        self.ctx.journal.log(
-            Abort(version, self.ctx.rank, "skipped: previous save still in flight")
-        )
+        self.journal.log(Abort(version, self.rank, "skipped: previous save still in flight"))
         self._launch(job, pipeline=False)
         return handle
 
     def _launch(self, job: Job, *, pipeline: bool = True) -> None:
         """Queue ``job``'s commit round in each target tier; encode it (unless skipped)."""
-        loop = asyncio.get_running_loop()
-        if pipeline:
-            job.previous = self.schedule.last_job
-            self.schedule.last_job = job
+        job.launch(self.schedule.follow(job) if pipeline else None)
         for name in job.targets:
-            if name not in job.results:
-                job.results[name] = loop.create_future()
             self.pipes[name].launch(job)
-        job.rounds_left = len(job.targets)
-        self.ctx.jobs.add(job)
-        if not job.targets:
-            job.finished.set()
+        self.inflight.add(job)
         if pipeline:
             self.encoder.start(job)
 
@@ -287,14 +295,10 @@ class Engine:
     async def wait(self) -> None:
         """Wait until every save so far is committed or failed in every tier, and the
         background work that follows (retention, preparing memory) is done too."""
-        jobs = self.ctx.jobs
-        while jobs:
-            job = next(iter(jobs))
-            await job.finished.wait()
-            jobs.discard(job)
+        await self.inflight.drain()
         for pipe in self.pipes.values():
             await pipe.idle.wait()
-        await self.ctx.journal.drained()
+        await self.journal.drained()
 
     async def newest(self) -> dict[str, int | None]:
         """The newest committed version of each tier, as this rank knows it."""

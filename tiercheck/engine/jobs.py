@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,11 +14,11 @@ from tiercheck.codec import Layout, RawState
 from tiercheck.consistency.manifest import Durable
 from tiercheck.engine.options import TierEncoding
 from tiercheck.engine.results import SaveHandle
-from tiercheck.errors import TierWriteFailed
+from tiercheck.errors import SaveSkipped, TierWriteFailed
 from tiercheck.staging import SnapshotCopy
 from tiercheck.tiers.base import Reservation
 
-__all__ = ["VERDICT_POLL_S", "HeldBase", "Holder", "Job", "LaneResult", "OwnBlob"]
+__all__ = ["VERDICT_POLL_S", "HeldBase", "Holder", "InFlight", "Job", "LaneResult", "OwnBlob"]
 
 #: The longest interval at which the pipeline looks whether an overlapped snapshot was
 #: confirmed (see :meth:`Job.unconfirmed`).
@@ -81,11 +81,87 @@ class Job:
     _verdict: asyncio.Task[BaseException | None] | None = None
     # The tier the snapshot was reserved in (copied in place), if any.
     reserved_in: str | None = None
+    #: The job launched through the pipeline before this one (it encodes first); dropped
+    #: once it is encoded, so that a chain of finished jobs does not keep their memory alive.
     previous: Job | None = None
     encoded: asyncio.Event = field(default_factory=asyncio.Event)
     results: dict[str, asyncio.Future[LaneResult]] = field(default_factory=dict)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     rounds_left: int = 0
+
+    def staged_in(
+        self,
+        payload: torch.Tensor,
+        holder: Holder,
+        reservation: Reservation | None = None,
+        reserved_in: str | None = None,
+    ) -> None:
+        """The snapshot's memory: ``payload``, freed through ``holder``; copied in place in
+        ``reservation`` of the tier ``reserved_in``, if any."""
+        self.payload, self.holder = payload, holder
+        self.reservation, self.reserved_in = reservation, reserved_in
+
+    def copying(self, copy: SnapshotCopy) -> None:
+        """An overlapped snapshot: ``copy`` runs on after save returned, and the version waits
+        for its confirmation."""
+        self.copy = copy
+        self.confirmed = copy.confirmed
+        self.handle.staging(copy.done)
+
+    async def copied(self) -> None:
+        """Wait until the overlapped snapshot's copy is done (at once for a blocking save)."""
+        if self.copy is not None:
+            await asyncio.wrap_future(self.copy.done)
+            self.copy = None
+
+    def publishing(self, task: asyncio.Task[None]) -> None:
+        """``task`` publishes the snapshot staged in :attr:`reservation` once confirmed."""
+        self.publish = task
+
+    def take_publish(self) -> asyncio.Task[None] | None:
+        """The publishing task, if any, which the job no longer holds."""
+        publish, self.publish = self.publish, None
+        return publish
+
+    def let_go(self) -> None:
+        """The job is encoded and published: the holder (and, for a base, the encoder's base
+        in memory) keeps the payload for as long as it is needed; the job itself must not, or
+        finished saves would pin their memory."""
+        self.payload = None
+        self.reservation = None
+
+    def skip_everywhere(self) -> None:
+        """Back-pressure skipped the version: nothing is encoded, and each target tier's
+        result is :class:`~tiercheck.errors.SaveSkipped`."""
+        self.encoded.set()
+        for name in self.targets:
+            self.lane_done(name, None, SaveSkipped(f"version {self.version} was skipped"))
+
+    def launch(self, previous: Job | None) -> None:
+        """The job enters its tiers' pipelines after ``previous`` (``None``: not encoded
+        through the pipeline, or the first): one result and one commit round per target."""
+        self.previous = previous
+        loop = asyncio.get_running_loop()
+        for name in self.targets:
+            if name not in self.results:
+                self.results[name] = loop.create_future()
+        self.rounds_left = len(self.targets)
+        if not self.targets:
+            self.finished.set()
+
+    async def after_previous(self) -> None:
+        """Wait until the job launched before this one is encoded (deltas go in order)."""
+        if self.previous is not None:
+            await self.previous.encoded.wait()
+            self.previous = None
+
+    def round_over(self) -> bool:
+        """One of the job's commit rounds is over; ``True`` once the last one is."""
+        self.rounds_left -= 1
+        if self.rounds_left == 0:
+            self.finished.set()
+            return True
+        return False
 
     def encode_as_base(self) -> None:
         """Planned as a delta, but its base is not held when it is encoded
@@ -166,3 +242,39 @@ class HeldBase:
     def for_tier(self, durable: bool) -> RawState:
         """The base a tier's deltas are encoded against: the one that tier stores."""
         return self.lean if durable and self.lean is not None else self.raw
+
+
+class InFlight:
+    """The saves whose commit rounds are not all over yet (in launch order)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[Job, None] = {}
+
+    def add(self, job: Job) -> None:
+        """``job`` was launched."""
+        self._jobs[job] = None
+
+    def discard(self, job: Job) -> None:
+        """``job``'s rounds are all over (or it was given up)."""
+        self._jobs.pop(job, None)
+
+    def clear(self) -> None:
+        """Forget every job (a close gave them up)."""
+        self._jobs.clear()
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(list(self._jobs))
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def oldest_version(self, default: int) -> int:
+        """The lowest version still in flight, or ``default`` when none is."""
+        return min((j.version for j in self._jobs), default=default)
+
+    async def drain(self) -> None:
+        """Wait until every job launched so far (and any launched meanwhile) finished."""
+        while self._jobs:
+            job = next(iter(self._jobs))
+            await job.finished.wait()
+            self.discard(job)

@@ -45,7 +45,7 @@ class Lane:
     def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta) -> bool:
         """Queue an encoded version for writing; ``False`` (and the version dropped for this
         tier) when the tier is ``tier_queue`` versions behind."""
-        tier_queue = self.pipe.ctx.options.tiers.tier_queue
+        tier_queue = self.pipe.options.tiers.tier_queue
         if self.pipe.blocked is not None:
             self.pipe.skip(
                 job,
@@ -78,7 +78,7 @@ class Lane:
                 return
             job, parts, meta = item
             kind: BlobKind = "full" if meta.kind == "full" else "packed"
-            key = blob_key(job.version, pipe.ctx.rank, kind)
+            key = blob_key(job.version, pipe.rank, kind)
             try:
                 if not pipe.durable:
                     # A memory tier has no COMMIT record: a blob there is restorable, so one
@@ -88,7 +88,7 @@ class Lane:
                         job.lane_done(tier.name, None, why)
                         continue
                 if pipe.durable:
-                    await pipe.ctx.claim.check(tier)
+                    await pipe.claim.check(tier)
                 await tier.putv(key, parts)
             except Exception as exc:
                 if isinstance(exc, PeerUnavailable):

@@ -14,8 +14,12 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from tiercheck.codec import BlobMeta
     from tiercheck.consistency.manifest import Durable
-    from tiercheck.engine.context import Context
-    from tiercheck.engine.jobs import Job, OwnBlob
+    from tiercheck.engine.claim import Claim
+    from tiercheck.engine.collectives import Channels
+    from tiercheck.engine.jobs import InFlight, Job, OwnBlob
+    from tiercheck.engine.journal import Journal
+    from tiercheck.engine.options import Options
+    from tiercheck.engine.results import CheckpointerStats
     from tiercheck.tiers.base import Tier
 
 __all__ = ["Pipe"]
@@ -24,7 +28,14 @@ __all__ = ["Pipe"]
 class Pipe(Protocol):
     """One tier's pipeline, as its lane and its round worker use it."""
 
-    ctx: Context
+    options: Options
+    rank: int
+    job_id: str
+    stats: CheckpointerStats
+    journal: Journal
+    claim: Claim
+    channels: Channels
+    inflight: InFlight
     tier: Tier
     name: str
     #: Commits proven by ``COMMIT`` records in the tier.

@@ -15,6 +15,8 @@ damaged there, the tier fails for this rank and the next is tried.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from tiercheck.blobread import complete, read_blob
@@ -24,7 +26,10 @@ from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
 from tiercheck.consistency.recovery import Inventory
+from tiercheck.engine.claim import Claim
 from tiercheck.engine.jobs import OwnBlob
+from tiercheck.engine.options import Options
+from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import (
     BlobNotFound,
@@ -34,7 +39,6 @@ from tiercheck.errors import (
 from tiercheck.tiers.base import Buffer, Tier
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
     from tiercheck.engine.tier import TierPipeline
 
 __all__ = ["Reader"]
@@ -45,8 +49,20 @@ logger = logging.getLogger("tiercheck")
 class Reader:
     """Reads this rank's blobs of a version, fastest tier first."""
 
-    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
-        self.ctx = ctx
+    def __init__(
+        self,
+        options: Options,
+        stats: CheckpointerStats,
+        claim: Claim,
+        cpu: Executor,
+        pipes: Mapping[str, TierPipeline],
+    ) -> None:
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.stats = stats
+        self.claim = claim
+        #: Worker threads for checking digests.
+        self.cpu = cpu
         self.pipes = pipes
 
     async def fetch(
@@ -58,7 +74,7 @@ class Reader:
             try:
                 return await self.read_whole(self.pipes[name].tier, version), name, reasons
             except Exception as exc:
-                self.ctx.stats.restore_fallbacks += 1
+                self.stats.restore_fallbacks += 1
                 reasons.append(f"{name}: {type(exc).__name__}: {exc}")
                 logger.warning(
                     "tiercheck: version %s from the %r tier is unusable (%r); trying the next tier",
@@ -78,12 +94,12 @@ class Reader:
         async def read(rank: int) -> RawState:
             return await self.read(tier, version, rank=rank)
 
-        return await complete(raw, self.ctx.rank, self.ctx.topo.world_size, read)
+        return await complete(raw, self.rank, self.topo.world_size, read)
 
     async def read(self, tier: Tier, version: int, *, rank: int | None = None) -> RawState:
         """Rank ``rank``'s blob (this rank's by default) of ``version`` in ``tier``, verified
         with its base (see :mod:`tiercheck.blobread`); a blob that fails is quarantined."""
-        owner = self.ctx.rank if rank is None else rank
+        owner = self.rank if rank is None else rank
 
         async def get(key: str) -> Buffer:
             return await self._get(tier, key, owner)
@@ -102,7 +118,7 @@ class Reader:
             await self._own_key(tier, version, owner),
             find_base=find_base,
             expect=(version, owner),
-            executor=self.ctx.cpu,
+            executor=self.cpu,
             on_damaged=damaged,
             other_base=other_base,
         )
@@ -132,7 +148,7 @@ class Reader:
         raise why
 
     async def _get(self, tier: Tier, key: str, rank: int) -> Buffer:
-        if rank == self.ctx.rank:
+        if rank == self.rank:
             return await tier.get(key)
         # Another rank's blob: the peer tier keeps each rank's replicas apart.
         get_for = getattr(tier, "get_for", None)
@@ -144,21 +160,21 @@ class Reader:
     async def _own_key(self, tier: Tier, version: int, rank: int) -> str:
         if writes_commit_records(tier):
             record = CommitRecord.from_bytes(bytes(await tier.get(commit_key(version))))
-            if record.world_size != self.ctx.topo.world_size:
+            if record.world_size != self.topo.world_size:
                 raise RestoreError(
                     f"version {version} was saved by {record.world_size} ranks; this job has "
-                    f"{self.ctx.topo.world_size}, and the job's world-size history says this "
+                    f"{self.topo.world_size}, and the job's world-size history says this "
                     "run's number saved it: the COMMIT record and the job record disagree"
                 )
             entry = record.entry(rank)
             own = self.pipes[tier.name].own
-            if rank == self.ctx.rank and version in own:  # the record knows the base
+            if rank == self.rank and version in own:  # the record knows the base
                 own[version] = OwnBlob(entry.key, entry.base)
             return entry.key
         list_for = getattr(tier, "list_for", None)
         listing = (
             list_for(rank, version_prefix(version))
-            if rank != self.ctx.rank and callable(list_for)
+            if rank != self.rank and callable(list_for)
             else tier.list(version_prefix(version))
         )
         keys = [k async for k in listing]
@@ -173,7 +189,7 @@ class Reader:
         """Set a blob that failed verification aside, so no cleanup can ever delete it."""
         if isinstance(exc, UnsupportedFormat):
             return  # written by a newer build: not damaged, and kept as it is
-        if self.ctx.claim.superseded and writes_commit_records(tier):
+        if self.claim.superseded and writes_commit_records(tier):
             return
         where = quarantine_key(key)
         try:
@@ -189,7 +205,7 @@ class Reader:
                 put_exc,
             )
             return
-        self.ctx.stats.quarantined += 1
+        self.stats.quarantined += 1
         logger.warning(
             "tiercheck: %s in %r failed verification (%s); set aside as %s for inspection "
             "(`tiercheck verify` lists it)",

@@ -37,8 +37,10 @@ from tiercheck.consistency.protocol import (
     whole_in_tier,
 )
 from tiercheck.consistency.recovery import Inventory, agree, candidates
-from tiercheck.engine.collectives import step
+from tiercheck.engine.claim import Claim
+from tiercheck.engine.collectives import Channels, step
 from tiercheck.engine.elastic import ElasticReader
+from tiercheck.engine.options import Options
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
 from tiercheck.engine.timeline import Continuation
@@ -54,7 +56,6 @@ from tiercheck.errors import (
 from tiercheck.statetree import check_into, load_into
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
     from tiercheck.engine.encode import Encoder
     from tiercheck.engine.read import Reader
     from tiercheck.engine.schedule import Schedule
@@ -294,21 +295,29 @@ class Restorer:
 
     def __init__(
         self,
-        ctx: Context,
-        pipes: dict[str, TierPipeline],
+        options: Options,
+        claim: Claim,
+        channels: Channels,
+        *,
+        pipes: Mapping[str, TierPipeline],
         reader: Reader,
+        elastic: ElasticReader,
         schedule: Schedule,
         encoder: Encoder,
-        *,
         timeline: Timeline,
     ) -> None:
-        self.ctx = ctx
+        self.options = options
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.job_id = options.job.job_id
+        self.claim = claim
+        self.channels = channels
         self.pipes = pipes
         self.reader = reader
+        self.elastic = elastic
         self.schedule = schedule
         self.encoder = encoder
         self.timeline = timeline
-        self.elastic = ElasticReader(ctx, pipes, reader)
         # The versions with COMMIT records in each durable tier, as the inventory listed them.
         self._listed: dict[str, set[int]] = {}
 
@@ -318,7 +327,7 @@ class Restorer:
         :class:`~tiercheck.errors.RestoreError` (every rank alike) when ``version`` cannot be
         rebuilt by every rank, or when versions are stored but none can be restored here."""
         mine, errors = await self._inventory()
-        gathered = await step(self.ctx, Step.INVENTORY, InventoryReport.of(mine, errors))
+        gathered = await step(self.channels, Step.INVENTORY, InventoryReport.of(mine, errors))
         everyone = tuple(report.inventory(r) for r, report in enumerate(gathered))
         unlisted = tuple(
             f"rank {r} cannot list the {tier!r} tier: {msg}"
@@ -328,21 +337,21 @@ class Restorer:
         possible = candidates(everyone)
         if version is not None and version not in possible:
             raise RestoreError(
-                f"version {version} of job {self.ctx.job_id!r} cannot be restored: not every "
+                f"version {version} of job {self.job_id!r} cannot be restored: not every "
                 f"rank can rebuild it from any tier. The versions every rank can rebuild: "
-                f"{sorted(possible) or 'none'}; rank {self.ctx.rank} holds "
+                f"{sorted(possible) or 'none'}; rank {self.rank} holds "
                 f"{sorted(mine.versions()) or 'none'}. Nothing was changed."
                 + ("".join(f"; {line}" for line in unlisted))
             )
         if possible:
             return Agreement(mine, everyone, unlisted, version)
-        claim = self.ctx.claim
+        claim = self.claim
         if claim.world_changed:
             # Starting afresh here would file this world's saves under the old world's
             # history; what the old world left stays as it is.
             raise RestoreError(
-                f"job {self.ctx.job_id!r} was saved by {claim.stored_world} ranks and "
-                f"stores no version every one of this run's {self.ctx.topo.world_size} "
+                f"job {self.job_id!r} was saved by {claim.stored_world} ranks and "
+                f"stores no version every one of this run's {self.topo.world_size} "
                 "ranks can rebuild resharded (each needs every old rank's blob of it in one "
                 "tier). Nothing was deleted. Restart with "
                 f"{claim.stored_world} ranks, or use another job_id."
@@ -350,7 +359,7 @@ class Restorer:
             )
         if unlisted:
             raise RestoreError(
-                f"cannot tell what job {self.ctx.job_id!r} stores, so nothing is restored "
+                f"cannot tell what job {self.job_id!r} stores, so nothing is restored "
                 "and nothing is deleted:\n  " + "\n  ".join(unlisted)
             )
         if any(inv.versions() for inv in everyone):
@@ -360,7 +369,7 @@ class Restorer:
             logger.warning(
                 "tiercheck: job %r stores no whole version, only pieces of saves that never "
                 "committed (%s); the first save removes them",
-                self.ctx.job_id,
+                self.job_id,
                 sorted(mine.versions()),
             )
             self.apply(fresh_outcome(torn=True))
@@ -393,12 +402,12 @@ class Restorer:
                 version if version is not None else agree(everyone, excluded=frozenset(excluded))
             )
             if chosen is None:
-                raise RestoreError(rejection_report(self.ctx.job_id, rejected, unlisted))
+                raise RestoreError(rejection_report(self.job_id, rejected, unlisted))
             raw: RawState | Resharded | None
             reasons: list[str]
             if failed is not None:
                 raw, source, reasons = None, None, []
-            elif self.ctx.claim.world_of(chosen) == self.ctx.topo.world_size:
+            elif self.claim.world_of(chosen) == self.topo.world_size:
                 raw, source, reasons = await self.reader.fetch(chosen, mine)
             else:
                 try:
@@ -425,7 +434,7 @@ class Restorer:
                 try:
                     with paused_gc():  # tens of thousands of short-lived objects: see there
                         rebuilt = rebuild(
-                            raw, state, strict, allow_pickle=self.ctx.options.encode.allow_pickle
+                            raw, state, strict, allow_pickle=self.options.encode.allow_pickle
                         )
                 except StateMismatch as exc:
                     refusal = ("StateMismatch", str(exc))
@@ -435,7 +444,7 @@ class Restorer:
                     reasons.append(f"{source}: {type(exc).__name__}: {exc}")
                     raw = None
             mine_verdict = RestoreVerdict(raw is not None, source, tuple(reasons), refusal)
-            verdicts = await step(self.ctx, Step.VERDICT, mine_verdict)
+            verdicts = await step(self.channels, Step.VERDICT, mine_verdict)
             refusals = [(r, v.refusal) for r, v in enumerate(verdicts) if v.refusal is not None]
             if refusals:
                 # The caller's state (or options) cannot take the version: nothing was
@@ -455,7 +464,7 @@ class Restorer:
             if version is not None:
                 raise RestoreError(
                     f"version {version} failed verification on ranks {bad}; nothing was "
-                    "deleted.\n" + rejection_report(self.ctx.job_id, rejected, unlisted)
+                    "deleted.\n" + rejection_report(self.job_id, rejected, unlisted)
                 )
             logger.warning(
                 "tiercheck: version %s failed verification on ranks %s; trying older", chosen, bad
@@ -469,14 +478,14 @@ class Restorer:
             # restore to return: copy without walking it a second time.
             with paused_gc():
                 rebuilt = load_into(state, rebuilt, strict=strict, checked=True)
-        old_world = self.ctx.claim.world_of(chosen)
-        if old_world != self.ctx.topo.world_size:
+        old_world = self.claim.world_of(chosen)
+        if old_world != self.topo.world_size:
             logger.info(
                 "tiercheck: restored version %s of job %r saved by %s ranks onto %s ranks",
                 chosen,
-                self.ctx.job_id,
+                self.job_id,
                 old_world,
-                self.ctx.topo.world_size,
+                self.topo.world_size,
             )
         outcome = restore_outcome(
             chosen=chosen,
@@ -511,8 +520,7 @@ class Restorer:
             self.schedule.restart_from(outcome.restart_from)
             self.encoder.drop_base()
         else:
-            # The Schedule's own field, until it has a method that starts the session alone.
-            self.schedule.session_started = True
+            self.schedule.begin_session()
         if outcome.continuation is not None:
             self.timeline.continue_from(outcome.continuation)
 
@@ -524,7 +532,7 @@ class Restorer:
         :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
         failed raises its own error).
         """
-        said = await step(self.ctx, Step.LOADED, Outcome(error))
+        said = await step(self.channels, Step.LOADED, Outcome(error))
         failed = [(r, e.error) for r, e in enumerate(said) if e.error is not None]
         if failed and error is None:
             rank, text = failed[0]
@@ -537,14 +545,14 @@ class Restorer:
         """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""
         by_tier: dict[str, frozenset[int]] = {}
         errors: dict[str, str] = {}
-        world = self.ctx.topo.world_size
-        elastic = self.ctx.options.job.elastic
+        world = self.topo.world_size
+        elastic = self.options.job.elastic
         for pipe in self.pipes.values():
             try:
                 await pipe.relist()
                 if pipe.durable:
                     listed = self._listed[pipe.name] = await commit_versions(pipe.tier)
-                    versions = {v for v in listed if self.ctx.claim.world_of(v) == world}
+                    versions = {v for v in listed if self.claim.world_of(v) == world}
                 else:
                     listed = None
                     versions = set(pipe.own)  # this world's versions only
@@ -558,4 +566,4 @@ class Restorer:
             else:
                 pipe.listed(True)
             by_tier[pipe.name] = frozenset(versions)
-        return Inventory(self.ctx.rank, by_tier), errors
+        return Inventory(self.rank, by_tier), errors

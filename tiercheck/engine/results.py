@@ -7,7 +7,7 @@ import concurrent.futures
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol
 
 from tiercheck.errors import ConfigError, TierNotTargeted
@@ -90,6 +90,31 @@ class CheckpointerStats:
     #: Whether a newer opening of the job took over its durable tiers (this one stopped
     #: writing there; see :class:`~tiercheck.errors.Superseded`).
     superseded: bool = False
+    #: Saves whose state had the structure of the save before it, so that its layout was
+    #: reused instead of walked and planned anew (see :mod:`tiercheck.codec.plan`).
+    layouts_reused: int = 0
+    #: Saves whose layout was planned anew (the first, and any whose structure changed).
+    layouts_planned: int = 0
+    #: Host memory the staging pool holds now, in bytes: buffers for snapshots that are not
+    #: copied straight into a tier's own memory (0 while every save is).
+    staging_bytes: int = 0
+
+    def snapshot(
+        self, *, layouts_reused: int, layouts_planned: int, staging_bytes: int
+    ) -> CheckpointerStats:
+        """A copy that shares nothing with this object (its per-tier dictionaries included),
+        with the figures kept elsewhere filled in."""
+        copied = replace(
+            self,
+            layouts_reused=layouts_reused,
+            layouts_planned=layouts_planned,
+            staging_bytes=staging_bytes,
+        )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                setattr(copied, f.name, dict(value))
+        return copied
 
 
 #: Restored tensors up to this size have storage of their own; larger ones are views into one

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
 from tiercheck.consistency.abandoned import ABANDONED_PREFIX, SetInfo, kept_and_removable
 from tiercheck.consistency.keys import commit_key, parse_commit_key
 from tiercheck.consistency.manifest import Commit, Evict
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
+from tiercheck.engine.claim import Claim
 from tiercheck.engine.jobs import OwnBlob
+from tiercheck.engine.journal import Journal
 from tiercheck.engine.options import TierPolicy
+from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.stored import commit_versions
 from tiercheck.tiers.base import Tier
-
-if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
 
 __all__ = ["Retention"]
 
@@ -35,7 +34,10 @@ class Retention:
     """What is committed, retention and removal of versions, for
     :class:`~tiercheck.engine.tier.TierPipeline`."""
 
-    ctx: Context
+    rank: int
+    stats: CheckpointerStats
+    journal: Journal
+    claim: Claim
     tier: Tier
     name: str
     policy: TierPolicy
@@ -57,7 +59,7 @@ class Retention:
             self.committed = set(committed)
         if adopted:
             self.committed.update(adopted)
-            self.ctx.journal.log(*(Commit(v, self.name) for v in adopted))
+            self.journal.log(*(Commit(v, self.name) for v in adopted))
 
     def forget_bases(self, bases: Collection[int]) -> None:
         """``bases`` vanished from the tier: no longer committed there."""
@@ -67,7 +69,7 @@ class Retention:
     async def retain(self) -> None:
         """Trim the tier to its policy's ``keep`` (never a base a kept delta needs, never a
         version in flight)."""
-        if self.unlisted or self.blocked or (self.ctx.claim.superseded and self.durable):
+        if self.unlisted or self.blocked or (self.claim.superseded and self.durable):
             # Never delete from a tier this run cannot see whole or no longer owns, nor from
             # one that still holds another timeline's versions (they would count as its own).
             return
@@ -106,12 +108,12 @@ class Retention:
         """Delete the abandoned set ``tag``: its ``SET`` record first (it is then an
         incomplete set, which nothing restores), then everything else in it."""
         self.abandoned.pop(tag, None)
-        if self.ctx.rank != 0:
+        if self.rank != 0:
             return
         prefix = f"{ABANDONED_PREFIX}{tag}/"
         keys = [key async for key in self.tier.list(prefix)]
         for key in sorted(keys, key=lambda k: not k.endswith("/SET")):
-            await self.ctx.claim.check(self.tier)
+            await self.claim.check(self.tier)
             await self.tier.delete(key)
         logger.info(
             "tiercheck: removed the abandoned set %s from the %r tier: the run holds %s "
@@ -123,9 +125,9 @@ class Retention:
 
     async def evict(self, version: int, reason: str) -> None:
         """Delete ``version`` from the tier: this rank's blob, and rank 0 its COMMIT record."""
-        if self.ctx.claim.superseded and self.durable:
+        if self.claim.superseded and self.durable:
             return
-        if self.ctx.rank == 0 and self.durable:
+        if self.rank == 0 and self.durable:
             await self.tier.delete(commit_key(version))
         blob = self.own.pop(version, None)
         if blob is not None:
@@ -133,13 +135,13 @@ class Retention:
         for key in self.others.pop(version, []):
             await self.tier.delete(key)
         self.committed.discard(version)
-        self.ctx.stats.evicted[self.name] = self.ctx.stats.evicted.get(self.name, 0) + 1
-        self.ctx.journal.log(Evict(version, self.ctx.rank, self.name, reason))
+        self.stats.evicted[self.name] = self.stats.evicted.get(self.name, 0) + 1
+        self.journal.log(Evict(version, self.rank, self.name, reason))
 
     async def truncate_from(self, first: int, reason: str) -> None:
         """Remove this rank's blobs (and rank 0's COMMIT records) of versions >= ``first``."""
         doomed = {v for v in (*self.own, *self.others) if v >= first}
-        if self.ctx.rank == 0 and self.durable:
+        if self.rank == 0 and self.durable:
             async for key in self.tier.list("v"):
                 v = parse_commit_key(key)
                 if v is not None and v >= first:

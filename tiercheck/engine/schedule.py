@@ -13,16 +13,19 @@ what happened (:meth:`Schedule.staged`, :meth:`Schedule.base_held`, ...), the sc
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tiercheck.consistency.keys import check_version
+from tiercheck.engine.claim import Claim
 from tiercheck.engine.jobs import Job
+from tiercheck.engine.options import Options
 from tiercheck.engine.plan import SaveInputs, SavePlan, plan_save, waits_for_slot
+from tiercheck.engine.results import CheckpointerStats
 from tiercheck.errors import VersionError
 from tiercheck.tiers.base import SupportsReserve
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
     from tiercheck.engine.tier import TierPipeline
 
 __all__ = ["Schedule"]
@@ -31,8 +34,18 @@ __all__ = ["Schedule"]
 class Schedule:
     """Where the sequence of saves stands."""
 
-    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
-        self.ctx = ctx
+    def __init__(
+        self,
+        options: Options,
+        stats: CheckpointerStats,
+        claim: Claim,
+        pipes: Mapping[str, TierPipeline],
+    ) -> None:
+        self.options = options
+        self.topo = options.job.topology
+        self.job_id = options.job.job_id
+        self.stats = stats
+        self.claim = claim
         self.pipes = pipes
         self.last_version: int | None = None
         #: Saves scheduled since opening (or since the restore): decides bases.
@@ -67,18 +80,18 @@ class Schedule:
         """
         if self.session_started:
             return
-        claim = self.ctx.claim
+        claim = self.claim
         if claim.world_changed:
             raise VersionError(
-                f"job {self.ctx.job_id!r} was saved by {claim.stored_world} ranks and this run "
-                f"has {self.ctx.topo.world_size}: call restore() first (it reshards the newest "
+                f"job {self.job_id!r} was saved by {claim.stored_world} ranks and this run "
+                f"has {self.topo.world_size}: call restore() first (it reshards the newest "
                 "version onto this world), or use a new job_id to start another run"
             )
         stored = [(name, v) for name, p in self.pipes.items() for v in p.own if v >= version]
         if stored:
             newest = max(v for _, v in stored)
             raise VersionError(
-                f"job {self.ctx.job_id!r} already stores version {newest} (>= {version}) in "
+                f"job {self.job_id!r} already stores version {newest} (>= {version}) in "
                 f"{sorted({n for n, _ in stored})}; call restore() first to continue that run, "
                 "use a new job_id to start another, or remove the old versions with `tiercheck gc`"
             )
@@ -92,7 +105,7 @@ class Schedule:
         ``force_base``. ``on_host``/``pinned``: where the state is, and whether the staging
         pool pins (they decide whether a tier's memory can take the copy).
         """
-        options = self.ctx.options
+        options = self.options
         count, busy = self.count, self.busy()
         policies = {name: options.tiers.policy(name) for name in self.pipes}
         if waits_for_slot(busy, options.schedule.on_busy):
@@ -120,11 +133,11 @@ class Schedule:
 
     def busy(self) -> bool:
         """Whether ``max_pending`` saves are being encoded already."""
-        return len(self.pending) >= self.ctx.options.schedule.max_pending
+        return len(self.pending) >= self.options.schedule.max_pending
 
     async def wait_for_slot(self) -> None:
         """Wait until fewer than ``max_pending`` saves are being encoded."""
-        max_pending = self.ctx.options.schedule.max_pending
+        max_pending = self.options.schedule.max_pending
         async with self.slot_freed:
             await self.slot_freed.wait_for(lambda: len(self.pending) < max_pending)
 
@@ -133,7 +146,7 @@ class Schedule:
         self.session_started = True
         self.last_version = version
         self.count += 1
-        self.ctx.stats.saves += 1
+        self.stats.saves += 1
 
     def staged(self, plan: SavePlan) -> None:
         """The snapshot of ``plan``'s version is staged: the schedule advances, and a base is
@@ -171,6 +184,16 @@ class Schedule:
             self.pending.remove(job)
         async with self.slot_freed:
             self.slot_freed.notify_all()
+
+    def follow(self, job: Job) -> Job | None:
+        """``job`` is launched through the pipeline: the job it follows (``None``: the first)."""
+        previous, self.last_job = self.last_job, job
+        return previous
+
+    def begin_session(self) -> None:
+        """A fresh start was agreed (a restore found nothing to restore): the first save
+        checks what is stored no more."""
+        self.session_started = True
 
     def restart_from(self, version: int) -> None:
         """After restoring ``version``: the next save is a base, newer than it."""

@@ -24,8 +24,13 @@ from tiercheck.errors import TierWriteFailed
 from tiercheck.tiers.base import SupportsStopServing
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiercheck.engine.claim import Claim
+    from tiercheck.engine.collectives import Channels
     from tiercheck.engine.encode import Encoder
+    from tiercheck.engine.jobs import InFlight
+    from tiercheck.engine.journal import Journal
     from tiercheck.engine.options import Options
     from tiercheck.engine.stage import Stager
     from tiercheck.engine.tier import TierPipeline
@@ -41,7 +46,11 @@ class Closable(Protocol):
     the :class:`Shutdown`: a narrow view, so that this module does not import that one)."""
 
     cfg: Options
-    ctx: Context
+    channels: Channels
+    claim: Claim
+    journal: Journal
+    cpu: ThreadPoolExecutor
+    inflight: InFlight
     tiers: list[Tier]
     pipes: dict[str, TierPipeline]
     encoder: Encoder
@@ -135,7 +144,7 @@ class Shutdown:
             saved = False
         self.engine.mark_closed()
         await self._end_workers(cancel=False)
-        collective = self.engine.ctx.coordinator.world_size > 1
+        collective = self.engine.channels.coordinator.world_size > 1
         if collective:
             await self._agree("every rank is done saving", Step.CLOSE_SAVED, SavesDone(saved))
         stopped = await self._stop_serving()
@@ -155,12 +164,12 @@ class Shutdown:
         for tier in self.engine.tiers:  # fastest first: the order of survival scopes
             futures = [
                 future
-                for job in list(self.engine.ctx.jobs)
+                for job in self.engine.inflight
                 if (future := job.handle.tier_future(tier.name)) is not None
             ]
             settled = _when_all_done(futures)
             while not settled.is_set():
-                broken = self.engine.ctx.coordinator.broken
+                broken = self.engine.channels.coordinator.broken
                 left = deadline - loop.time()
                 if broken is None and left > 0:
                     with contextlib.suppress(TimeoutError):
@@ -180,7 +189,7 @@ class Shutdown:
     async def _close_now(self) -> None:
         """Close without waiting for saves: cancel the pipeline, stop serving (bounded), release."""
         self.engine.mark_closed()
-        pending = list(self.engine.ctx.jobs)  # cancelled round workers drop their jobs from the set
+        pending = list(self.engine.inflight)  # cancelled round workers drop their jobs from the set
         await self._end_workers(cancel=True)
         for job in pending:  # whoever waits on their handles learns they never commit
             for name in job.handle.undecided_tiers():
@@ -191,7 +200,7 @@ class Shutdown:
                         "checkpointer closed without waiting for it"
                     ),
                 )
-        self.engine.ctx.jobs.clear()
+        self.engine.inflight.clear()
         await self._stop_serving()
         await self._release(flush=False)
 
@@ -232,7 +241,7 @@ class Shutdown:
     async def _agree(self, what: str, which: Step, mine: SavesDone | ServingStopped) -> bool:
         """One agreement of the close on the "control" channel; a failure is logged once."""
         try:
-            everyone = await step(self.engine.ctx, which, mine)
+            everyone = await step(self.engine.channels, which, mine)
         except Exception as exc:
             if not self.close_warned:
                 self.close_warned = True
@@ -252,17 +261,14 @@ class Shutdown:
                 await tier.aclose()
             except Exception:
                 logger.exception("tiercheck: closing the %r tier failed", tier.name)
-        self.engine.ctx.journal.close()  # local appends only
-        for ex in self.engine.ctx.channels.values():
-            # An exchange still waiting on a dead rank stays on its daemon thread.
-            ex.shutdown(wait=False, cancel_futures=True)
+        self.engine.journal.close()  # local appends only
         try:
-            self.engine.ctx.coordinator.close()
+            self.engine.channels.close()
         except Exception:
             logger.exception("tiercheck: closing the coordination groups failed")
-        self.engine.ctx.cpu.shutdown(wait=flush)
+        self.engine.cpu.shutdown(wait=flush)
         self.engine.stager.close()
-        claim = self.engine.ctx.claim
+        claim = self.engine.claim
         started = self.engine.open_started
         if self.engine.opened or started is None:
             claim.lock.release()

@@ -23,7 +23,7 @@ import concurrent.futures
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,11 +33,11 @@ from tiercheck.codec import full_blob_size, write_full_blob
 from tiercheck.codec.plan import Flat
 from tiercheck.consistency.keys import blob_key
 from tiercheck.engine.jobs import Holder, Job
+from tiercheck.engine.options import Options
 from tiercheck.errors import TiercheckError, TierWriteFailed
 from tiercheck.staging import SnapshotCopy, StagingBuffer, StagingPool
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
     from tiercheck.engine.tier import TierPipeline
 
 __all__ = ["Stager"]
@@ -46,8 +46,9 @@ __all__ = ["Stager"]
 class Stager:
     """Copies snapshots into host memory; keeps the overlapped copies not confirmed yet."""
 
-    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
-        self.ctx = ctx
+    def __init__(self, options: Options, pipes: Mapping[str, TierPipeline]) -> None:
+        self.options = options
+        self.rank = options.job.topology.rank
         self.pipes = pipes
         self.pool = StagingPool()
         #: Overlapped snapshot copies not confirmed yet (or not failed yet); read by the
@@ -55,7 +56,7 @@ class Stager:
         self.copies: set[SnapshotCopy] = set()
         self.copies_lock = threading.Lock()
         self._step_fence: Any = None
-        if ctx.options.schedule.overlap:
+        if options.schedule.overlap:
             handle = register_optimizer_step_pre_hook(_step_fence(weakref.ref(self)))
             self._step_fence = handle
             # A checkpointer dropped without closing must not leave the hook behind.
@@ -128,7 +129,7 @@ class Stager:
         """
         layout = job.layout
         assert layout is not None
-        rank, watch = self.ctx.rank, self.ctx.options.schedule.overlap
+        rank, watch = self.rank, self.options.schedule.overlap
         if into is not None:
             reserving = self.pipes[into]
             size, offset = full_blob_size(layout, version=job.version, rank=rank)
@@ -139,9 +140,7 @@ class Stager:
                 reserving.skip(job, exc)
             else:
                 try:
-                    write_full_blob(
-                        reservation.buffer, layout, version=job.version, rank=self.ctx.rank
-                    )
+                    write_full_blob(reservation.buffer, layout, version=job.version, rank=self.rank)
                     whole = torch.frombuffer(reservation.buffer, dtype=torch.uint8)
                     payload = whole[offset : offset + layout.payload_nbytes]
                     copy = SnapshotCopy(flat, payload, marks=marks, watch=watch)
@@ -149,10 +148,7 @@ class Stager:
                 except BaseException:
                     await reservation.abort()
                     raise
-                job.reservation = reservation
-                job.reserved_in = reserving.name
-                job.payload = payload
-                job.holder = Holder(reservation.release)
+                job.staged_in(payload, Holder(reservation.release), reservation, reserving.name)
                 return
         lent: StagingBuffer = self.pool.acquire(layout.payload_nbytes)
         try:
@@ -167,21 +163,18 @@ class Stager:
         except BaseException:
             self.pool.release(lent)
             raise
-        job.payload = lent.data
-        job.holder = Holder(lambda: self.pool.release(lent))
+        job.staged_in(lent.data, Holder(lambda: self.pool.release(lent)))
 
     async def _copy(self, job: Job, copy: SnapshotCopy) -> None:
         """Run the snapshot copy: to its end (blocking saves), or started on a worker thread
         with the handle's fence set to it (overlapped saves; the pipeline awaits it, and no
         tier makes the version restorable before it is confirmed: :attr:`Job.confirmed`)."""
-        if not self.ctx.options.schedule.overlap:
+        if not self.options.schedule.overlap:
             await asyncio.to_thread(copy.run)
             copy.done.result()  # the copy's error, if any, is the caller's: save raises it
             return
-        job.copy = copy
-        job.confirmed = copy.confirmed
+        job.copying(copy)
         handle = job.handle
-        handle._staged = copy.done
         started = job.started
 
         def staged(fut: concurrent.futures.Future[None]) -> None:

@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
 
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.abandoned import (
@@ -33,8 +32,12 @@ from tiercheck.consistency.keys import (
 from tiercheck.consistency.manifest import Commit, Durable
 from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE
-from tiercheck.engine.jobs import Job, OwnBlob
-from tiercheck.engine.options import TierPolicy
+from tiercheck.engine.claim import Claim
+from tiercheck.engine.collectives import Channels
+from tiercheck.engine.jobs import InFlight, Job, OwnBlob
+from tiercheck.engine.journal import Journal
+from tiercheck.engine.options import Options, TierPolicy
+from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.retain import Retention
 from tiercheck.engine.stored import (
     abandoned_sets,
@@ -46,15 +49,13 @@ from tiercheck.engine.stored import (
 from tiercheck.errors import TierFull, TierWriteFailed
 from tiercheck.tiers.base import Reservation, SupportsReserve, Tier
 
-if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
-
 __all__ = [
     "TierPipeline",
     "abandoned_sets",
     "build_tier",
     "commit_versions",
     "location",
+    "sort_blob_keys",
     "writes_commit_records",
 ]
 
@@ -65,12 +66,32 @@ class TierPipeline(Retention):
     """One tier's queue and writer, commit rounds, holdings, idle signal and retention."""
 
     def __init__(
-        self, ctx: Context, tier: Tier, policy: TierPolicy, on_base_lost: Callable[[], None]
+        self,
+        tier: Tier,
+        policy: TierPolicy,
+        *,
+        options: Options,
+        stats: CheckpointerStats,
+        journal: Journal,
+        claim: Claim,
+        channels: Channels,
+        inflight: InFlight,
+        on_base_lost: Callable[[], None],
     ) -> None:
         from tiercheck.engine.commit import CommitRounds
         from tiercheck.engine.lane import Lane
 
-        self.ctx = ctx
+        self.options = options
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.job_id = options.job.job_id
+        self.stats = stats
+        self.journal = journal
+        self.claim = claim
+        #: The ranks' channels; this tier's commit rounds run on the one named after it.
+        self.channels = channels
+        #: The saves in flight (a job leaves once its last tier's round is over).
+        self.inflight = inflight
         self.tier = tier
         self.name = tier.name
         self.policy = policy
@@ -120,7 +141,7 @@ class TierPipeline(Retention):
                 recorded=(
                     await commit_versions(self.tier)
                     if self.durable
-                    else self.ctx.journal.committed(self.name)
+                    else self.journal.committed(self.name)
                 ),
                 held={**self.others, **self.own},
             )
@@ -142,31 +163,15 @@ class TierPipeline(Retention):
 
         Also refreshes :attr:`others` from the same listing.
         """
-        out: dict[int, OwnBlob] = {}
-        others: dict[int, list[str]] = {}
-        world, claim = self.ctx.topo.world_size, self.ctx.claim
-        durable = await self.ctx.journal.blobs(self.name, self.ctx.rank)
-        bases: dict[int, int | None] = {d.version: d.base for d in durable}
-        async for key in self.tier.list("v"):
-            parsed = parse_blob_key(key)
-            if parsed is None:
-                continue
-            # A version another number of ranks saved is not this rank's state, whatever its
-            # rank number: only an elastic restore reads it (tiercheck.engine.elastic).
-            if claim.world_of(parsed.version) != world:
-                if parsed.rank % world == self.ctx.rank:
-                    others.setdefault(parsed.version, []).append(key)
-                continue
-            if parsed.rank == self.ctx.rank:
-                if parsed.kind == "full":
-                    base = None
-                elif parsed.version in bases:
-                    base = bases[parsed.version]
-                else:
-                    # Not in this node's manifest (a new node): any older blob may be its base.
-                    base = UNKNOWN_BASE
-                out[parsed.version] = OwnBlob(key, base)
-        self.others = others
+        durable = await self.journal.blobs(self.name, self.rank)
+        keys = [key async for key in self.tier.list("v")]
+        out, self.others = sort_blob_keys(
+            keys,
+            rank=self.rank,
+            world=self.topo.world_size,
+            world_of=self.claim.world_of,
+            bases={d.version: d.base for d in durable},
+        )
         return out
 
     async def relist(self) -> dict[int, OwnBlob]:
@@ -256,7 +261,7 @@ class TierPipeline(Retention):
         # Retention runs after each commit round; the previous version's may still be on
         # its way to freeing an old one. Bounded: training waits seconds at most.
         with contextlib.suppress(TimeoutError):
-            timeout = min(self.ctx.options.coordination.peer_timeout, 10.0)
+            timeout = min(self.options.coordination.peer_timeout, 10.0)
             await asyncio.wait_for(self.idle.wait(), timeout=timeout)
         return await tier.reserve(key, size)
 
@@ -266,7 +271,7 @@ class TierPipeline(Retention):
         stats = job.handle.stats.tiers[name]
         stats.state = "skipped"
         stats.error = f"{type(exc).__name__}: {exc}"
-        self.ctx.stats.tier_skips[name] = self.ctx.stats.tier_skips.get(name, 0) + 1
+        self.stats.tier_skips[name] = self.stats.tier_skips.get(name, 0) + 1
         condition = type(exc).__name__
         if condition not in self.skip_logged:
             self.skip_logged.add(condition)
@@ -291,7 +296,7 @@ class TierPipeline(Retention):
         base = meta.base.version if meta.base is not None else None
         record = Durable(
             job.version,
-            self.ctx.rank,
+            self.rank,
             self.name,
             key,
             meta.nbytes,
@@ -300,7 +305,7 @@ class TierPipeline(Retention):
             base,
         )
         self.own[job.version] = OwnBlob(key, base)
-        self.ctx.journal.log(record)
+        self.journal.log(record)
         job.handle.stats.tiers[self.name].bytes = meta.nbytes
         return record
 
@@ -312,7 +317,7 @@ class TierPipeline(Retention):
         """``version`` is committed in the tier for every rank: count it, tell the manifest;
         the reasons logged once and the trouble with peers start over."""
         self.committed.add(version)
-        self.ctx.journal.log(Commit(version, self.name))
+        self.journal.log(Commit(version, self.name))
         self.skip_logged.clear()
         self.peer_warned = False
 
@@ -345,5 +350,42 @@ class TierPipeline(Retention):
             stats.error = str(error)
             stats.seconds = time.perf_counter() - job.started
         if job.kind != "skipped" and not skipped:
-            self.ctx.stats.failed[self.name] = self.ctx.stats.failed.get(self.name, 0) + 1
+            self.stats.failed[self.name] = self.stats.failed.get(self.name, 0) + 1
         job.handle.resolve_tier(self.name, error)
+
+
+def sort_blob_keys(
+    keys: Iterable[str],
+    *,
+    rank: int,
+    world: int,
+    world_of: Callable[[int], int],
+    bases: Mapping[int, int | None],
+) -> tuple[dict[int, OwnBlob], dict[int, list[str]]]:
+    """A tier's blob ``keys`` as rank ``rank`` of ``world`` sees them: its own blobs by version
+    (with the base each is a delta on: from ``bases``, what the manifest knows, else
+    :data:`~tiercheck.consistency.retention.UNKNOWN_BASE`), and the keys of versions another
+    number of ranks saved that this rank removes when retention drops them (old ranks ``s``
+    with ``s % world == rank``). ``world_of``: how many ranks saved a version."""
+    own: dict[int, OwnBlob] = {}
+    others: dict[int, list[str]] = {}
+    for key in keys:
+        parsed = parse_blob_key(key)
+        if parsed is None:
+            continue
+        # A version another number of ranks saved is not this rank's state, whatever its
+        # rank number: only an elastic restore reads it (tiercheck.engine.elastic).
+        if world_of(parsed.version) != world:
+            if parsed.rank % world == rank:
+                others.setdefault(parsed.version, []).append(key)
+            continue
+        if parsed.rank == rank:
+            if parsed.kind == "full":
+                base = None
+            elif parsed.version in bases:
+                base = bases[parsed.version]
+            else:
+                # Not in this node's manifest (a new node): any older blob may be its base.
+                base = UNKNOWN_BASE
+            own[parsed.version] = OwnBlob(key, base)
+    return own, others

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,13 +41,14 @@ from tiercheck.consistency.abandoned import (
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import Outcome, SetAsideCompletion, SetAsideListing, Step
-from tiercheck.engine.collectives import step
+from tiercheck.engine.claim import Claim
+from tiercheck.engine.collectives import Channels, step
+from tiercheck.engine.options import Options
 from tiercheck.engine.tier import commit_versions
 from tiercheck.errors import BlobNotFound, FormatError
 from tiercheck.tiers.base import copy_blob
 
 if TYPE_CHECKING:
-    from tiercheck.engine.context import Context
     from tiercheck.engine.tier import TierPipeline
 
 __all__ = ["RETRY_EVERY", "Continuation", "Timeline"]
@@ -70,8 +72,18 @@ class Continuation:
 class Timeline:
     """Settles, before the first save after a restore, the timeline the run continues."""
 
-    def __init__(self, ctx: Context, pipes: dict[str, TierPipeline]) -> None:
-        self.ctx = ctx
+    def __init__(
+        self,
+        options: Options,
+        claim: Claim,
+        channels: Channels,
+        pipes: Mapping[str, TierPipeline],
+    ) -> None:
+        self.topo = options.job.topology
+        self.rank = self.topo.rank
+        self.job_id = options.job.job_id
+        self.claim = claim
+        self.channels = channels
         self.pipes = pipes
         self._pending: Continuation | None = None
         # What could not be settled yet: per durable tier, the continuation still owed there;
@@ -99,7 +111,7 @@ class Timeline:
             self._world_owed = None
             await self._settle(pending, list(self.pipes.values()))
             return
-        if first_save and self._world_owed is None and self.ctx.claim.needs_world_record(version):
+        if first_save and self._world_owed is None and self.claim.needs_world_record(version):
             # A run that restored nothing (or never asked) on a job with a world-size history:
             # its versions are this world's from the first one on, whatever the history said
             # of versions that were never stored or were lost with a node's memory.
@@ -124,7 +136,7 @@ class Timeline:
         logger.info(
             "tiercheck: job %r goes on from version %s; versions from %s on leave its "
             "timeline (%s)",
-            self.ctx.job_id,
+            self.job_id,
             c.version,
             first,
             c.reason,
@@ -134,7 +146,7 @@ class Timeline:
                 await self._set_aside_or_block(pipe, c)
             else:
                 await pipe.truncate_from(first, f"abandoned: {c.reason}")
-        claim = self.ctx.claim
+        claim = self.claim
         if claim.needs_world_record(first):
             await self._record_world(first)
         self._unblock_settled()
@@ -155,7 +167,7 @@ class Timeline:
 
     async def _record_world(self, first: int) -> None:
         try:
-            error = await self.ctx.claim.record_world(first)
+            error = await self.claim.record_world(first)
         except Exception as exc:  # an exchange with the other ranks failed
             error = f"{type(exc).__name__}: {exc}"
         if error is None:
@@ -167,7 +179,7 @@ class Timeline:
             if pipe.durable:
                 pipe.block(
                     "the job record could not be updated for this run's "
-                    f"{self.ctx.topo.world_size} ranks ({error}); retried every {RETRY_EVERY} "
+                    f"{self.topo.world_size} ranks ({error}); retried every {RETRY_EVERY} "
                     "saves"
                 )
 
@@ -180,26 +192,26 @@ class Timeline:
         """Collective, in one durable tier: set the committed versions after ``c.version``
         aside as a whole abandoned set, then remove them (and uncommitted pieces) from the
         run's timeline. On any rank's failure nothing is removed and the tier is blocked."""
-        ctx, tier = self.ctx, pipe.tier
+        tier, claim, channels = pipe.tier, self.claim, self.channels
         first = c.version + 1
         mine = pipe.keys_from(first)
         committed: list[int] = []
         error: str | None = None
-        if ctx.claim.superseded:
+        if claim.superseded:
             error = "a newer opening of the job owns the tier"
         elif pipe.unlisted:
             error = "this rank cannot list the tier"
-        elif ctx.rank == 0:
+        elif self.rank == 0:
             try:
                 committed = sorted(v for v in await commit_versions(tier) if v >= first)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        listed = await step(ctx, Step.SET_ASIDE_LIST, SetAsideListing(committed, error))
+        listed = await step(channels, Step.SET_ASIDE_LIST, SetAsideListing(committed, error))
         committed = list(listed[0].committed)
         errors = [e.error for e in listed]
         if self._failed(pipe, c, errors, "listing it", "nothing was removed"):
             return
-        tag = set_tag(first, ctx.session)
+        tag = set_tag(first, channels.session)
         info = SetInfo(first, frozenset(committed), frozenset())
         if committed:
             # 1. Every rank copies its blobs of the committed versions into the set.
@@ -207,11 +219,11 @@ class Timeline:
             try:
                 for version in committed:
                     for key in mine.get(version, ()):
-                        await ctx.claim.check(tier)
+                        await claim.check(tier)
                         await copy_blob(tier, key, abandoned_key(tag, key))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            copied = await step(ctx, Step.SET_ASIDE_COPY, Outcome(error))
+            copied = await step(channels, Step.SET_ASIDE_COPY, Outcome(error))
             errors = [e.error for e in copied]
             if self._failed(pipe, c, errors, "copying blobs", "nothing was removed"):
                 return
@@ -220,16 +232,16 @@ class Timeline:
             error = None
             needs: list[int] = []
             held: list[int] = list(committed)
-            if ctx.rank == 0:
+            if self.rank == 0:
                 try:
                     held, needs = await self._complete_set(pipe, tag, c, committed)
                     for version in committed:
-                        await ctx.claim.check(tier)
+                        await claim.check(tier)
                         await tier.delete(commit_key(version))
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
             completed = await step(
-                ctx, Step.SET_ASIDE_COMPLETE, SetAsideCompletion(error, needs, held)
+                channels, Step.SET_ASIDE_COMPLETE, SetAsideCompletion(error, needs, held)
             )
             info = SetInfo(first, frozenset(completed[0].held), frozenset(completed[0].needs))
             errors = [e.error for e in completed]
@@ -241,7 +253,7 @@ class Timeline:
                 "tier under abandoned/%s/ (`tiercheck ls` lists them) until the run has %s "
                 "committed versions of its own there, or `tiercheck gc --abandoned`",
                 committed,
-                ctx.job_id,
+                self.job_id,
                 c.reason,
                 pipe.name,
                 tag,
@@ -259,7 +271,7 @@ class Timeline:
         an earlier, interrupted attempt of this opening wrote). Returns the versions the set
         holds and those outside it that its deltas are encoded against (retention keeps them
         while the set stays)."""
-        tier, claim = pipe.tier, self.ctx.claim
+        tier, claim = pipe.tier, self.claim
         for version in committed:
             await claim.check(tier)
             await copy_blob(tier, commit_key(version), abandoned_key(tag, commit_key(version)))
@@ -270,10 +282,10 @@ class Timeline:
         except (BlobNotFound, FormatError):
             pass  # the first attempt (or an unreadable one, replaced)
         record = AbandonedSet(
-            job_id=self.ctx.job_id,
+            job_id=self.job_id,
             restored=c.version,
             versions=tuple(sorted(versions)),
-            session=self.ctx.session,
+            session=self.channels.session,
             time=time.time(),
             reason=c.reason,
         )
@@ -306,6 +318,6 @@ class Timeline:
             f"{error}); {kept}, and the tier takes no new versions until they are set aside "
             f"(retried every {RETRY_EVERY} saves)"
         )
-        logger.error("tiercheck: the %r tier of job %r: %s", pipe.name, self.ctx.job_id, reason)
+        logger.error("tiercheck: the %r tier of job %r: %s", pipe.name, self.job_id, reason)
         pipe.block(reason)
         return True

@@ -171,4 +171,4 @@ def abandon(checkpointer: CheckpointerCore) -> None:
         loop.stop()
         checkpointer._loop = None
     if engine is not None:
-        engine.ctx.claim.lock.release()
+        engine.claim.lock.release()
