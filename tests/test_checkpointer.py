@@ -594,3 +594,20 @@ async def test_a_crash_before_commit_restores_the_previous_version(tmp_path: Pat
     assert restored is not None
     assert restored.version == 0
     assert torch.equal(restored.state["w"], torch.zeros(32))
+
+
+def test_stats_are_a_copy_that_later_saves_do_not_change(tmp_path: Path) -> None:
+    """``ckpt.stats`` is a snapshot: its per-tier figures are its own (they were the live
+    dictionaries, so an older snapshot changed under its reader, and writing to one changed
+    the checkpointer's)."""
+    with SyncCheckpointer("job", local_root=tmp_path / "shm", tiers=["local"]) as ckpt:
+        ckpt.save(0, {"w": torch.ones(8)}).result()
+        first = ckpt.stats
+        assert first.committed == {"local": 1}
+        assert first.last_committed == {"local": 0}
+        first.committed["local"] = 99  # a reader's own business
+        ckpt.save(1, {"w": torch.ones(8)}).result()
+        later = ckpt.stats
+    assert first.last_committed == {"local": 0}
+    assert later.committed == {"local": 2}
+    assert later.last_committed == {"local": 1}
