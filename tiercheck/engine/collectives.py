@@ -105,7 +105,7 @@ class Channels:
 
     @property
     def session(self) -> str:
-        """The incarnation of this opening, agreed by every rank (``""`` before
+        """The session: this opening's token, agreed by every rank (``""`` before
         :meth:`agree_session`)."""
         return self._session
 

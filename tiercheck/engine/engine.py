@@ -137,7 +137,7 @@ class Engine:
             names=["control", *cfg.tier_names],
             timeout=cfg.coordination.peer_timeout,
         )
-        # One token per incarnation of the job, agreed by all ranks: keeps a restarted job
+        # One token per opening of the job (its session), agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
         session = await channels.agree_session(os.urandom(8).hex())
         setup = TierSetup(
