@@ -14,10 +14,11 @@ Lifecycle of one save (the order things happen in)
    confirmed the state unchanged until the copy was done.
 2. Background, in save order: the raw payload is hashed; the local blob is published; the
    state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
-3. Background, per tier, in version order: the blob is written; the manifest logs it durable.
-4. Background, per tier: the ranks exchange what became durable (a side channel, never the
+3. Background, per tier, in version order: the blob is written; the manifest logs it (its
+   ``durable`` record).
+4. Background, per tier: the ranks exchange what was written (a side channel, never the
    training's own process group); a version is *committed* in a tier once every rank's blob of
-   it, and of its base, is durable there. For tiers that outlive the cluster a ``COMMIT`` record
+   it, and of its base, is written there. For tiers that outlive the cluster a ``COMMIT`` record
    listing every blob is written last. ``handle.done(tier)`` resolves; retention then trims the
    tier (never a base a kept delta needs, never a version still in flight).
 

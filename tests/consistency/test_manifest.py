@@ -24,10 +24,10 @@ from tiercheck.consistency.manifest import (
     Abort,
     Begin,
     Commit,
-    Durable,
     Evict,
     Manifest,
     Record,
+    Written,
 )
 from tiercheck.errors import ManifestError
 
@@ -44,8 +44,8 @@ def journal(path: Path) -> Path:
     return path / JOURNAL
 
 
-def _durable(v: int, rank: int = 0, tier: str = "local", base: int | None = None) -> Durable:
-    return Durable(v, rank, tier, f"v{v:012d}/r{rank:05d}.full", 100 + v, 7 * v, 11 * v, base)
+def _durable(v: int, rank: int = 0, tier: str = "local", base: int | None = None) -> Written:
+    return Written(v, rank, tier, f"v{v:012d}/r{rank:05d}.full", 100 + v, 7 * v, 11 * v, base)
 
 
 def test_append_updates_log_and_index_together(tmp_path: Path) -> None:
@@ -95,11 +95,11 @@ def test_rebuilt_index_equals_the_incrementally_built_one(tmp_path: Path) -> Non
 def test_several_processes_share_one_manifest(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from tiercheck.consistency.manifest import Manifest, Durable\n"
+        "from tiercheck.consistency.manifest import Manifest, Written\n"
         "rank = int(sys.argv[1])\n"
         "with Manifest(sys.argv[2]) as m:\n"
         "    for v in range(50):\n"
-        "        m.append(Durable(v, rank, 'local', f'k{v}-{rank}', 1, 2, 3))\n"
+        "        m.append(Written(v, rank, 'local', f'k{v}-{rank}', 1, 2, 3))\n"
     )
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(rank), str(tmp_path / "m")])
@@ -431,7 +431,7 @@ def test_an_old_lmdb_manifest_is_never_opened(
 
 WRITER = r"""
 import os, sys, time
-from tiercheck.consistency.manifest import Begin, Durable, Manifest
+from tiercheck.consistency.manifest import Begin, Written, Manifest
 from tiercheck.errors import ManifestError
 path, rank, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 errors = 0
@@ -439,7 +439,7 @@ with Manifest(path) as m:
     v = 0
     while not os.path.exists(stop):
         try:
-            m.append(Begin(v, rank, "base"), Durable(v, rank, "local", f"k{v}", 1, 2, 3))
+            m.append(Begin(v, rank, "base"), Written(v, rank, "local", f"k{v}", 1, 2, 3))
             m.blobs("local", rank=rank)
         except ManifestError as exc:
             errors += 1

@@ -340,7 +340,7 @@ def test_schedule_decides_as_before(
                     if old_job["kind"] == "base":
                         held_old = old_job["version"]
                     if new_job["kind"] == "base":
-                        new.base_held(new_job["version"])
+                        new.base_in_memory(new_job["version"])
                         held_new = new_job["version"]
                 elif event[0] == "failed":
                     old.failed(old_job)
@@ -382,7 +382,7 @@ def test_a_busy_save_is_planned_after_its_wait_from_the_tiers_chosen_before(
         first = await schedule.plan(1, on_host=True, pinned=False)
         assert first.kind == "base"
         schedule.staged(first)
-        schedule.base_held(1)
+        schedule.base_in_memory(1)
         schedule.pending = [object()]  # type: ignore[list-item]
         waiting = asyncio.create_task(schedule.plan(2, on_host=True, pinned=False))
         await asyncio.sleep(0.01)

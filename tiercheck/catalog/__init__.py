@@ -29,7 +29,7 @@ One module per step, in the order a command takes them:
   (nothing reads them as checkpoints: ``inspect`` and ``export`` ignore them, ``verify``
   reports each one, ``gc`` keeps them unless asked to purge them), abandoned sets apart from
   the versions too (:class:`AbandonedSetEntry`; :meth:`Catalog.abandoned_view` shows one as a
-  catalog of its own, which ``verify`` checks and ``export`` reads), held replicas;
+  catalog of its own, which ``verify`` checks and ``export`` reads), kept replicas;
 * :mod:`~tiercheck.catalog.read` -- :func:`inspect_blobs` reads blob headers, ``decode_blob`` a
   whole blob with its base;
 * :mod:`~tiercheck.catalog.verify` -- :func:`verify` checks blobs and records;
@@ -76,7 +76,7 @@ from tiercheck.catalog.scan import (
     BlobEntry,
     BlobKindName,
     Catalog,
-    HeldReplicas,
+    KeptReplicas,
     QuarantinedBlob,
     VersionEntry,
 )
@@ -94,8 +94,8 @@ __all__ = [
     "ExportResult",
     "Finding",
     "GcPlan",
-    "HeldReplicas",
     "JobRemoval",
+    "KeptReplicas",
     "Location",
     "LocationError",
     "NullProgress",

@@ -2,7 +2,7 @@
 
 A :class:`Catalog` lists one location's versions (:class:`VersionEntry`, each rank's
 :class:`BlobEntry`), its quarantined blobs, the replicas a node keeps for other nodes' ranks
-(:class:`HeldReplicas`), its abandoned sets (:class:`AbandonedSetEntry`) and the records
+(:class:`KeptReplicas`), its abandoned sets (:class:`AbandonedSetEntry`) and the records
 beside them. Plain data and the queries on it; no I/O.
 """
 
@@ -19,7 +19,7 @@ from tiercheck.consistency.abandoned import ABANDONED_PREFIX, AbandonedSet
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity, Tombstone, WriterRecord
 from tiercheck.consistency.keys import BlobKind
-from tiercheck.consistency.manifest import Durable
+from tiercheck.consistency.manifest import Written
 from tiercheck.tiers.base import Leftover
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
     "BlobEntry",
     "BlobKindName",
     "Catalog",
-    "HeldReplicas",
+    "KeptReplicas",
     "QuarantinedBlob",
     "VersionEntry",
 ]
@@ -162,7 +162,7 @@ class QuarantinedBlob:
 
 
 @dataclass
-class HeldReplicas:
+class KeptReplicas:
     """The replicas a node keeps for one rank of a job on another node (the peer tier's copies).
 
     They live in the node root under ``replicas/<job>/r<rank>/``; a restore of that rank after
@@ -300,8 +300,8 @@ class Catalog:
     ranks: tuple[int, ...]
     #: Set when the node's manifest exists but cannot be read.
     manifest_error: str | None = None
-    #: The manifest's durable records of the local tier, by (version, rank).
-    durable: dict[tuple[int, int], Durable] = field(default_factory=dict)
+    #: The manifest's written records of the local tier, by (version, rank).
+    written: dict[tuple[int, int], Written] = field(default_factory=dict)
     #: Keys the tier holds that are not tiercheck keys (left alone by every command).
     foreign: list[str] = field(default_factory=list)
     #: The job record (persistent job folders), when present and readable.
@@ -329,7 +329,7 @@ class Catalog:
     #: Why a present identity file could not be read.
     identity_error: str | None = None
     #: The replicas the node keeps for ranks of other nodes (node roots), by job and rank.
-    replicas: list[HeldReplicas] = field(default_factory=list)
+    replicas: list[KeptReplicas] = field(default_factory=list)
     #: What killed writers left (temporary files, unfinished uploads), each judged.
     leftovers: list[Leftover] = field(default_factory=list)
     #: Why the leftovers could not be listed.

@@ -82,7 +82,7 @@ FINDING_CODES: Mapping[str, str] = {
     "commit-unreadable": "a COMMIT record is not a valid record",
     "commit-mismatch": "a COMMIT record disagrees with the blob it lists",
     "manifest": "the node's manifest cannot be read",
-    "manifest-mismatch": "a blob differs from what the manifest recorded as durable",
+    "manifest-mismatch": "a blob differs from what the manifest recorded as written",
     "decode": "a version does not decode to the payload recorded at save time",
     "record-unreadable": "the job record, the newest writer generation or a node's identity.json "
     "is not a valid record",
@@ -285,10 +285,10 @@ def version_findings(
                     rank=e.rank,
                 )
 
-    # The manifest's durable records against the blobs (node roots).
+    # The manifest's written records against the blobs (node roots).
     if loc.kind == "node":
         for rank, blob in sorted(entry.blobs.items()):
-            record = catalog.durable.get((v, rank))
+            record = catalog.written.get((v, rank))
             meta = metas.get(blob.key)
             if record is None or meta is None or record.key != blob.key:
                 continue

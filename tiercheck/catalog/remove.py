@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiercheck.catalog.base import REQUESTS, Location, NullProgress, Progress, local_path
-from tiercheck.catalog.scan import AbandonedSetEntry, Catalog, HeldReplicas
+from tiercheck.catalog.scan import AbandonedSetEntry, Catalog, KeptReplicas
 from tiercheck.consistency.abandoned import SET_NAME, parse_abandoned_key
 from tiercheck.consistency.identity import (
     JOB_KEY,
@@ -83,7 +83,7 @@ class JobRemoval:
     #: manifest, ``identity.json`` and the lock files (node root).
     records: list[str]
     #: The replicas a node root keeps for ranks of other nodes (they go with it).
-    replicas: list[HeldReplicas] = field(default_factory=list)
+    replicas: list[KeptReplicas] = field(default_factory=list)
     #: The abandoned sets (persistent job folders): versions the run went back from, and
     #: unfinished set-asides. Every one of them goes.
     abandoned: list[AbandonedSetEntry] = field(default_factory=list)

@@ -23,7 +23,7 @@ from tiercheck.catalog.entries import (
     BlobEntry,
     BlobKindName,
     Catalog,
-    HeldReplicas,
+    KeptReplicas,
     QuarantinedBlob,
     VersionEntry,
 )
@@ -64,7 +64,7 @@ __all__ = [
     "BlobEntry",
     "BlobKindName",
     "Catalog",
-    "HeldReplicas",
+    "KeptReplicas",
     "QuarantinedBlob",
     "VersionEntry",
     "scan_location",
@@ -76,7 +76,7 @@ async def scan_location(opened: OpenLocation) -> Catalog:
 
     What every key is (:func:`_sort_keys`), then the records that describe the keys: ``COMMIT``
     records, the job record and newest writer generation (persistent job folders); the manifest,
-    identity and held replicas (node roots); the blobs' sizes; and what killed writers left.
+    identity and kept replicas (node roots); the blobs' sizes; and what killed writers left.
     """
     loc = opened.location
     root = opened.node_root
@@ -357,14 +357,14 @@ async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:
     begun: set[int] = set()
     if manifest is not None:
         try:
-            durable = await opened.in_manifest_thread(manifest.blobs, LOCAL_TIER)
+            written = await opened.in_manifest_thread(manifest.blobs, LOCAL_TIER)
             committed = set(await opened.in_manifest_thread(manifest.committed, LOCAL_TIER))
             known = await opened.in_manifest_thread(manifest.versions)
         except ManifestError as exc:
             catalog.manifest_error = opened.manifest_error = str(exc)
             manifest = None
         else:
-            catalog.durable = {(d.version, d.rank): d for d in durable}
+            catalog.written = {(d.version, d.rank): d for d in written}
             begun = {r for info in known.values() for r in info.get("begun", [])}
     seen = {r for e in catalog.versions.values() for r in e.blobs}
     catalog.ranks = tuple(sorted(seen | begun))
@@ -374,7 +374,7 @@ async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:
         entry.expected_ranks = catalog.ranks
         entry.committed = (v in committed) if manifest is not None else None
         for rank, blob in entry.blobs.items():
-            record = catalog.durable.get((v, rank))
+            record = catalog.written.get((v, rank))
             if record is not None and record.key == blob.key:
                 blob.size = record.size
                 blob.base = record.base
@@ -436,4 +436,4 @@ async def _read_replicas(opened: OpenLocation, catalog: Catalog) -> None:
         known = [sizes.get(k) for k in blobs]
         total = None if None in known else sum(s for s in known if s is not None)
         versions = sorted(set(blobs.values()))
-        catalog.replicas.append(HeldReplicas(job, rank, versions, len(blobs), total))
+        catalog.replicas.append(KeptReplicas(job, rank, versions, len(blobs), total))

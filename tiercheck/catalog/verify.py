@@ -50,7 +50,7 @@ async def verify(
     Every blob is read and checked against its checksum (:func:`tiercheck.codec.verify`);
     deltas must have their base -- the exact one, by raw digest -- in the same location; a
     ``COMMIT`` record must match the blobs it lists (key, size, checksum, raw digest, base); in
-    a node root, blobs must match the manifest's durable records. Torn versions are problems
+    a node root, blobs must match the manifest's written records. Torn versions are problems
     when they claim to be committed and warnings otherwise. With ``deep``, every version is
     also decoded (against its base) to check the payload end to end, as a restore would.
 

@@ -1,6 +1,6 @@
 """The persistent tier's ``COMMIT`` record: the self-describing proof that a version is whole.
 
-After every rank's blob of a version is durable in the persistent tier, one rank writes a small
+After every rank's blob of a version is written to the persistent tier, one rank writes a small
 JSON object listing each blob with its size and checksums. It is written last, so its presence
 proves the version is whole; after a cluster-wide outage (every node's memory and manifest gone)
 it alone is enough to restore. JSON rather than msgpack so an operator can read it with ``cat``.

@@ -4,7 +4,7 @@ One journal file per node (``manifest/journal``), shared by every rank (process)
 Each :meth:`Manifest.append` writes one *frame* at the end of the file, in one ``write`` under
 an exclusive ``flock``: the records of that call, together, under one checksum. A crash in the
 middle of it leaves an unfinished last frame, which readers ignore and the next writer cuts
-off, so an append is there whole or not at all. The index -- which blobs are durable in which
+off, so an append is there whole or not at all. The index -- which blobs are written to which
 tier, which versions are committed where, what each version is -- is derived from the log, in
 the memory of every handle: it replays the frames other processes appended since it last
 looked, before it answers, and :meth:`Manifest.rebuild_index` replays the whole file again. The
@@ -16,13 +16,14 @@ Records (``op`` field):
 
 ==========  ==================================================================================
 ``begin``    a rank started saving version ``v`` (its kind and, for a delta, its base)
-``durable``  a rank's blob of ``v`` is durable in a tier: key, size, checksum, raw digest, base
-``commit``   ``v`` is committed in a tier: every rank's blob of it (and of its base) is durable
+``durable``  a rank's blob of ``v`` is written to a tier (:class:`Written`; the op keeps its old
+             name): key, size, checksum, raw digest, base
+``commit``   ``v`` is committed in a tier: every rank's blob of it (and of its base) is written
 ``evict``    a rank removed its blob of ``v`` from a tier (retention, or truncation on restore)
 ``abort``    a rank gave ``v`` up (skipped, or its staging failed)
 ==========  ==================================================================================
 
-Index: ``blobs`` (tier, version, rank) -> the durable record; ``commits`` (tier, version) -> the
+Index: ``blobs`` (tier, version, rank) -> the written record; ``commits`` (tier, version) -> the
 commit record; ``versions`` version -> what ranks began/aborted it.
 
 The journal is read with ``pread`` and written with ``write``, never mapped into memory. It lives
@@ -76,9 +77,9 @@ from tiercheck.consistency.records import (
     Abort,
     Begin,
     Commit,
-    Durable,
     Evict,
     Record,
+    Written,
     pack_frame,
     record_fields,
 )
@@ -89,10 +90,10 @@ __all__ = [
     "Abort",
     "Begin",
     "Commit",
-    "Durable",
     "Evict",
     "Manifest",
     "Record",
+    "Written",
 ]
 
 _MISSING = object()
@@ -126,7 +127,7 @@ class Manifest(JournalFile):
     # --- the index ----------------------------------------------------------------------------
 
     def _reset_index(self) -> None:
-        self._blobs: dict[tuple[str, int, int], Durable] = {}
+        self._blobs: dict[tuple[str, int, int], Written] = {}
         self._commits: dict[tuple[str, int], Commit] = {}
         self._versions: dict[int, dict[str, Any]] = {}
 
@@ -189,7 +190,7 @@ class Manifest(JournalFile):
             self._update_version(record.version, "begun", record.rank, record, undo)
         elif isinstance(record, Abort):
             self._update_version(record.version, "aborted", record.rank, record, undo)
-        elif isinstance(record, Durable):
+        elif isinstance(record, Written):
             self._set(self._blobs, (record.tier, record.version, record.rank), record, undo)
         elif isinstance(record, Commit):
             self._set(self._commits, (record.tier, record.version), record, undo)
@@ -319,8 +320,8 @@ class Manifest(JournalFile):
 
     def blobs(
         self, tier: str | None = None, version: int | None = None, rank: int | None = None
-    ) -> list[Durable]:
-        """Durable, not evicted blobs, filtered by tier, version and rank; sorted."""
+    ) -> list[Written]:
+        """Written, not evicted blobs, filtered by tier, version and rank; sorted."""
         with self._locked(exclusive=False):
             found = [
                 record

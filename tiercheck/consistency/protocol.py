@@ -8,7 +8,7 @@ Saving version ``v`` to tier ``T``, per rank, in order:
 
 1. **write** -- the rank writes its blob of ``v`` to ``T`` (``T``'s lane).
 2. **vote** -- the rank sends a :class:`Vote` on ``T``'s channel: the blob's record if it is
-   durable and, for a delta, its base is committed in ``T`` and still there; else a no.
+   written and, for a delta, its base is committed in ``T`` and still there; else a no.
 3. **decide** -- every rank sees every vote: :func:`round_failures` lists the ranks that said no.
    With none, in a tier that outlives the cluster, rank 0 writes the ``COMMIT`` record
    (:func:`commit_record`) and tells everyone whether it landed (a :class:`CommitAck`).
@@ -105,7 +105,7 @@ AckReason = Literal["", "base-missing", "superseded", "error"]
 class Vote:
     """One rank's word in a commit round of one version in one tier.
 
-    ``ok`` says the rank's blob is durable in the tier (and, for a delta, its base is committed
+    ``ok`` says the rank's blob is written to the tier (and, for a delta, its base is committed
     there and still present). The blob's record travels with the vote whenever the rank has
     one, yes or no: rank 0 lists it in the ``COMMIT`` record, and a vanished base is named.
     """
@@ -498,7 +498,7 @@ def committed_in_tier(
         held: the versions whose blobs are in the tier (this rank's, or any rank's).
 
     In a durable tier a ``COMMIT`` record is the proof, written only once every rank's blob was
-    durable. In a memory tier the manifest remembers the commit, but only a version whose blob
+    written. In a memory tier the manifest remembers the commit, but only a version whose blob
     is still there counts (memory is lost with its node). A version whole in a memory tier that
     the manifest missed (a crash between the commit and its record) becomes committed when a
     restore adopts it: see :func:`whole_in_tier`.

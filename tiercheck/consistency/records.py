@@ -7,7 +7,7 @@ is its format (``{"meta": {"format": 1, "compacted": n}}``); every other holds t
 own checksum tells a damaged length (corruption) from a file that ends inside a frame (an append
 cut short). :func:`pack_frame` writes one, :func:`parse_frames` reads them back.
 
-The records (:class:`Begin`, :class:`Durable`, :class:`Commit`, :class:`Evict`,
+The records (:class:`Begin`, :class:`Written`, :class:`Commit`, :class:`Evict`,
 :class:`Abort`) are importable from :mod:`tiercheck.consistency.manifest` too, where they are
 described.
 """
@@ -33,10 +33,10 @@ __all__ = [
     "Abort",
     "Begin",
     "Commit",
-    "Durable",
     "Evict",
     "Parsed",
     "Record",
+    "Written",
     "pack_frame",
     "parse_frames",
     "parse_record",
@@ -69,8 +69,9 @@ class Begin:
 
 
 @dataclass(frozen=True, slots=True)
-class Durable:
-    """A rank's blob of ``version`` is durable in ``tier``."""
+class Written:
+    """A rank's blob of ``version`` is written to ``tier`` (any tier; its op keeps the name
+    ``"durable"`` it had before, so that manifests already on disk read the same)."""
 
     op: ClassVar[str] = "durable"
     version: int
@@ -118,9 +119,9 @@ class Abort:
     time: float = 0.0
 
 
-Record = Begin | Durable | Commit | Evict | Abort
+Record = Begin | Written | Commit | Evict | Abort
 _RECORD_TYPES: dict[str, type[Record]] = {
-    cls.op: cls for cls in (Begin, Durable, Commit, Evict, Abort)
+    cls.op: cls for cls in (Begin, Written, Commit, Evict, Abort)
 }
 
 

@@ -1,6 +1,6 @@
 """The commit round: the ranks agree, version by version, on what is whole in one tier.
 
-A version is *committed* in a tier once every rank's blob of it, and of its base, is durable
+A version is *committed* in a tier once every rank's blob of it, and of its base, is written
 there -- and, for an overlapped snapshot, once the caller confirmed it unchanged since ``save``
 (a rank whose snapshot is torn votes against it, so it fails on every rank). Each rank votes
 (its blob's record, or why it has none); rank 0 writes the ``COMMIT`` record in tiers that
@@ -111,30 +111,30 @@ class CommitRounds:
     async def _round(self, job: Job) -> None:
         pipe, name = self.pipe, self.pipe.name
         result = await job.results[name]
-        if result.durable is not None:
+        if result.written is not None:
             # A durable tier may hold the blob already; it commits only a confirmed snapshot.
             unconfirmed = await job.unconfirmed()
             if unconfirmed is not None:
                 result = LaneResult(None, unconfirmed)
-        durable = result.durable
-        ok = durable is not None and (durable.base is None or durable.base in pipe.committed)
+        written = result.written
+        ok = written is not None and (written.base is None or written.base in pipe.committed)
         base_missing = False
-        if ok and durable is not None and durable.base is not None:
+        if ok and written is not None and written.base is not None:
             # A base can vanish from under a live job (a deleted folder, a lifecycle rule, a
             # holder that lost its memory): a delta against it must not be reported committed.
-            base_missing = not await self._base_present(durable.base)
+            base_missing = not await self._base_present(written.base)
             ok = not base_missing
-        if durable is None:
+        if written is None:
             mine = Vote(ok, base_missing)
         else:
             mine = Vote(
                 ok,
                 base_missing,
-                key=durable.key,
-                size=durable.size,
-                checksum=durable.checksum,
-                raw_digest=durable.raw_digest,
-                base=durable.base,
+                key=written.key,
+                size=written.size,
+                checksum=written.checksum,
+                raw_digest=written.raw_digest,
+                base=written.base,
             )
         # Phase 2, vote: every rank's word on this version in this tier.
         everyone = await step(pipe.channels, Step.VOTE, mine, channel=name)
@@ -159,18 +159,18 @@ class CommitRounds:
                     "tier; the next save is stored as a base"
                 )
             elif (
-                durable is not None
-                and durable.base is not None
-                and durable.base not in pipe.committed
+                written is not None
+                and written.base is not None
+                and written.base not in pipe.committed
             ):
                 error = TierWriteFailed(
-                    f"version {job.version} is a delta on base {durable.base}, which is not "
+                    f"version {job.version} is a delta on base {written.base}, which is not "
                     f"committed in the {name!r} tier"
                 )
             else:
                 error = TierWriteFailed(
                     f"version {job.version} is not whole in the {name!r} tier: "
-                    f"ranks {failed} could not make it durable"
+                    f"ranks {failed} could not write it"
                 )
             pipe.fail(job, error)
             return

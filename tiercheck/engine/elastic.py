@@ -14,9 +14,9 @@ caller's state and the same copy into it as any restore.
 A tier can serve such a version when it holds every old rank's blob of it: the persistent tier
 when the ``COMMIT`` record is there, a memory tier when its listing shows a blob of every old
 rank (a one-node job: the node's shared memory holds all of them). The node's local tier counts
-the peer replicas the node holds as well (:class:`~tiercheck.engine.held.WithHeld`): a job of
-two nodes that lost one holds the whole version on the other, its own ranks' blobs in its local
-tier and the lost node's as the replicas it kept for them.
+the peer replicas the node keeps as well (:class:`~tiercheck.engine.kept.WithKeptReplicas`):
+a job of two nodes that lost one holds the whole version on the other, its own ranks' blobs in
+its local tier and the lost node's as the replicas it kept for them.
 
 Replicated state an old rank stored as a reference to another rank (its node's first, or rank 0)
 (:class:`~tiercheck.codec.flatten.ReplicaRef`) is resolved before planning
@@ -48,7 +48,7 @@ from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefi
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.defaults import NodeRoot
 from tiercheck.engine.claim import Claim
-from tiercheck.engine.held import WithHeld
+from tiercheck.engine.kept import WithKeptReplicas
 from tiercheck.engine.options import Options
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.tier import writes_commit_records
@@ -88,10 +88,10 @@ class ElasticReader:
         self.cpu = cpu
         self.pipes = pipes
         self.reader = reader
-        # The peer replicas this node holds for the job (read in place; see engine/held.py),
+        # The peer replicas this node holds for the job (read in place; see engine/kept.py),
         # and the other worlds' versions the local tier serves only with them.
-        self._held: Tier | None = None
-        self._with_held: set[int] = set()
+        self._kept: Tier | None = None
+        self._with_kept: set[int] = set()
         # Blobs fetched during one read: the header and the tensors come from the same blob.
         self._blobs: dict[tuple[str, str], Buffer] = {}
         self._lock = threading.Lock()
@@ -124,15 +124,15 @@ class ElasticReader:
         alone = whole(keys)
         if not self._is_node_local(pipe.tier):
             return alone
-        self._with_held = set()
-        held = self._held_replicas()
+        self._with_kept = set()
+        held = self._kept_replicas()
         if held is None:
             return alone
         # A lost node's blobs survive as the replicas this node holds for its ranks.
-        view = WithHeld(pipe.tier, held, self.job_id)
-        keys |= {key async for key in view.held_keys("v", keys)}
-        self._with_held = whole(keys) - alone
-        return alone | self._with_held
+        view = WithKeptReplicas(pipe.tier, held, self.job_id)
+        keys |= {key async for key in view.kept_keys("v", keys)}
+        self._with_kept = whole(keys) - alone
+        return alone | self._with_kept
 
     def _is_node_local(self, tier: Tier) -> bool:
         """Whether ``tier`` is this node's local tier (its blobs under the node root)."""
@@ -143,20 +143,20 @@ class ElasticReader:
     def _node_root(self) -> Path:
         return Path(self.options.job.node_root)
 
-    def _held_replicas(self) -> Tier | None:
+    def _kept_replicas(self) -> Tier | None:
         """The peer replicas this node holds (a tier over its ``replicas/`` folder), when it
         holds any of this job's."""
-        if self._held is None:
+        if self._kept is None:
             replicas = NodeRoot(self._node_root).replicas
             if not (replicas / self.job_id).is_dir():
                 return None
-            self._held = LocalTier(replicas, name="held-replicas")
-        return self._held
+            self._kept = LocalTier(replicas, name="kept-replicas")
+        return self._kept
 
     def _source(self, tier: Tier, version: int) -> Tier:
-        """What ``version`` is read from in ``tier``: with the held replicas where needed."""
-        if version in self._with_held and self._is_node_local(tier) and self._held is not None:
-            return WithHeld(tier, self._held, self.job_id)
+        """What ``version`` is read from in ``tier``: with the kept replicas where needed."""
+        if version in self._with_kept and self._is_node_local(tier) and self._kept is not None:
+            return WithKeptReplicas(tier, self._kept, self.job_id)
         return tier
 
     async def fetch(

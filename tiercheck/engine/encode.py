@@ -3,11 +3,11 @@
 Jobs are encoded one after the other, in save order (a delta needs its base encoded first):
 the raw payload is hashed; a snapshot staged in a tier's own memory is published there; the
 state is encoded once per encoding its tiers use (``"full"``: the payload as is; ``"packed"``:
-a delta against the base held in memory, byte planes, zstd) and offered to each tier's lane.
-A base stays held (:attr:`Encoder.base`) until the next base replaces it. The encoder
+a delta against the base in memory, byte planes, zstd) and offered to each tier's lane.
+A base stays in memory (:attr:`Encoder.base`) until the next base replaces it. The encoder
 executes the save's plan (:mod:`tiercheck.engine.plan`) and tells the schedule what became of
-a base (:meth:`~tiercheck.engine.schedule.Schedule.base_held` and the like); the one decision
-it takes is the one known only now: a delta whose base is not held is encoded as a base
+a base (:meth:`~tiercheck.engine.schedule.Schedule.base_in_memory` and the like); the one decision
+it takes is the one known only now: a delta whose base is not in memory is encoded as a base
 (:func:`~tiercheck.engine.plan.base_unusable`).
 
 An overlapped snapshot (``overlap=True``) is encoded while the caller may not have confirmed it
@@ -43,7 +43,7 @@ from tiercheck.codec import (
 from tiercheck.codec.digest import chunk_digests, tree_root
 from tiercheck.codec.replica import Lean, lean, skeleton_steps
 from tiercheck.consistency.manifest import Abort, Begin
-from tiercheck.engine.jobs import HeldBase, Job
+from tiercheck.engine.jobs import BaseInMemory, Job
 from tiercheck.engine.journal import Journal
 from tiercheck.engine.options import Options, TierEncoding
 from tiercheck.engine.plan import base_unusable
@@ -77,7 +77,7 @@ class Encoder:
         self.pipes = pipes
         self.schedule = schedule
         #: The newest base, in memory: what deltas are encoded against.
-        self.base: HeldBase | None = None
+        self.base: BaseInMemory | None = None
         #: Encoding tasks not done yet.
         self.tasks: set[asyncio.Task[None]] = set()
         # The last lean layout made, by the skeleton and paths it was made from.
@@ -91,7 +91,7 @@ class Encoder:
         task.add_done_callback(self.tasks.discard)
 
     def drop_base(self) -> None:
-        """Let the held base go (a restore, or the close)."""
+        """Let the base in memory go (a restore, or the close)."""
         if self.base is not None:
             self.base.holder.drop()
             self.base = None
@@ -182,7 +182,7 @@ class Encoder:
             lean_raw = (
                 await self._lean_state(job, raw) if job.replicated_paths is not None else None
             )
-            held_base = self.base if base is not None else None
+            base_in_memory = self.base if base is not None else None
             encoded: dict[tuple[TierEncoding, bool], tuple[list[Buffer], BlobMeta]] = {}
             for name, encoding in job.targets.items():
                 if job.results[name].done():  # skipped when staging
@@ -194,7 +194,7 @@ class Encoder:
                 )
                 source = lean_raw if durable and lean_raw is not None else raw
                 if (encoding, durable) not in encoded:
-                    against = None if held_base is None else held_base.for_tier(durable)
+                    against = None if base_in_memory is None else base_in_memory.for_tier(durable)
                     encoded[encoding, durable] = await self._encode(source, encoding, against)
                 parts, meta = encoded[encoding, durable]
                 # A memory tier's lane waits for the confirmation before it writes; a durable
@@ -208,9 +208,9 @@ class Encoder:
             if job.kind == "base":
                 # Held at once, for the next save's deltas (if it is not confirmed, the save
                 # after it is a base: see _settle).
-                self.schedule.base_held(job.version)
+                self.schedule.base_in_memory(job.version)
                 job.holder.acquire()
-                old, self.base = self.base, HeldBase(raw, job.holder, lean_raw)
+                old, self.base = self.base, BaseInMemory(raw, job.holder, lean_raw)
                 if old is not None:
                     old.holder.drop()
         except Exception as exc:
@@ -262,7 +262,7 @@ class Encoder:
         for name in job.targets:
             job.lane_done(name, None, job.staged_failure(cause))
         if job.kind == "base":
-            # No more deltas against it: the next save is a base. The held copy stays until
+            # No more deltas against it: the next save is a base. The copy in memory stays until
             # that one replaces it -- a delta encoding now may still be reading it.
             self.schedule.base_unconfirmed(job.version)
 
@@ -404,5 +404,5 @@ async def _publish_reserved(
             cause=exc,
         )
         return
-    durable = pipe.record_durable(job, reservation.key, meta)
+    durable = pipe.record_written(job, reservation.key, meta)
     job.lane_done(pipe.name, durable)

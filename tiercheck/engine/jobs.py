@@ -11,14 +11,14 @@ from typing import Any, Literal
 import torch
 
 from tiercheck.codec import Layout, RawState
-from tiercheck.consistency.manifest import Durable
+from tiercheck.consistency.manifest import Written
 from tiercheck.engine.options import TierEncoding
 from tiercheck.engine.results import SaveHandle
 from tiercheck.errors import SaveSkipped, TierWriteFailed
 from tiercheck.staging import SnapshotCopy
 from tiercheck.tiers.base import Reservation
 
-__all__ = ["VERDICT_POLL_S", "HeldBase", "Holder", "InFlight", "Job", "LaneResult", "OwnBlob"]
+__all__ = ["VERDICT_POLL_S", "BaseInMemory", "Holder", "InFlight", "Job", "LaneResult", "OwnBlob"]
 
 #: The longest interval at which the pipeline looks whether an overlapped snapshot was
 #: confirmed (see :meth:`Job.unconfirmed`).
@@ -47,9 +47,9 @@ class Holder:
 
 @dataclass(frozen=True, slots=True)
 class LaneResult:
-    """How writing one version to one tier ended, for this rank: durable, or why not."""
+    """How writing one version to one tier ended, for this rank: written, or why not."""
 
-    durable: Durable | None
+    written: Written | None
     error: BaseException | None = None
 
 
@@ -164,7 +164,7 @@ class Job:
         return False
 
     def encode_as_base(self) -> None:
-        """Planned as a delta, but its base is not held when it is encoded
+        """Planned as a delta, but its base is not in memory when it is encoded
         (:func:`~tiercheck.engine.plan.base_unusable`): it is encoded, and reported, as a
         base. (:attr:`base_version` stays: it is what was planned.)"""
         self.kind = "base"
@@ -206,7 +206,7 @@ class Job:
     def lane_done(
         self,
         tier: str,
-        durable: Durable | None,
+        written: Written | None,
         error: BaseException | None = None,
         *,
         cause: BaseException | None = None,
@@ -219,7 +219,7 @@ class Job:
             return
         if error is not None and cause is not None:
             error.__cause__ = cause
-        fut.set_result(LaneResult(durable, error))
+        fut.set_result(LaneResult(written, error))
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +231,7 @@ class OwnBlob:
 
 
 @dataclass(frozen=True, slots=True)
-class HeldBase:
+class BaseInMemory:
     """The newest base's raw state, kept in memory to encode the next deltas against."""
 
     raw: RawState

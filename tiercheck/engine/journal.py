@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tiercheck.consistency.manifest import Durable, Manifest, Record
+from tiercheck.consistency.manifest import Manifest, Record, Written
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.errors import TiercheckError
 
@@ -100,11 +100,11 @@ class Journal:
         """Run ``fn(*args)`` on the manifest's thread, after the appends queued before it."""
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
-    async def blobs(self, tier: str, rank: int) -> list[Durable]:
+    async def blobs(self, tier: str, rank: int) -> list[Written]:
         """The blobs of ``rank`` the manifest saw become durable in ``tier`` (none without one)."""
         if self.manifest is None:
             return []
-        found: list[Durable] = await self.run(self.manifest.blobs, tier, None, rank)
+        found: list[Written] = await self.run(self.manifest.blobs, tier, None, rank)
         return found
 
     def committed(self, tier: str) -> set[int]:

@@ -1,11 +1,11 @@
-"""One tier's writer lane: encoded versions in, durable blobs out, one at a time, in order.
+"""One tier's writer lane: encoded versions in, written blobs out, one at a time, in order.
 
 The encoder offers each encoded version to the lane of every tier it goes to
 (:meth:`Lane.offer`); a lane ``tier_queue`` versions behind drops the version for its tier
 rather than hold training's memory (:func:`~tiercheck.engine.plan.queue_full`). The lane
 worker (:meth:`Lane.run`) writes each blob -- in a memory tier, whose blobs are restorable
 once there, only after the caller confirmed an overlapped snapshot unchanged
-(:meth:`~tiercheck.engine.jobs.Job.unconfirmed`) --, records it as durable in the pipeline's
+(:meth:`~tiercheck.engine.jobs.Job.unconfirmed`) --, records it as written in the pipeline's
 holdings and the manifest, and reports the outcome to the job; the pipeline's commit round
 (:mod:`tiercheck.engine.commit`) takes it from there.
 """
@@ -107,7 +107,7 @@ class Lane:
                     cause=exc,
                 )
             else:
-                job.lane_done(tier.name, pipe.record_durable(job, key, meta))
+                job.lane_done(tier.name, pipe.record_written(job, key, meta))
             finally:
                 if kind == "full" and job.holder is not None:
                     job.holder.drop()

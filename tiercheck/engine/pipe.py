@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from tiercheck.codec import BlobMeta
-    from tiercheck.consistency.manifest import Durable
+    from tiercheck.consistency.manifest import Written
     from tiercheck.engine.claim import Claim
     from tiercheck.engine.collectives import Channels
     from tiercheck.engine.jobs import InFlight, Job, OwnBlob
@@ -55,8 +55,8 @@ class Pipe(Protocol):
         """``job`` failed in this tier."""
         ...
 
-    def record_durable(self, job: Job, key: str, meta: BlobMeta) -> Durable:
-        """This rank's blob ``key`` of ``job`` is durable in the tier."""
+    def record_written(self, job: Job, key: str, meta: BlobMeta) -> Written:
+        """This rank's blob ``key`` of ``job`` is written to the tier."""
         ...
 
     def peer_trouble(self, what: str, exc: BaseException) -> None:

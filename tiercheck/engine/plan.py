@@ -7,7 +7,7 @@ the engine executes the :class:`SavePlan`: the schedule (:mod:`tiercheck.engine.
 gathers the inputs and keeps what the plan changes, the stager copies where the plan says, the
 encoder encodes for the plan's tiers, the lanes write.
 
-Two decisions can only be made later, and are named here too: a delta whose base is not held
+Two decisions can only be made later, and are named here too: a delta whose base is not in memory
 in memory when it is encoded is encoded as a base instead (:func:`base_unusable`), and a tier
 whose lane is ``tier_queue`` versions behind drops the version (:func:`queue_full`).
 
@@ -145,7 +145,7 @@ def plan_save(inputs: SaveInputs) -> SavePlan:
 
 def base_unusable(kind: SaveKind, base: int | None, held: int | None) -> bool:
     """Whether a save planned as ``kind`` against ``base`` must be encoded as a base after
-    all: it is a delta, and the base held in memory (``held``; ``None``: none) is not its
+    all: it is a delta, and the base in memory (``held``; ``None``: none) is not its
     base (that base failed, or a restore let it go)."""
     return kind == "delta" and (held is None or held != base)
 

@@ -7,7 +7,8 @@ base is planned yet, or a delta's base vanished from a tier: :meth:`Schedule.los
 most ``max_pending`` saves are encoded at once; beyond that ``on_busy`` waits for a slot or
 skips the save. The first save of a session may not overwrite versions already stored (restore
 first). The schedule's fields change only through its methods: the engine and the encoder say
-what happened (:meth:`Schedule.staged`, :meth:`Schedule.base_held`, ...), the schedule keeps it.
+what happened (:meth:`Schedule.staged`, :meth:`Schedule.base_in_memory`, ...), the schedule
+keeps it.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class Schedule:
         if plan.kind == "base":
             self.planned_base = plan.version
 
-    def base_held(self, version: int) -> None:
+    def base_in_memory(self, version: int) -> None:
         """The base ``version`` is encoded and held in memory: deltas go against it."""
         self.planned_base = version
 

@@ -2,7 +2,7 @@
 
 Every tier a checkpointer uses gets a :class:`TierPipeline`. Encoded versions arrive in its
 *lane* (:class:`~tiercheck.engine.lane.Lane`), whose worker writes them one at a time, in
-version order, and reports each as durable (or why not) to the job. The round worker
+version order, and reports each as written (or why not) to the job. The round worker
 (:class:`~tiercheck.engine.commit.CommitRounds`) then decides with the other ranks whether the
 version is committed in this tier, and after each round :meth:`TierPipeline.retain` trims the
 tier to its policy's ``keep``.
@@ -29,7 +29,7 @@ from tiercheck.consistency.abandoned import (
 from tiercheck.consistency.keys import (
     parse_blob_key,
 )
-from tiercheck.consistency.manifest import Commit, Durable
+from tiercheck.consistency.manifest import Commit, Written
 from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE
 from tiercheck.engine.claim import Claim
@@ -163,14 +163,14 @@ class TierPipeline(Retention):
 
         Also refreshes :attr:`others` from the same listing.
         """
-        durable = await self.journal.blobs(self.name, self.rank)
+        written = await self.journal.blobs(self.name, self.rank)
         keys = [key async for key in self.tier.list("v")]
         out, self.others = sort_blob_keys(
             keys,
             rank=self.rank,
             world=self.topo.world_size,
             world_of=self.claim.world_of,
-            bases={d.version: d.base for d in durable},
+            bases={d.version: d.base for d in written},
         )
         return out
 
@@ -291,10 +291,10 @@ class TierPipeline(Retention):
             cause=exc,
         )
 
-    def record_durable(self, job: Job, key: str, meta: BlobMeta) -> Durable:
+    def record_written(self, job: Job, key: str, meta: BlobMeta) -> Written:
         """This rank's blob of ``job`` is in the tier: remember it and log it."""
         base = meta.base.version if meta.base is not None else None
-        record = Durable(
+        record = Written(
             job.version,
             self.rank,
             self.name,

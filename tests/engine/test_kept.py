@@ -1,4 +1,4 @@
-"""A node's local tier completed by the peer replicas it holds (``engine/held.py``), as the
+"""A node's local tier completed by the peer replicas it holds (``engine/kept.py``), as the
 elastic restore of a job that lost a node reads it. Real local tiers on a temporary folder; the
 replicas laid out as the peer tier's holder keeps them (``<job>/r<rank>/<key>``)."""
 
@@ -11,12 +11,12 @@ import pytest
 
 from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import blob_key
-from tiercheck.engine.held import WithHeld
+from tiercheck.engine.kept import WithKeptReplicas
 from tiercheck.errors import BlobNotFound, StorageError
 from tiercheck.tiers.local import LocalTier
 
 
-async def listed(tier: WithHeld, prefix: str = "") -> list[str]:
+async def listed(tier: WithKeptReplicas, prefix: str = "") -> list[str]:
     return sorted([key async for key in tier.list(prefix)])
 
 
@@ -34,7 +34,7 @@ def test_local_blobs_and_held_replicas_read_as_one_tier(tmp_path: Path) -> None:
         await held.put(f"other/r00002/{blob_key(5, 2, 'packed')}", b"x")
         await held.put(f"job/r00003/{blob_key(5, 2, 'packed')}", b"x")
         await held.put("job/r00002/notes", b"x")
-        view = WithHeld(local, held, "job")
+        view = WithKeptReplicas(local, held, "job")
         assert await listed(view, "v") == sorted([*ours.values(), *theirs.values()])
         assert await listed(view, blob_key(5, 2, "packed")) == [theirs[2]]
         for r in range(4):
@@ -48,7 +48,7 @@ def test_local_blobs_and_held_replicas_read_as_one_tier(tmp_path: Path) -> None:
         with pytest.raises(BlobNotFound):
             await view.get_range(blob_key(5, 7, "full"), 0, 1)
         assert not await view.exists(blob_key(6, 0, "full"))
-        # A local blob hides a held replica of the same key.
+        # A local blob hides a kept replica of the same key.
         await held.put(f"job/r00000/{ours[0]}", b"held 0")
         assert bytes(await view.get(ours[0])) == b"local 0"
         assert (await listed(view, "v")).count(ours[0]) == 1
@@ -65,7 +65,7 @@ def test_nothing_is_written_or_deleted_but_a_quarantined_copy_next_to_its_origin
         mine, replica = blob_key(5, 0, "full"), blob_key(5, 2, "packed")
         await local.put(mine, b"mine")
         await held.put(f"job/r00002/{replica}", b"replica")
-        view = WithHeld(local, held, "job")
+        view = WithKeptReplicas(local, held, "job")
         with pytest.raises(StorageError, match="read only"):
             await view.put(blob_key(6, 0, "full"), b"new")
         with pytest.raises(StorageError, match="read only"):
