@@ -82,6 +82,9 @@ from tiercheck.catalog.scan import (
 )
 from tiercheck.catalog.verify import FINDING_CODES, Finding, VerifyReport, verify
 
+#: The name :class:`KeptReplicas` had before the glossary gave "held" one meaning (deprecated).
+HeldReplicas = KeptReplicas
+
 __all__ = [
     "EXPORT_MODE",
     "FINDING_CODES",

@@ -85,6 +85,9 @@ from tiercheck.consistency.records import (
 )
 from tiercheck.errors import ManifestError
 
+#: The name :class:`Written` had before the glossary gave "durable" one meaning (deprecated).
+Durable = Written
+
 __all__ = [
     "JOURNAL",
     "Abort",
