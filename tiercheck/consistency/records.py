@@ -119,9 +119,6 @@ class Abort:
     time: float = 0.0
 
 
-#: The name :class:`Written` had before the glossary gave "durable" one meaning (deprecated).
-Durable = Written
-
 Record = Begin | Written | Commit | Evict | Abort
 _RECORD_TYPES: dict[str, type[Record]] = {
     cls.op: cls for cls in (Begin, Written, Commit, Evict, Abort)
