@@ -22,7 +22,7 @@ import pytest
 from tests.tiers.dict_tier import DictTier
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import blob_key, commit_key
-from tiercheck.consistency.manifest import Durable
+from tiercheck.consistency.manifest import Written
 from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels
 from tiercheck.engine.commit import CommitRounds
@@ -121,7 +121,7 @@ def _job(rank: int, outcome: Outcome) -> Job:
         job.lane_done(TIER, None, outcome.error)
     else:
         key = blob_key(version, rank, "packed")
-        job.lane_done(TIER, Durable(version, rank, TIER, key, 100 + rank, 7, 9, outcome.base))
+        job.lane_done(TIER, Written(version, rank, TIER, key, 100 + rank, 7, 9, outcome.base))
     if outcome.torn:
         verdict: concurrent.futures.Future[None] = concurrent.futures.Future()
         verdict.set_exception(StateChanged("changed before the fence"))
@@ -252,7 +252,7 @@ def test_one_ranks_failure_fails_the_version_on_every_rank_and_later_ones_commit
         with pytest.raises(TierWriteFailed):
             failed.handle.result(TIER, timeout=1)
     # Rank 0 names the rank that could not; rank 1 says why itself.
-    assert "is not whole in the 'dict' tier: ranks [1] could not make it durable" in str(
+    assert "is not whole in the 'dict' tier: ranks [1] could not write it" in str(
         pipes[0].failed[2]
     )
     own = pipes[1].failed[2]

@@ -70,8 +70,8 @@ class _Schedule:
     async def release(self, job: Job) -> None:
         self.calls.append(("release", job.version))
 
-    def base_held(self, version: int) -> None:
-        self.calls.append(("base_held", version))
+    def base_in_memory(self, version: int) -> None:
+        self.calls.append(("base_in_memory", version))
 
     def base_failed(self, version: int) -> None:
         self.calls.append(("base_failed", version))
@@ -192,8 +192,8 @@ async def test_a_delta_is_encoded_against_the_base_held_in_memory(
     decoded = decode(rig.blob(1), base=decoded_base)
     assert torch.equal(decoded.payload, _payload(_state(3)))
     assert Begin(1, 0, "delta", 0) in rig.journal.records
-    assert ("base_held", 0) in rig.schedule.calls
-    assert ("base_held", 1) not in rig.schedule.calls
+    assert ("base_in_memory", 0) in rig.schedule.calls
+    assert ("base_in_memory", 1) not in rig.schedule.calls
     # The delta's memory is given back once it is encoded; the base's stays held for the
     # deltas after it, until it is let go (or the next base replaces it).
     assert rig.released == [1]
@@ -225,7 +225,7 @@ async def test_a_delta_whose_base_is_not_held_is_encoded_as_a_base(
     assert rig.offered(3).base is None
     assert decode(rig.blob(3)).version == 3
     assert "base 2 of version 3 is unavailable; encoding it as a base" in caplog.text
-    assert ("base_held", 3) in rig.schedule.calls
+    assert ("base_in_memory", 3) in rig.schedule.calls
     # Another base held than the one planned: the same.
     stray = rig.job(5, "delta", 4, _state(5), previous=orphan)
     await rig.encode(stray)
@@ -262,7 +262,7 @@ async def test_a_failed_encoding_fails_the_version_everywhere_and_frees_its_slot
     assert rig.offers == []
     for name in ("persistent", "peer"):
         result = base.results[name].result()
-        assert result.durable is None
+        assert result.written is None
         assert isinstance(result.error, TierWriteFailed)
         assert "version 0 could not be encoded" in str(result.error)
         assert isinstance(result.error.__cause__, OSError)

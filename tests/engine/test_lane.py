@@ -23,7 +23,7 @@ from tiercheck.codec.decoder import decode
 from tiercheck.codec.digest import chunk_digests, tree_root
 from tiercheck.codec.plan import Planner
 from tiercheck.consistency.keys import blob_key
-from tiercheck.consistency.manifest import Durable
+from tiercheck.consistency.manifest import Written
 from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels
 from tiercheck.engine.jobs import Holder, Job
@@ -56,9 +56,9 @@ class _Pipe:
         self.skipped.append((job.version, exc))
         job.lane_done(self.name, None, exc)
 
-    def record_durable(self, job: Job, key: str, meta: BlobMeta) -> Durable:
+    def record_written(self, job: Job, key: str, meta: BlobMeta) -> Written:
         self.recorded.append(job.version)
-        return Durable(job.version, self.rank, self.name, key, meta.nbytes, meta.checksum, 0)
+        return Written(job.version, self.rank, self.name, key, meta.nbytes, meta.checksum, 0)
 
     def peer_trouble(self, what: str, exc: BaseException) -> None:
         raise AssertionError(f"no peer is involved here: {what}: {exc!r}")
@@ -159,7 +159,7 @@ async def test_the_lane_writes_each_version_in_order_one_at_a_time(tmp_path: Pat
     for v in versions:
         result = await v.result(tier.name)
         assert result.error is None
-        assert result.durable.key == blob_key(v.job.version, 0, "full")
+        assert result.written.key == blob_key(v.job.version, 0, "full")
         # The lane let go of the memory its parts referenced: the last hold frees it.
         v.let_go()
         assert v.released
@@ -200,7 +200,7 @@ async def test_a_write_that_fails_fails_the_version_in_that_tier_and_the_lane_go
     with caplog.at_level(logging.WARNING, logger="tiercheck"):
         await _drain(lane)
     failed = await versions[1].result(tier.name)
-    assert failed.durable is None
+    assert failed.written is None
     assert isinstance(failed.error, TierWriteFailed)
     assert "version 2 could not be written to the 'dict' tier" in str(failed.error)
     assert isinstance(failed.error.__cause__, InjectedFault)
