@@ -226,6 +226,9 @@ async def test_a_delta_whose_base_is_not_held_is_encoded_as_a_base(
     assert decode(rig.blob(3)).version == 3
     assert "base 2 of version 3 is unavailable; encoding it as a base" in caplog.text
     assert ("base_in_memory", 3) in rig.schedule.calls
+    # The manifest is told what the blob is: a base (it said "delta on 2" before the blob was).
+    (begun,) = [r for r in rig.journal.records if isinstance(r, Begin) and r.version == 3]
+    assert (begun.kind, begun.base) == ("base", None)
     # Another base held than the one planned: the same.
     stray = rig.job(5, "delta", 4, _state(5), previous=orphan)
     await rig.encode(stray)

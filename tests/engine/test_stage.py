@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,8 +43,12 @@ class _Pipe:
         self.name = tier.name
         self.reserved: list[Reservation] = []
         self.skipped: list[tuple[Job, BaseException]] = []
+        #: What reserve raises instead of reserving (a plugin tier's bug), if anything.
+        self.broken: Exception | None = None
 
     async def reserve(self, key: str, size: int) -> Reservation:
+        if self.broken is not None:
+            raise self.broken
         reservation = await self.tier.reserve(key, size)
         self.reserved.append(reservation)
         return reservation
@@ -152,6 +157,29 @@ async def test_a_reservation_that_fails_skips_that_tier_and_stages_in_the_pool(
         _assert_holds(job, flat)
         assert [k async for k in tier.list("")] == []
         assert tier.usage == 0
+    finally:
+        await tier.aclose()
+
+
+async def test_a_tier_whose_reserve_has_a_bug_is_skipped_and_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only storage errors: whatever a plugin tier's reserve raises stays out of save."""
+    tier = LocalTier(tmp_path / "local")
+    pipe = _Pipe(tier)
+    pipe.broken = RuntimeError("a plugin's bug")
+    stager = Stager(_options(), cast(Any, {"local": pipe}))
+    flat = Planner().flatten(_state())
+    job = _job(flat, targets=("local", "persistent"))
+    try:
+        with caplog.at_level(logging.ERROR, logger="tiercheck"):
+            await stager.stage(job, flat, None, into="local")
+        [(skipped, why)] = pipe.skipped
+        assert skipped is job
+        assert why is pipe.broken
+        assert "the 'local' tier's reserve raised an unexpected error" in caplog.text
+        assert job.reserved_in is None
+        _assert_holds(job, flat)
     finally:
         await tier.aclose()
 

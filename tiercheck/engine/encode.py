@@ -143,19 +143,7 @@ class Encoder:
                 if found is not None:
                     raise found  # found changed already: nothing to encode
             doing = "encoding"
-            self.journal.log(
-                Begin(
-                    job.version,
-                    self.rank,
-                    "delta" if job.kind == "delta" else "base",
-                    job.base_version,
-                )
-            )
-            # The leaves of the digest are kept: a full blob stores them (format 1.1), so that
-            # a reader of part of it can check what it reads.
-            leaves = await asyncio.to_thread(chunk_digests, job.payload, executor=self.cpu)
-            digest = tree_root(leaves, job.layout.payload_nbytes)
-            raw = RawState(job.version, job.layout, job.payload, digest, tuple(leaves))
+            # Decided before the manifest is told, so that its record says what the blob is.
             base: RawState | None = None
             in_memory = None if self.base is None else self.base.raw.version
             if base_unusable(job.kind, job.base_version, in_memory):
@@ -168,6 +156,20 @@ class Encoder:
             elif job.kind == "delta":
                 assert self.base is not None
                 base = self.base.raw
+            delta = job.kind == "delta"
+            self.journal.log(
+                Begin(
+                    job.version,
+                    self.rank,
+                    "delta" if delta else "base",
+                    job.base_version if delta else None,
+                )
+            )
+            # The leaves of the digest are kept: a full blob stores them (format 1.1), so that
+            # a reader of part of it can check what it reads.
+            leaves = await asyncio.to_thread(chunk_digests, job.payload, executor=self.cpu)
+            digest = tree_root(leaves, job.layout.payload_nbytes)
+            raw = RawState(job.version, job.layout, job.payload, digest, tuple(leaves))
             if job.reservation is not None:
                 assert job.reserved_in is not None
                 # Published as soon as the caller confirms it, while the rest is encoded.
@@ -393,8 +395,12 @@ async def _publish_reserved(
         logger.exception(
             "tiercheck: publishing version %s in the %s tier failed", job.version, pipe.name
         )
-        with contextlib.suppress(Exception):
+        try:
             await reservation.abort()
+        except Exception:
+            logger.exception(
+                "tiercheck: discarding version %s from the %s tier failed", job.version, pipe.name
+            )
         job.lane_done(
             pipe.name,
             None,

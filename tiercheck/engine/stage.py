@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 import weakref
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from tiercheck.engine.tier import TierPipeline
 
 __all__ = ["Stager"]
+
+logger = logging.getLogger("tiercheck")
 
 
 class Stager:
@@ -136,7 +139,13 @@ class Stager:
             key = blob_key(job.version, rank, "full")
             try:
                 reservation = await reserving.reserve(key, size)
-            except (TiercheckError, OSError) as exc:
+            except Exception as exc:
+                if not isinstance(exc, (TiercheckError, OSError)):
+                    # A bug in a plugin tier must not reach training: that tier goes without.
+                    logger.exception(
+                        "tiercheck: the %r tier's reserve raised an unexpected error",
+                        reserving.name,
+                    )
                 reserving.skip(job, exc)
             else:
                 try:
