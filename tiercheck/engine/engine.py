@@ -26,6 +26,7 @@ from tiercheck.defaults import NodeRoot, persistent_job_url
 from tiercheck.engine.collectives import step
 from tiercheck.engine.context import Context
 from tiercheck.engine.encode import Encoder
+from tiercheck.engine.health import Health
 from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
 from tiercheck.engine.options import CloseMode, Options
@@ -295,6 +296,10 @@ class Engine:
         for pipe in self.pipes.values():
             await pipe.idle.wait()
         await self.ctx.journal.drained()
+
+    def health(self) -> Health:
+        """Whether each tier keeps committing (from any thread: it reads snapshots)."""
+        return Health({name: pipe.lag.snapshot() for name, pipe in list(self.pipes.items())})
 
     async def newest(self) -> dict[str, int | None]:
         """The newest committed version of each tier, as this rank knows it."""
