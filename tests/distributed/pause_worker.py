@@ -57,9 +57,10 @@ def main() -> int:
         events.write(json.dumps({"e": event, "t": time.time(), "rank": rank, **fields}) + "\n")
         events.flush()
 
+    node = rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     ckpt = tiercheck.SyncCheckpointer(
         "pause",
-        local_root=args.root / "node0",
+        local_root=args.root / f"node{node}",
         persistent=args.persistent,
         tiers=args.tiers.split(","),
         base_every=2,
@@ -81,9 +82,11 @@ def main() -> int:
                 if rank == 1 and version == args.pause_at:
                     say("ready", pid=os.getpid())
                     time.sleep(1.0)  # the test stops this rank here
+                began = time.monotonic()
                 handles.append(ckpt.save(version, state_of(version, rank)))
+                took = time.monotonic() - began
                 health = {n: asdict(h) for n, h in ckpt.health().tiers.items()}
-                say("saved", version=version, health=health)
+                say("saved", version=version, health=health, took=took)
                 time.sleep(0.1)
             ckpt.wait()
             outcomes = {h.version: {n: s.state for n, s in h.stats.tiers.items()} for h in handles}

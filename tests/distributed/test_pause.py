@@ -27,34 +27,48 @@ from typing import Any
 
 import pytest
 
-from tests.distributed._launch import memory_root
+from tests.distributed._launch import free_port, memory_root
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("pause_worker.py")
 STEPS, PAUSE_AT, PAUSE_S = 16, 6, 4.0
+#: The worker's default: the pause is longer.
+PEER_TIMEOUT_S = 1.5
 #: The tiers commit again by this many saves after the version that straddled the pause.
 RESUME_WITHIN = 2
 
 
-def _launch(out: Path, root: Path, persistent: str, *extra: str) -> subprocess.Popen[str]:
+def _launch(
+    out: Path, root: Path, persistent: str, nodes: int, tiers: str, *extra: str
+) -> list[subprocess.Popen[str]]:
+    """The job: one launcher for one node of two ranks, or one launcher per node of one rank
+    each (node 0's agent hosts the store, as on a cluster)."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nproc-per-node=2", "--max-restarts=0", "--monitor-interval=0.1",
-        str(WORKER), "--root", str(root), "--persistent", persistent, "--out", str(out),
-        "--steps", str(STEPS), "--pause-at", str(PAUSE_AT), *extra,
-    ]  # fmt: skip
+    per_node = 2 // nodes
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.pop("MASTER_PORT", None)
-    return subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a hung launcher is killed with its workers
-    )
+    procs = []
+    for node in range(nodes):
+        command = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={per_node}",
+            "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--max-restarts=0", "--monitor-interval=0.1",
+            str(WORKER), "--root", str(root), "--persistent", persistent, "--out", str(out),
+            "--steps", str(STEPS), "--pause-at", str(PAUSE_AT), "--tiers", tiers, *extra,
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # a hung launcher is killed with its workers
+            )
+        )
+    return procs
 
 
 def _events(out: Path, rank: int) -> list[dict[str, Any]]:
@@ -64,26 +78,37 @@ def _events(out: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 180) -> str:
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the job hung:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, f"the job failed ({proc.returncode}):\n{stderr[-6000:]}"
-    return stderr
+def _finish(job: list[subprocess.Popen[str]], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in job:
+        try:
+            _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill(job)
+            pytest.fail("the job hung")
+        assert proc.returncode == 0, f"the job failed ({proc.returncode}):\n{stderr[-6000:]}"
 
 
-def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(tmp_path: Path) -> None:
+def _kill(job: list[subprocess.Popen[str]]) -> None:
+    for proc in job:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes-with-peer-tier"])
+def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(
+    tmp_path: Path, nodes: int
+) -> None:
     root = memory_root(tmp_path, "pause")
     persistent = (tmp_path / "durable").as_uri()
     out = tmp_path / "job"
-    job = _launch(out, root, persistent)
+    tiers = ["local", "persistent"] if nodes == 1 else ["local", "peer", "persistent"]
+    job = _launch(out, root, persistent, nodes, ",".join(tiers))
     try:
         deadline = time.monotonic() + 120
         while not (ready := [e for e in _events(out, 1) if e["e"] == "ready"]):
-            assert job.poll() is None, f"the job ended early:\n{job.communicate()[1][-4000:]}"
+            assert all(p.poll() is None for p in job), "the job ended early"
             assert time.monotonic() < deadline, "rank 1 never reached the pause"
             time.sleep(0.02)
         rank1 = ready[0]["pid"]
@@ -95,7 +120,7 @@ def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(tmp_path: P
         for rank in range(2):
             events = _events(out, rank)
             [end] = [e for e in events if e["e"] == "end"]
-            outcomes = {int(v): tiers for v, tiers in end["outcomes"].items()}
+            outcomes = {int(v): by_tier for v, by_tier in end["outcomes"].items()}
             local = sorted(v for v, t in outcomes.items() if t["local"] == "committed")
             durable = sorted(v for v, t in outcomes.items() if t.get("persistent") == "committed")
             bases = [v for v in range(STEPS) if v % 2 == 0]
@@ -107,6 +132,10 @@ def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(tmp_path: P
             assert {v for v in bases if v < PAUSE_AT} <= set(durable), (rank, durable)
             assert {v for v in bases if v in after} <= set(durable), (rank, durable)
             assert outcomes[PAUSE_AT]["local"] == "failed", outcomes[PAUSE_AT]
+            # Training never waited on the pause in save: no save took anywhere near the
+            # peer_timeout that a save waiting on a dead exchange would.
+            took = max(e["took"] for e in events if e["e"] == "saved")
+            assert took < PEER_TIMEOUT_S / 2, (rank, took)
             # All is well at the end.
             assert all(not h["behind"] for h in end["health"].values()), end["health"]
             assert end["health"]["local"]["newest"] == STEPS - 1
@@ -122,25 +151,24 @@ def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(tmp_path: P
         assert saved[STEPS - 1]["local"]["behind"] is False
         log = (out / "log-r0.txt").read_text()
         print(log)
-        for tier in ("local", "persistent"):
+        for tier in tiers:
             assert f"WARNING tiercheck: the {tier!r} tier is behind: " in log, tier
             assert f"WARNING tiercheck: the {tier!r} tier commits again: " in log, tier
             assert f"WARNING tiercheck: the coordination channel {tier!r} works again" in log
 
         # A fresh job restores the newest version bit-exact: from memory, and from durable
         # storage alone (bases only go there).
-        for tiers, version, source in (
-            ("local,persistent", STEPS - 1, "local"),
+        bases = [v for v in range(STEPS) if v % 2 == 0]
+        for only, version, source in (
+            (",".join(tiers), STEPS - 1, "local"),
             ("persistent", max(bases), "persistent"),
         ):
-            again = tmp_path / f"restore-{tiers.replace(',', '-')}"
-            _finish(_launch(again, root, persistent, "--restore", "--tiers", tiers))
+            again = tmp_path / f"restore-{only.replace(',', '-')}"
+            _finish(_launch(again, root, persistent, nodes, only, "--restore"))
             for rank in range(2):
                 [restored] = [e for e in _events(again, rank) if e["e"] == "restored"]
                 assert (restored["version"], restored["source"]) == (version, source)
                 assert restored["exact"], restored
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
+        _kill(job)
         shutil.rmtree(root, ignore_errors=True)

@@ -23,6 +23,7 @@ A failing seed replays the same schedule: ``pytest -k "seed and <seed>"``.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
@@ -251,3 +253,70 @@ def test_commits_resume_after_each_delay_and_never_mix_versions(
         assert got is not None
         assert got.version == steps - 1
         assert torch.equal(got.state["w"], state_of(steps - 1, r)["w"])
+
+
+class LateAck(Coordinator):
+    """Rank 1's coordinator: its ``ack`` of one version in one tier comes late -- after rank
+    0's has timed out, which the group still completes for rank 1 (the last message got
+    through one way)."""
+
+    def __init__(self, inner: Coordinator, channel: str, version: int, seconds: float) -> None:
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.late = (channel, version)
+        self.seconds = seconds
+
+    def all_gather(self, channel: str, payload: bytes) -> list[bytes]:
+        envelope = msgpack.unpackb(payload, raw=False)
+        if (channel, envelope["t"]) == self.late and envelope["s"] == "ack":
+            time.sleep(self.seconds)
+        return self.inner.all_gather(channel, payload)
+
+
+def test_a_commit_whose_last_exchange_one_rank_lost_is_adopted_from_its_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 writes version 3's COMMIT record, then loses the round's last exchange (rank 1's
+    answer comes after the timeout), while rank 1 completes it and counts 3 committed. The
+    version is whole -- every rank said yes -- and its record is there: rank 0 keeps its blob
+    meanwhile and, at its next retention, counts 3 committed too."""
+    caplog.set_level(logging.INFO, "tiercheck")
+    group = LocalGroup(2, timeout=TIMEOUT_S)
+    coordinators: list[Coordinator] = [
+        group.coordinator(0),
+        LateAck(group.coordinator(1), "persistent", 3, 3 * TIMEOUT_S),
+    ]
+    barrier = threading.Barrier(2, timeout=60)
+    outcomes: dict[int, dict[int, str]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with _checkpointer(tmp_path, "late-ack", r, coordinators[r]) as ckpt:
+                handles = []
+                for version in range(8):
+                    barrier.wait()
+                    handles.append(ckpt.save(version, state_of(version, r)))
+                    time.sleep(STEP_S)
+                barrier.wait()
+                ckpt.wait()
+                outcomes[r] = {h.version: h.stats.tiers["persistent"].state for h in handles}
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert outcomes[0][3] == "failed"  # rank 0 lost the last exchange...
+    assert outcomes[1][3] == "committed"  # ...that rank 1 completed
+    adopted = [
+        r.getMessage()
+        for r in caplog.records
+        if "version 3 is committed in the 'persistent' tier after all" in r.getMessage()
+    ]
+    assert len(adopted) == 1, [r.getMessage() for r in caplog.records]
+    assert outcomes[0][7] == outcomes[1][7] == "committed"

@@ -111,6 +111,8 @@ class TorchCoordinator(Coordinator):
         self._groups: dict[str, Any] = {
             name: dist.new_group(backend="gloo", timeout=delta) for name in names
         }
+        # The groups made here are in torch's registry (close destroys them), later ones not.
+        self._registered = dict(self._groups)
         self._locks = {name: threading.Lock() for name in self._groups}
         #: Channels whose last exchange or reconnection failed, and why.
         self._broken: dict[str, str] = {}
@@ -255,14 +257,15 @@ class TorchCoordinator(Coordinator):
         import torch.distributed as dist
 
         busy = []
-        for name, group in list(self._groups.items()):
+        for name in list(self._groups):
             lock = self._locks[name]
             if not lock.acquire(blocking=False):
                 busy.append(name)
                 continue
             try:
-                if group is not None and self._epochs[name] == 0 and dist.is_initialized():
-                    dist.destroy_process_group(group)
+                registered = self._registered.pop(name)
+                if dist.is_initialized():
+                    dist.destroy_process_group(registered)
                 # A group of a later epoch is not in torch's registry: dropping it is enough.
             except (RuntimeError, ValueError) as exc:  # already destroyed with the default group
                 logger.debug("tiercheck: destroying the %r channel's group: %r", name, exc)

@@ -170,20 +170,25 @@ class CommitLag:
             self._behind = True
             self._behind_since = time.monotonic() - health.behind_s
             self._missed = health.saves_since
+            count = health.saves_since
+            saves = f"{count} save{'' if count == 1 else 's'} sent to it"
             logger.warning(
-                "tiercheck: the %r tier is behind: %s saves sent to it %s have not committed "
-                "there, the oldest %.1fs ago (limits: behind_saves=%s, behind_seconds=%s); a "
-                "restore from it now would %s. Latest failure: %s. Checkpointer.health() has "
-                "the figures; a WARNING says when it commits again.",
+                "tiercheck: the %r tier is behind: %s, and %s %s not committed there (the "
+                "oldest %.1fs ago; limits: behind_saves=%s, behind_seconds=%s); a restore from "
+                "it now would %s. Latest failure: %s. Checkpointer.health() has the figures; a "
+                "WARNING says when it commits again.",
                 self.tier,
-                health.saves_since,
-                "(none has committed there yet)"
+                "it has no committed version"
                 if health.newest is None
-                else f"since version {health.newest}, its newest committed one,",
+                else f"its newest committed version is {health.newest}",
+                saves if health.newest is None else f"the {saves} since",
+                "has" if count == 1 else "have",
                 health.behind_s,
                 self.saves,
                 f"{self.seconds:g}",
-                "find nothing there" if health.newest is None else f"go back to {health.newest}",
+                "find nothing there"
+                if health.newest is None
+                else f"go back to version {health.newest}",
                 health.last_error or "none yet, they are pending",
             )
         elif self._behind and committed is not None and not health.behind:
