@@ -62,6 +62,7 @@ class Retention:
         if adopted:
             self.committed.update(adopted)
             self.ctx.journal.log(*(Commit(v, self.name) for v in adopted))
+        self.lag.opened(self.committed)
 
     def forget_bases(self, bases: Collection[int]) -> None:
         """``bases`` vanished from the tier: no longer committed there."""
