@@ -212,7 +212,7 @@ class TorchCoordinator(Coordinator):
         if left > 0:
             raise PeerUnavailable(
                 f"channel {channel!r} is broken ({why}); rank {self.rank} tries to reconnect it "
-                f"in {left:.0f}s"
+                f"in {left:.1f}s"
             )
         epoch = self._epochs[channel]
         try:
