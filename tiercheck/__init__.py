@@ -19,6 +19,7 @@ from tiercheck.checkpointer import (
     TierPolicy,
 )
 from tiercheck.codec import CodecOptions, DTensorShard
+from tiercheck.engine.health import Health, TierHealth
 from tiercheck.errors import (
     BaseMismatch,
     BlobNotFound,
@@ -71,6 +72,7 @@ __all__ = [
     "DTensorShard",
     "FailureScope",
     "FormatError",
+    "Health",
     "InvalidKey",
     "JobDeleted",
     "JobLocked",
@@ -96,6 +98,7 @@ __all__ = [
     "Tier",
     "TierClosed",
     "TierFull",
+    "TierHealth",
     "TierNotTargeted",
     "TierPolicy",
     "TierWriteFailed",

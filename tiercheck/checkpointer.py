@@ -32,7 +32,12 @@ abandoned future.
 
 Errors in the background never reach training: they are logged (logger ``"tiercheck"``),
 counted in :attr:`Checkpointer.stats`, raised from ``handle.done(tier)``, and the version simply
-does not commit in that tier.
+does not commit in that tier. A tier that keeps not committing is said so loudly: a WARNING
+once its newest committed version falls more than ``behind_saves`` saves or ``behind_seconds``
+behind, another when it commits again, and :meth:`Checkpointer.health` has the figures. A rank
+that pauses for longer than ``peer_timeout`` (a stop signal, swapping, a long collection) costs
+the versions whose rounds it missed: the ranks' channels connect anew and the rounds get back
+in step (:mod:`tiercheck.consistency.resync`), so commits resume without a restart.
 
 The pipeline runs on a private event loop on its own thread, so it advances while the caller
 computes, whether the caller is synchronous (use :class:`SyncCheckpointer`) or async.

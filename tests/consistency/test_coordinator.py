@@ -1,16 +1,25 @@
-"""The distributed coordinator: a channel whose exchange failed fails at once afterwards."""
+"""The distributed coordinator: exchanges, a channel that reconnects after a rank stopped for
+longer than the timeout, and a close that never waits on a channel in flight."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from tests.consistency.coordinator_worker import TIMEOUT_S
+from tests.distributed._launch import free_port
 from tiercheck.consistency.coordinator import SoloCoordinator, TorchCoordinator
-from tiercheck.errors import PeerUnavailable
 
 
 @pytest.fixture
@@ -34,32 +43,63 @@ def test_exchanges_work_and_nothing_is_broken(one_rank: None) -> None:
     coordinator.close()
 
 
-def test_a_failed_exchange_breaks_its_channel_for_good(
-    one_rank: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a gloo failure the ranks no longer agree on where the channel stands: later calls
-    fail at once instead of waiting for another timeout; other channels are unaffected."""
-    coordinator = TorchCoordinator(["control", "local"])
-    real = dist.all_gather
-    calls = []
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_channel_reconnects_after_a_rank_stopped_past_the_timeout(tmp_path: Path) -> None:
+    """Two real ranks; rank 1 is stopped (SIGSTOP) for longer than the timeout, then continued.
+    gloo closes the channel's connections when rank 0's exchange times out, so that group can
+    never exchange again: the channel connects anew, and both ranks exchange on it again,
+    with each other's messages. The other channel, unused meanwhile, is unaffected."""
+    port = free_port()
+    worker = Path(__file__).with_name("coordinator_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(rank), str(port), str(tmp_path)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["e"] == "ready" for e in _events(tmp_path, 1)):
+            assert time.monotonic() < deadline, "rank 1 never got ready"
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGSTOP)
+        time.sleep(3 * TIMEOUT_S)
+        procs[1].send_signal(signal.SIGCONT)
+        continued = time.time()
+        errors = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], errors
+    ends = {rank: _events(tmp_path, rank) for rank in range(2)}
+    for rank, events in ends.items():
+        outcomes = [(e["e"], e.get("channel")) for e in events if e["e"] in ("ok", "failed")]
+        # first exchange works; the one across the pause fails; the last two work
+        assert outcomes[0] == ("ok", "local"), (rank, outcomes)
+        assert outcomes[1] == ("failed", "local"), (rank, outcomes)
+        assert outcomes[-2:] == [("ok", "local"), ("ok", "control")], (rank, outcomes)
+        local = [e for e in events if e["e"] == "ok" and e["channel"] == "local"]
+        assert local[-1]["got"] == ["again0", "again1"], (rank, local[-1])
+        assert local[-1]["broken"] is None, "a channel that works again is not broken"
+        failed = [e for e in events if e["e"] == "failed"]
+        assert all(e["broken"] for e in failed), "a channel that failed says so"
+        recovered = local[-1]["t"] - continued
+        print(f"rank {rank} exchanged again {recovered:.1f}s after rank 1 continued")
+        assert recovered < 10 * TIMEOUT_S
 
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        calls.append(kwargs.get("group"))
-        if kwargs.get("group") is coordinator._groups["local"]:
-            raise RuntimeError("Connection closed by peer")
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(dist, "all_gather", failing)
-    with pytest.raises(PeerUnavailable):
-        coordinator.all_gather("local", b"x")
-    tried = len(calls)
-    with pytest.raises(PeerUnavailable, match="broken"):
-        coordinator.all_gather("local", b"x")
-    assert len(calls) == tried, "a broken channel is not used again"
-    assert coordinator.broken is not None
-    assert "Connection closed by peer" in coordinator.broken
-    assert coordinator.all_gather("control", b"ok") == [b"ok"]
-    coordinator.close()
+def _events(out: Path, rank: int) -> list[dict[str, Any]]:
+    path = out / f"r{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 def test_close_leaves_a_group_whose_exchange_is_in_flight(one_rank: None) -> None:

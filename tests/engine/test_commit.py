@@ -76,6 +76,7 @@ class _Pipe:
     journal: Any = field(default_factory=lambda: SimpleNamespace(compact=lambda keep_after: 0))
     own: dict[int, OwnBlob] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)
+    unsure: set[int] = field(default_factory=set)
     reserve_size: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     failed: dict[int, BaseException] = field(default_factory=dict)

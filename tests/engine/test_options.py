@@ -96,6 +96,8 @@ BAD_OPTIONS: list[tuple[str, object]] = [
     *[("peer_replicas", v) for v in (0, True, 1.5, "1")],
     *[("peer_timeout", v) for v in (0, -1.0, "300", True, float("nan"), None)],
     *[("close_timeout", v) for v in (-1, True, float("nan"), "30", None)],
+    *[("behind_saves", v) for v in (0, -1, 1.5, True, "10", None)],
+    *[("behind_seconds", v) for v in (0, -1, True, float("nan"), "600", None)],
     *[("threads", v) for v in (-1, 1.5, True, "4", None)],
     *[("local_capacity", v) for v in (-1, 1.5, True, "1GB")],
     *[("rank", v) for v in (-1, 1.5, True, "0")],
@@ -212,7 +214,7 @@ def test_the_options_are_declared_once_and_both_faces_list_them_with_their_docs(
     assert SyncCheckpointer.__init__ is CheckpointerCore.__init__
     params = inspect.signature(Checkpointer).parameters
     assert next(iter(params)) == "job_id"
-    assert len(params) == 29
+    assert len(params) == 31
     assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "job_id")
     for face in (Checkpointer, SyncCheckpointer):
         text = pydoc.render_doc(face, renderer=pydoc.plaintext)

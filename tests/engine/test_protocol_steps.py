@@ -35,7 +35,7 @@ from tiercheck.consistency.protocol import (
     Vote,
 )
 from tiercheck.consistency.recovery import Inventory
-from tiercheck.engine.collectives import step
+from tiercheck.engine.collectives import OutOfStep, step
 from tiercheck.errors import PeerUnavailable
 from tiercheck.testing import LocalGroup
 
@@ -211,6 +211,43 @@ def test_any_other_failure_keeps_its_type_and_names_the_step_in_a_note() -> None
     finally:
         side.close()
     assert "tiercheck: in step 'loaded' on channel 'control'" in info.value.__notes__
+
+
+def test_ranks_at_different_steps_or_tags_are_out_of_step_and_no_message_is_used() -> None:
+    """After a channel failed and reconnected, one rank may meet the others at another round:
+    its vote of one version must never count as a vote of another, nor a vote as an ack."""
+    group = LocalGroup(2, timeout=20)
+    meetings = [
+        # (rank 0's step and tag, rank 1's): the second and third meet out of step
+        ((Step.VOTE, 7), (Step.VOTE, 7)),
+        ((Step.VOTE, 9), (Step.VOTE, 6)),
+        ((Step.ACK, 6), (Step.VOTE, 6)),
+    ]
+
+    def rank(r: int) -> list[object]:
+        side = FakeSide(group.coordinator(r), ("local",))
+
+        async def meet() -> list[object]:
+            out: list[object] = []
+            for pair in meetings:
+                which, tag = pair[r]
+                try:
+                    out.append(await step(side, which, SAMPLES[which](r), channel="local", tag=tag))
+                except OutOfStep as exc:
+                    out.append(exc.positions)
+            return out
+
+        try:
+            return asyncio.run(meet())
+        finally:
+            side.close()
+
+    for r, got in enumerate(_on_ranks(2, rank)):
+        assert not isinstance(got, BaseException), (r, got)
+        assert got[0] == [SAMPLES[Step.VOTE](0), SAMPLES[Step.VOTE](1)]
+        assert got[1] == [("vote", 9), ("vote", 6)]
+        assert got[2] == [("ack", 6), ("vote", 6)]
+    assert issubclass(OutOfStep, PeerUnavailable)  # callers that know no better see a peer error
 
 
 def test_the_wire_is_what_it_was_before_the_steps_were_named() -> None:

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from tiercheck.consistency.manifest import Commit
 from tiercheck.consistency.recovery import Inventory
+from tiercheck.engine.health import CommitLag
 from tiercheck.engine.restore import (
     RestoreOutcome,
     Restorer,
@@ -224,9 +225,11 @@ def test_a_tier_adopts_what_the_outcome_says_and_tells_the_manifest_of_what_it_a
     journal = _Journal()
     tier = Retention()
     tier.journal, tier.name, tier.committed = cast(Any, journal), "local", {1, 9}
+    tier.lag = CommitLag("local", saves=10, seconds=600)
     tier.adopt(committed=None, adopted=(3, 5))
     assert tier.committed == {1, 3, 5, 9}
     assert journal.records == [Commit(3, "local"), Commit(5, "local")]
+    assert tier.lag.snapshot().newest == 9  # what health() reports starts from there
     # Replaced (a durable tier's COMMIT records up to the restored version): nothing to tell.
     tier.adopt(committed=frozenset({1, 3}), adopted=())
     assert tier.committed == {1, 3}

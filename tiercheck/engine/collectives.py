@@ -6,6 +6,13 @@ everyone's, by rank -- an all-gather of msgpack bytes on one of the coordinator'
 never pickle. The coordinator bounds the wait (``peer_timeout`` for the gloo groups it
 creates; a :class:`~tiercheck.testing.LocalGroup` its own ``timeout``); a failure or timeout
 comes back as :class:`~tiercheck.errors.PeerUnavailable` naming the step and the channel.
+
+Each message travels in an envelope naming its step and a *tag* (a commit round's version):
+after a channel failed and reconnected, the ranks may not be at the same exchange any more
+(one timed out of a round that another completed or entered late), and an exchange whose ranks
+are not all at the same step and tag is :class:`OutOfStep` -- never one rank's message read as
+another's, or a vote of one version counted for another. The commit rounds resynchronize from
+there (:mod:`tiercheck.consistency.resync`).
 """
 
 from __future__ import annotations
@@ -23,11 +30,24 @@ from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator, Torc
 from tiercheck.consistency.protocol import STEP_MESSAGES, Message, SessionToken, Step
 from tiercheck.errors import PeerUnavailable
 
-__all__ = ["Channels", "Side", "step"]
+__all__ = ["Channels", "OutOfStep", "Side", "step"]
 
 logger = logging.getLogger("tiercheck")
 
 M = TypeVar("M", bound=Message)
+
+
+class OutOfStep(PeerUnavailable):
+    """The ranks met in one exchange while at different steps or tags (after a channel failed
+    and reconnected): nobody's message was used.
+
+    :attr:`positions` says where each rank was, by rank: ``(step value, tag)``.
+    """
+
+    def __init__(self, message: str, positions: list[tuple[str, int | None]]) -> None:
+        super().__init__(message)
+        #: Where each rank was, by rank: the step's value and the tag.
+        self.positions = positions
 
 
 class Side(Protocol):
@@ -45,12 +65,16 @@ class Side(Protocol):
         ...
 
 
-async def step(side: Side, which: Step, message: M, *, channel: str = "control") -> list[M]:
+async def step(
+    side: Side, which: Step, message: M, *, channel: str = "control", tag: int | None = None
+) -> list[M]:
     """Every rank's ``message`` of step ``which`` on ``channel``, by rank (an all-gather).
 
-    A job of one rank exchanges nothing: its own message comes back. Raises
-    :class:`~tiercheck.errors.PeerUnavailable` naming the step when the exchange failed or
-    timed out (a rank is gone or silent); ``TypeError`` for a message the step does not take.
+    ``tag`` names what the exchange is about beyond its step (a commit round's version); every
+    rank must be at the same step and tag. A job of one rank exchanges nothing: its own message
+    comes back. Raises :class:`~tiercheck.errors.PeerUnavailable` naming the step when the
+    exchange failed or timed out (a rank is gone or silent), :class:`OutOfStep` when the ranks
+    met at different steps or tags; ``TypeError`` for a message the step does not take.
     """
     kind = STEP_MESSAGES[which]
     if type(message) is not kind:
@@ -67,7 +91,8 @@ async def step(side: Side, which: Step, message: M, *, channel: str = "control")
         coordinator.rank,
         coordinator.world_size,
     )
-    packed = msgpack.packb(message.to_wire(), use_bin_type=True)
+    envelope = {"s": which.value, "t": tag, "m": message.to_wire()}
+    packed = msgpack.packb(envelope, use_bin_type=True)
     loop = asyncio.get_running_loop()
     try:
         gathered = await loop.run_in_executor(
@@ -78,7 +103,26 @@ async def step(side: Side, which: Step, message: M, *, channel: str = "control")
     except Exception as exc:
         exc.add_note(f"tiercheck: in step {which.value!r} on channel {channel!r}")
         raise
-    return [type(message).from_wire(msgpack.unpackb(g, raw=False)) for g in gathered]
+    envelopes = [msgpack.unpackb(g, raw=False) for g in gathered]
+    positions = [_position(e) for e in envelopes]
+    if any(p != (which.value, tag) for p in positions):
+        where = ", ".join(
+            f"rank {r} at {s!r}" + ("" if t is None else f" of {t}")
+            for r, (s, t) in enumerate(positions)
+        )
+        raise OutOfStep(
+            f"step {which.value!r} on channel {channel!r}: the ranks are out of step ({where})",
+            positions,
+        )
+    return [type(message).from_wire(e["m"]) for e in envelopes]
+
+
+def _position(envelope: object) -> tuple[str, int | None]:
+    """The step and tag an envelope names (``("?", None)`` for anything else)."""
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("s"), str):
+        return ("?", None)
+    tag = envelope.get("t")
+    return (envelope["s"], tag if isinstance(tag, int) and not isinstance(tag, bool) else None)
 
 
 class Channels:

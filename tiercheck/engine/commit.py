@@ -7,6 +7,12 @@ there -- and, for an overlapped snapshot, once the caller confirmed it unchanged
 outlive the cluster and every rank learns whether it landed. Rounds run in
 version order, one tier at a time each, on the tier's own channel (never the training's own
 process group); after each round the tier's retention runs.
+
+Every exchange of a round is tagged with its version. After a rank paused past the timeout, the
+channel reconnects and the ranks may meet at different rounds; they then resynchronize
+(:func:`~tiercheck.consistency.resync.resync`): the ranks behind fail their rounds up to the
+furthest rank's version, which waits for them -- commits resume at once, and a version is
+committed only where every rank stood at it and said yes.
 """
 
 from __future__ import annotations
@@ -15,18 +21,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import (
     AckReason,
     CommitAck,
+    Message,
     Step,
     Vote,
     commit_record,
     round_failures,
 )
-from tiercheck.engine.collectives import step
+from tiercheck.consistency.resync import resync
+from tiercheck.engine.collectives import OutOfStep, step
 from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
@@ -38,6 +46,12 @@ __all__ = ["CommitRounds"]
 
 logger = logging.getLogger("tiercheck")
 
+M = TypeVar("M", bound=Message)
+
+#: Exchanges a round waits at the furthest position for the ranks behind to catch up (each
+#: bounded by the timeout); they skip to it at once, so one or two are the rule.
+CATCH_UP_TRIES = 8
+
 
 class CommitRounds:
     """The round worker of one tier's pipeline."""
@@ -48,6 +62,9 @@ class CommitRounds:
         self.queue: asyncio.Queue[Job | None] = asyncio.Queue()
         # A delta's base vanished: the schedule stores the next save as a base.
         self.on_base_lost = on_base_lost
+        #: Rounds of versions below this fail without an exchange: the other ranks are past
+        #: them (see tiercheck.consistency.resync).
+        self.floor = -1
 
     async def run(self) -> None:
         """Decide, version by version, whether each is committed in the tier for every rank."""
@@ -136,13 +153,19 @@ class CommitRounds:
                 raw_digest=written.raw_digest,
                 base=written.base,
             )
+        if ok and job.version >= self.floor:
+            # Until the round is decided here, the others may commit it without this rank
+            # knowing (a lost last exchange): its blob stays (see Retention.retain). A round
+            # below the floor is never exchanged: nobody can commit it.
+            pipe.unsure.add(job.version)
         # Phase 2, vote: every rank's word on this version in this tier.
-        everyone = await step(pipe.channels, Step.VOTE, mine, channel=name)
+        everyone = await self.exchange(Step.VOTE, mine, job.version)
         # Phase 3, decide: unanimous, and (in a durable tier) the COMMIT record landed.
         failed = round_failures(everyone)
         why: AckReason = ""
         if not failed and pipe.durable:
             failed, why = await self._write_commit_record(job.version, everyone)
+        pipe.unsure.discard(job.version)  # decided, alike on every rank
         if any(v.base_missing for v in everyone) or why == "base-missing":
             self._lose_bases({v.base for v in everyone if v.base is not None})
         if failed:
@@ -181,6 +204,49 @@ class CommitRounds:
         pipe.stats.committed[name] = pipe.stats.committed.get(name, 0) + 1
         pipe.stats.last_committed[name] = job.version
         job.handle.resolve_tier(name)
+
+    async def exchange(self, which: Step, message: M, version: int) -> list[M]:
+        """Every rank's ``message`` of step ``which`` in the round of ``version``, by rank.
+
+        Raises :class:`~tiercheck.errors.PeerUnavailable` when the exchange failed, when the
+        other ranks are past this round (they stood further, or did before: :attr:`floor`),
+        or when they did not catch up with it in :data:`CATCH_UP_TRIES` exchanges.
+        """
+        name = self.pipe.name
+        if version < self.floor:
+            raise PeerUnavailable(
+                f"the other ranks went past version {version} in the {name!r} tier while this "
+                f"rank was behind (they stand at version {self.floor}); it cannot be committed"
+            )
+        last: OutOfStep | None = None
+        for _ in range(CATCH_UP_TRIES):
+            try:
+                return await step(self.pipe.channels, which, message, channel=name, tag=version)
+            except OutOfStep as exc:
+                decision = resync((which.value, version), exc.positions)
+                if decision.behind:
+                    self.floor = max(self.floor, decision.floor)
+                    logger.info(
+                        "tiercheck: the ranks were out of step in the %r tier (%s); this rank "
+                        "gives up the rounds before version %s",
+                        name,
+                        _where(exc.positions),
+                        decision.floor,
+                    )
+                    raise
+                logger.info(
+                    "tiercheck: the ranks were out of step in the %r tier (%s); this rank "
+                    "waits at %r of version %s for the others",
+                    name,
+                    _where(exc.positions),
+                    which.value,
+                    version,
+                )
+                last = exc
+        raise PeerUnavailable(
+            f"the other ranks did not catch up with version {version} in the {name!r} tier "
+            f"after {CATCH_UP_TRIES} exchanges: {last}"
+        ) from last
 
     async def _base_present(self, base: int) -> bool:
         tier = self.pipe.tier
@@ -228,10 +294,18 @@ class CommitRounds:
             except Exception:
                 logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
                 ok, why = False, "error"
-        acks = await step(pipe.channels, Step.ACK, CommitAck(ok, why), channel=tier.name)
+        acks = await self.exchange(Step.ACK, CommitAck(ok, why), version)
         ack = acks[0]  # rank 0's is the one that counts
         if ack.ok:
             return [], ""
         if ack.why == "superseded":
             pipe.claim.mark_superseded()
         return [0], ack.why
+
+
+def _where(positions: list[tuple[str, int | None]]) -> str:
+    """Where each rank stood, for the log."""
+    return ", ".join(
+        f"rank {r} at {s!r} of {t}" if t is not None else f"rank {r} at {s!r}"
+        for r, (s, t) in enumerate(positions)
+    )

@@ -17,6 +17,7 @@ from typing import Any
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
 from tiercheck.defaults import persistent_job_url
+from tiercheck.engine.health import Health
 from tiercheck.engine.options import (
     BusyPolicy,
     PerRankPolicy,
@@ -71,6 +72,8 @@ class CheckpointerCore(CallSteps):
         close_timeout: float = 30.0,
         elastic: bool = False,
         per_rank: PerRankPolicy = "refuse",
+        behind_saves: int = 10,
+        behind_seconds: float = 600.0,
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -155,6 +158,14 @@ class CheckpointerCore(CallSteps):
                 position): ``"refuse"`` (default) raises
                 :class:`~tiercheck.errors.ReshardError` naming it; ``"wrap"`` gives new rank
                 ``q`` the value old rank ``q % N`` saved.
+            behind_saves, behind_seconds: when a tier counts as behind -- more than
+                ``behind_saves`` saves sent to it since its newest committed version have not
+                committed there, or the oldest of them is more than ``behind_seconds`` old
+                (another rank paused past ``peer_timeout``, storage down, a tier full). A
+                WARNING says so once, and once more when the tier commits again;
+                :meth:`health` has the figures. A tier that cannot keep up with the saves lags
+                by up to ``tier_queue`` + 1 saves; the defaults (10 saves, 600 s) leave room
+                for that and for a large upload.
 
         Opening refuses, with a typed error and before anything is read or changed: a second
         live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a
@@ -230,6 +241,23 @@ class CheckpointerCore(CallSteps):
         if self._engine is None:
             return CheckpointerStats()
         return self._engine.figures()
+
+    def health(self) -> Health:
+        """Whether each tier keeps committing, as this rank sees it, now (never blocks).
+
+        By tier, fastest first (:class:`~tiercheck.engine.health.TierHealth`): the newest
+        committed version and its age, the saves sent to the tier since then that did not
+        commit, how long ago the oldest of them was saved, whether that is more than
+        ``behind_saves`` / ``behind_seconds`` (``behind``), and the latest failure. Empty
+        before the checkpointer opens. For a trainer's loop or a monitor::
+
+            if ckpt.health().behind:
+                ...  # the newest restorable version is falling behind training
+        """
+        engine = self._engine
+        if engine is None:
+            return Health()
+        return engine.health()
 
     def fence(self, timeout: float | None = None) -> None:
         """Block until every snapshot this checkpointer is still copying is staged.

@@ -26,6 +26,7 @@ from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels
 from tiercheck.engine.elastic import ElasticReader
 from tiercheck.engine.encode import Encoder
+from tiercheck.engine.health import Health
 from tiercheck.engine.jobs import InFlight, Job
 from tiercheck.engine.journal import Journal
 from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
@@ -299,6 +300,10 @@ class Engine:
         for pipe in self.pipes.values():
             await pipe.idle.wait()
         await self.journal.drained()
+
+    def health(self) -> Health:
+        """Whether each tier keeps committing (from any thread: it reads snapshots)."""
+        return Health({name: pipe.lag.snapshot() for name, pipe in list(self.pipes.items())})
 
     async def newest(self) -> dict[str, int | None]:
         """The newest committed version of each tier, as this rank knows it."""

@@ -35,6 +35,7 @@ __all__ = [
     "CloseMode",
     "CodecSetup",
     "CoordinationOptions",
+    "HealthOptions",
     "JobOptions",
     "Options",
     "PerRankPolicy",
@@ -170,6 +171,16 @@ class CoordinationOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthOptions:
+    """When a tier counts as *behind* (see :mod:`tiercheck.engine.health`)."""
+
+    #: More saves sent to a tier since its newest commit than this, not committed.
+    behind_saves: int = 10
+    #: The oldest save sent to a tier since its newest commit, not committed, older than this.
+    behind_seconds: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
 class Options:
     """Everything a checkpointer was configured with, resolved (see :func:`resolve_options`)."""
 
@@ -178,6 +189,7 @@ class Options:
     schedule: ScheduleOptions
     encode: CodecSetup
     coordination: CoordinationOptions
+    health: HealthOptions = HealthOptions()
 
     @property
     def tier_names(self) -> list[str]:
@@ -278,6 +290,8 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
     close_timeout = args.pop("close_timeout")
     elastic = args.pop("elastic")
     per_rank = args.pop("per_rank")
+    behind_saves = args.pop("behind_saves")
+    behind_seconds = args.pop("behind_seconds")
     # An option declared on the constructor that nothing here reads would be silently ignored.
     assert not args, f"options the constructor declares but nothing resolves: {sorted(args)}"
     if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
@@ -324,6 +338,8 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
             f"storage_options must be a mapping of fsspec options, got {storage_options!r}"
         )
     close_timeout = _seconds("close_timeout", close_timeout, zero=True)
+    _count("behind_saves", behind_saves, 1, "saves a tier may fall behind before a WARNING")
+    behind_seconds = _seconds("behind_seconds", behind_seconds, zero=False)
     if persist is not None and persist not in ("all", "base") and not callable(persist):
         raise ConfigError(
             "persist must be 'all', 'base', a callable(version) -> bool, or None (every "
@@ -410,6 +426,7 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
             peer_timeout=peer_timeout,
             close_timeout=close_timeout,
         ),
+        health=HealthOptions(behind_saves=behind_saves, behind_seconds=behind_seconds),
     )
 
 

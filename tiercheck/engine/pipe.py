@@ -44,6 +44,8 @@ class Pipe(Protocol):
     blocked: str | None
     own: dict[int, OwnBlob]
     committed: set[int]
+    #: Versions whose round failed here on a peer error after this rank voted yes.
+    unsure: set[int]
     reserve_size: int
     idle: asyncio.Event
 

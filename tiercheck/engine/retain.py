@@ -16,8 +16,10 @@ from collections.abc import Collection
 from tiercheck.consistency.abandoned import ABANDONED_PREFIX, SetInfo, kept_and_removable
 from tiercheck.consistency.keys import commit_key, parse_commit_key
 from tiercheck.consistency.manifest import Commit, Evict
+from tiercheck.consistency.resync import unsure_kept
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
 from tiercheck.engine.claim import Claim
+from tiercheck.engine.health import CommitLag
 from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.journal import Journal
 from tiercheck.engine.options import TierPolicy
@@ -49,6 +51,8 @@ class Retention:
     others: dict[int, list[str]]
     committed: set[int]
     settled: int
+    unsure: set[int]
+    lag: CommitLag
 
     def adopt(self, *, committed: Collection[int] | None, adopted: Collection[int]) -> None:
         """What a restore settled for the tier: ``committed`` (where not ``None``) replaces
@@ -60,6 +64,7 @@ class Retention:
         if adopted:
             self.committed.update(adopted)
             self.journal.log(*(Commit(v, self.name) for v in adopted))
+        self.lag.opened(self.committed)
 
     def forget_bases(self, bases: Collection[int]) -> None:
         """``bases`` vanished from the tier: no longer committed there."""
@@ -76,10 +81,16 @@ class Retention:
         if self.durable:
             # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
             # lifecycle rule) must not count towards `keep`.
-            self.committed &= await commit_versions(self.tier)
+            records = await commit_versions(self.tier)
+            self._adopt_unsure(records)
+            self.committed &= records
         # Abandoned sets: those retention lets go, and the live bases the others still need
         # (every rank decides alike; rank 0 removes the sets' keys).
         protected, removable = kept_and_removable(self.abandoned, self.committed, self.policy.keep)
+        # A round this rank lost on a peer error may be committed for the others: its blob
+        # stays until no rank would keep it anyway.
+        self.unsure = unsure_kept(self.unsure, self.committed, self.policy.keep)
+        shielded = protected | self.unsure
         doomed = evictable(
             committed=self.committed,
             # Another world's packed blob may be a delta on any older version: UNKNOWN_BASE
@@ -95,7 +106,7 @@ class Retention:
             # Rounds run in version order, so everything newer than `settled` is in flight
             # in this tier and stays; in flight elsewhere does not matter here.
             settled_upto=self.settled,
-            protected=protected,
+            protected=shielded,
         )
         # Newest first: a delta goes before its base, so no COMMIT record is ever left naming
         # a base that is gone, whenever the process dies.
@@ -103,6 +114,27 @@ class Retention:
             await self.evict(version, "retention")
         for tag in removable:
             await self.remove_abandoned(tag)
+
+    def _adopt_unsure(self, records: Collection[int]) -> None:
+        """Versions whose round this rank lost on a peer error but whose ``COMMIT`` record is
+        in the tier: rank 0 wrote it after every rank said yes, so they are committed."""
+        for version in sorted(self.unsure & set(records)):
+            self.unsure.discard(version)
+            if version in self.committed:
+                continue
+            self.committed.add(version)
+            self.journal.log(Commit(version, self.name))
+            self.stats.committed[self.name] = self.stats.committed.get(self.name, 0) + 1
+            if version > self.stats.last_committed.get(self.name, -1):
+                self.stats.last_committed[self.name] = version
+            self.lag.committed(version)
+            logger.warning(
+                "tiercheck: version %s is committed in the %r tier after all: its COMMIT record "
+                "is there, though this rank lost the round's last exchange (its handle said "
+                "it failed)",
+                version,
+                self.name,
+            )
 
     async def remove_abandoned(self, tag: str) -> None:
         """Delete the abandoned set ``tag``: its ``SET`` record first (it is then an

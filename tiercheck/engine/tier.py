@@ -34,6 +34,7 @@ from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.retention import UNKNOWN_BASE
 from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels
+from tiercheck.engine.health import CommitLag
 from tiercheck.engine.jobs import InFlight, Job, OwnBlob
 from tiercheck.engine.journal import Journal
 from tiercheck.engine.options import Options, TierPolicy
@@ -127,6 +128,12 @@ class TierPipeline(Retention):
         self.skip_logged: set[str] = set()
         # Trouble with another rank was logged (once per spell, see peer_trouble).
         self.peer_warned = False
+        #: How far the newest commit lags behind the saves sent here (see health()).
+        health = options.health
+        self.lag = CommitLag(self.name, saves=health.behind_saves, seconds=health.behind_seconds)
+        #: Versions whose round failed here on a peer error after this rank voted yes: the
+        #: other ranks may have committed them (see tiercheck.consistency.resync).
+        self.unsure: set[int] = set()
 
     # --- what the tier holds ----------------------------------------------------------------
 
@@ -147,6 +154,7 @@ class TierPipeline(Retention):
             )
             if self.durable:
                 self.abandoned = await abandoned_sets(self.tier)
+            self.lag.opened(self.committed)
         except Exception as exc:
             logger.error(
                 "tiercheck: cannot list the %r tier (%r); nothing will be deleted from it "
@@ -245,6 +253,7 @@ class TierPipeline(Retention):
         """``job`` goes to this tier: queue its commit round (in version order)."""
         self.rounds.queue.put_nowait(job)
         self.idle.clear()
+        self.lag.sent(job.version)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -320,6 +329,7 @@ class TierPipeline(Retention):
         self.journal.log(Commit(version, self.name))
         self.skip_logged.clear()
         self.peer_warned = False
+        self.lag.committed(version)
 
     def peers_back(self) -> None:
         """Work with the other ranks succeeded again: the next trouble is warned about."""
@@ -351,6 +361,7 @@ class TierPipeline(Retention):
             stats.seconds = time.perf_counter() - job.started
         if job.kind != "skipped" and not skipped:
             self.stats.failed[self.name] = self.stats.failed.get(self.name, 0) + 1
+        self.lag.failed(job.version, error)
         job.handle.resolve_tier(self.name, error)
 
 
