@@ -352,3 +352,22 @@ def test_the_overlap_example_runs(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-4000:]
     assert "newest durable version: 90" in run.stdout
     assert "StateChanged" not in run.stderr  # the fence kept every snapshot whole
+
+
+def test_the_health_example_says_the_tier_keeps_committing(tmp_path: Path) -> None:
+    code = example("health")
+    job = f"readme-{uuid.uuid4().hex[:8]}"
+    assert '"pause-demo"' in code
+    assert '"/tmp/tc-pause-demo"' in code
+    code = code.replace('"pause-demo"', repr(job))
+    code = code.replace('"/tmp/tc-pause-demo"', repr(str(tmp_path / "shm")))
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.splitlines() == ["local 0 0 False"]
