@@ -71,6 +71,8 @@ class CheckpointerCore(CallSteps):
         close_timeout: float = 30.0,
         elastic: bool = False,
         per_rank: PerRankPolicy = "refuse",
+        preemption: bool = True,
+        preemption_grace: float = 20.0,
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -155,6 +157,22 @@ class CheckpointerCore(CallSteps):
                 position): ``"refuse"`` (default) raises
                 :class:`~tiercheck.errors.ReshardError` naming it; ``"wrap"`` gives new rank
                 ``q`` the value old rank ``q % N`` saved.
+            preemption: on SIGTERM (a scheduler preempting the job, torchrun stopping its
+                workers), make the newest version committed in memory durable before the
+                process ends: every rank of the job agrees on the newest version each holds in
+                memory, and where a durable tier holds nothing as new, each writes it there as
+                a base and rank 0 commits it. Then the handler that was in place before is
+                called (the default one ends the process with SIGTERM's status; an ignored
+                SIGTERM stays ignored). The handler is installed when a checkpointer opens on
+                the main thread (an INFO line says when it cannot be) and removed when the last
+                one closes; one handler serves every checkpointer of the process. ``False``:
+                no handler is installed, the one in place is left alone. Every rank must use
+                the same setting.
+            preemption_grace: the longest the flush on SIGTERM may take, in seconds (default
+                20, under the 30 s that Kubernetes, Slurm and torchrun give before SIGKILL):
+                a rank that does not answer in time, or a durable tier that does not take the
+                version in time, makes the flush give up with a WARNING, and the process ends
+                as it would have.
 
         Opening refuses, with a typed error and before anything is read or changed: a second
         live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a

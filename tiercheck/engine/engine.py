@@ -31,6 +31,7 @@ from tiercheck.engine.journal import Journal
 from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
 from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.plan import SavePlan
+from tiercheck.engine.preempt import PREEMPT_CHANNEL, Preemption
 from tiercheck.engine.read import Reader
 from tiercheck.engine.restore import Agreement, Restorer
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
@@ -85,6 +86,7 @@ class Engine:
         self.encoder = Encoder(config, self.journal, self.cpu, self.pipes, self.schedule)
         self.timeline = Timeline(config, self.claim, self.channels, self.pipes)
         reader = Reader(config, self.stats, self.claim, self.cpu, self.pipes)
+        self.save_lock = asyncio.Lock()
         self.restorer = Restorer(
             config,
             self.claim,
@@ -99,7 +101,8 @@ class Engine:
             timeline=self.timeline,
         )
         self.shutdown = Shutdown(self)
-        self.save_lock = asyncio.Lock()
+        #: The flush on SIGTERM (see tiercheck.engine.sigterm).
+        self.preemption = Preemption(self)
         self.opened = False
         #: When :meth:`open` began (so a close before ``opened`` follows a failed opening).
         self.open_started: float | None = None
@@ -134,9 +137,12 @@ class Engine:
         await channels.connect(
             cfg.coordination.coordinator,
             world_size=self.topo.world_size,
-            names=["control", *cfg.tier_names],
+            # The flush on SIGTERM's channel exists whether or not this rank handles SIGTERM:
+            # creating groups is a collective, the same on every rank whatever its options.
+            names=["control", PREEMPT_CHANNEL, *cfg.tier_names],
             timeout=cfg.coordination.peer_timeout,
         )
+        channels.add(PREEMPT_CHANNEL)
         # One token per opening of the job (its session), agreed by all ranks: keeps a restarted job
         # from reading the key-value store entries of the one that died.
         session = await channels.agree_session(os.urandom(8).hex())

@@ -309,6 +309,16 @@ class TierPipeline(Retention):
         job.handle.stats.tiers[self.name].bytes = meta.nbytes
         return record
 
+    def record_flushed(self, version: int, key: str, meta: BlobMeta) -> Written:
+        """This rank's blob of ``version``, a base written by the flush on SIGTERM (see
+        :mod:`tiercheck.engine.preempt`), is in the tier: remember it and log it."""
+        record = Written(
+            version, self.rank, self.name, key, meta.nbytes, meta.checksum, meta.raw_digest
+        )
+        self.own[version] = OwnBlob(key, None)
+        self.journal.log(record)
+        return record
+
     def round_over(self, version: int) -> None:
         """The commit round of ``version`` is over (committed or not): see :attr:`settled`."""
         self.settled = max(self.settled, version)
