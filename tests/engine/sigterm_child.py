@@ -11,6 +11,8 @@ memory tier), the local tier every version. Once every save is committed, it wri
   in the durable tier when it is called, then exits with code 7;
 - ``ignore``: SIGTERM is ignored before opening: the process lives on after the flush and
   says so;
+- ``framework``: once open, a handler is installed over tiercheck's that calls the one it found
+  and goes on (as Lightning's does): the process lives on after the flush and says so;
 - ``block``: the durable tier never finishes writing a version that is not a base
   (``preemption_grace=2``);
 - ``stop``: ``preemption_grace=3``; the parent stops the other rank (two-rank runs only).
@@ -99,6 +101,16 @@ def main() -> int:
     say(f"handler before opening: {signal.getsignal(signal.SIGTERM)!r}")
     ckpt.open()
     say(f"handler once open: {signal.getsignal(signal.SIGTERM)!r}")
+    if args.mode == "framework":
+        found = signal.getsignal(signal.SIGTERM)
+
+        def framework(signum: int, frame: object) -> None:
+            say("framework handler called")
+            assert callable(found)
+            found(signum, frame)
+            say(f"framework handler goes on; COMMIT records {commits(job)}")
+
+        signal.signal(signal.SIGTERM, framework)
     for version in range(args.saves):
         ckpt.save(version, state_of(version))
     ckpt.wait()
@@ -106,7 +118,7 @@ def main() -> int:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         time.sleep(0.02)
-        if args.mode == "ignore" and len(commits(job)) > 2:
+        if args.mode in ("ignore", "framework") and len(commits(job)) > 2:
             say(f"alive after SIGTERM; COMMIT records {commits(job)}")
             ckpt.close()
             return 0

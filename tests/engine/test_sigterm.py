@@ -141,6 +141,48 @@ def test_off_the_main_thread_no_handler_is_installed_and_it_says_so(
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_handler_another_put_back_over_this_one_is_replaced_at_the_next_opening(
+    root: Path, tmp_path: Path, recorder: Recorder
+) -> None:
+    with _ckpt(root, tmp_path / "durable", "a"):
+        assert sigterm.installed()
+        # A framework's teardown puts back what it found before it (here: SIG_IGN), dropping
+        # tiercheck's handler without calling it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # not tiercheck's to change
+    durable = tmp_path / "durable"
+    with _ckpt(root, durable, "b") as ckpt:
+        assert sigterm.installed()
+        for version in range(7):
+            ckpt.save(version, state_of(version))
+        ckpt.wait()
+        signal.raise_signal(signal.SIGTERM)  # flushed, then ignored as before
+        assert commits(durable / "b") == [0, 5, 6]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    assert recorder.calls == []
+
+
+def test_a_wakeup_fd_set_before_gets_every_signal_and_is_put_back(
+    root: Path, tmp_path: Path, recorder: Recorder
+) -> None:
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    before = signal.set_wakeup_fd(write)
+    try:
+        with _ckpt(root, tmp_path / "durable") as ckpt:
+            ckpt.save(0, state_of(0))
+            signal.raise_signal(signal.SIGTERM)
+            assert recorder.calls == [(signal.SIGTERM, [])]
+            # Passed on by tiercheck's thread, as the interpreter would have written it.
+            assert select.select([read], [], [], 10)[0]
+            assert os.read(read, 16) == bytes([signal.SIGTERM])
+        assert signal.set_wakeup_fd(before) == write
+    finally:
+        signal.set_wakeup_fd(before)
+        os.close(read)
+        os.close(write)
+
+
 # --- real processes ------------------------------------------------------------------------
 
 
@@ -161,6 +203,9 @@ CASES = {
     "opted-out": Case("optout", 8, -signal.SIGTERM, 5, "handler once open: <Handlers.SIG_DFL: 0>"),
     "chains": Case("chain", 8, 7, 7, "previous handler called; COMMIT records [0, 5, 7]"),
     "ignored": Case("ignore", 8, 0, 7, "alive after SIGTERM; COMMIT records [0, 5, 7]"),
+    "under-a-framework": Case(
+        "framework", 8, 0, 7, "framework handler goes on; COMMIT records [0, 5, 7]"
+    ),
     "tier-blocks": Case("block", 8, -signal.SIGTERM, 5, "the grace of 2 s ran out"),
     "base-newest": Case("default", 6, -signal.SIGTERM, 5, "'persistent' holds version 5 already"),
     "nothing-saved": Case("default", 0, -signal.SIGTERM, None, "a rank saved nothing in this run"),

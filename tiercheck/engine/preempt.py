@@ -145,6 +145,8 @@ class Preemption:
         #: ``"preempt"`` channel is out of step), or ``None``.
         self.broken: str | None = None
         self._running: asyncio.Task[Any] | None = None
+        # The step waiting for the other ranks now, if any (named when the grace runs out).
+        self._waiting: str | None = None
 
     def is_open(self) -> bool:
         """Whether the engine is open and not closing (a close finishes the saves itself)."""
@@ -173,11 +175,11 @@ class Preemption:
                     async with self.engine.save_lock:  # the save in progress launches first
                         report = await self._flush(deadline)
             except (TimeoutError, _GaveUp, PeerUnavailable) as exc:
-                why = (
-                    f"the grace of {self.options.preemption.grace:g} s ran out"
-                    if isinstance(exc, TimeoutError)
-                    else str(exc)
-                )
+                why = str(exc)
+                if isinstance(exc, TimeoutError):
+                    why = f"the grace of {self.options.preemption.grace:g} s ran out" + (
+                        f": not every rank answered step {self._waiting!r}" if self._waiting else ""
+                    )
                 self.broken = f"an earlier flush on SIGTERM gave up ({why})"
                 report = FlushReport(why=why, trouble=True)
             except Exception as exc:
@@ -247,12 +249,17 @@ class Preemption:
         # outcome is read (and dropped) whenever it comes.
         task = asyncio.ensure_future(step(self.channels, which, message, channel=PREEMPT_CHANNEL))
         task.add_done_callback(_read_outcome)
+        # Left set when the whole flush's deadline cancels the wait: its report names the step.
+        self._waiting = which.value
         try:
-            return await asyncio.wait_for(asyncio.shield(task), left)
+            everyone = await asyncio.wait_for(asyncio.shield(task), left)
         except TimeoutError:
             raise _GaveUp(
-                f"not every rank answered step {which.value!r} within the grace"
+                f"the grace of {self.options.preemption.grace:g} s ran out: not every rank "
+                f"answered step {which.value!r}"
             ) from None
+        self._waiting = None
+        return everyone
 
     async def _finish_in_memory(self, horizon: int, until: float) -> None:
         """Wait (until ``until`` at most) for the saves up to ``horizon`` still in flight in

@@ -260,7 +260,9 @@ def watch(member: Watched) -> None:
     with _lock:
         alive = [ref for ref in _watched if ref() is not None and ref() is not member]
         _watched = (*alive, weakref.ref(member))
-        if _handler is not None:
+        if _handler is not None and callable(signal.getsignal(signal.SIGTERM)):
+            # Installed, or maybe in the chain of a handler installed over it (one that put
+            # SIG_DFL or SIG_IGN back has dropped it: it is installed anew below).
             return
         if threading.current_thread() is not threading.main_thread():
             logger.info(
