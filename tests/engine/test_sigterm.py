@@ -61,11 +61,16 @@ class Recorder:
 @pytest.fixture
 def recorder() -> Iterator[Recorder]:
     """A :class:`Recorder` installed before any checkpointer opens; the handler that was there
-    is put back afterwards."""
+    is put back afterwards, once the test checked that the wakeup fd is back as it was."""
     handler = Recorder()
     before = signal.signal(signal.SIGTERM, handler)
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
     yield handler
     signal.signal(signal.SIGTERM, before)
+    # Every checkpointer is closed: the wakeup fd is what it was (a ``set_wakeup_fd`` answers
+    # the one it replaces).
+    assert signal.set_wakeup_fd(wakeup) == wakeup
 
 
 def _ckpt(

@@ -215,19 +215,23 @@ class Preemption:
         already: list[str] = []
         failed: dict[str, str] = {}
         for name in choice.tiers:
-            vote = await self._write(self.pipes[name], version, raw, unreadable, deadline)
-            votes = await self._step(Step.PREEMPT_VOTE, vote, deadline)
-            is_durable, ranks = flush_outcome(votes, version, name)
-            if is_durable:
-                already.append(name)
-            elif ranks:
-                failed[name] = "; ".join(
-                    f"rank {r}: {votes[r].why or 'out of step'}" for r in ranks
-                )
-            elif await self._commit(self.pipes[name], votes, deadline):
-                durable.append(name)
-            else:
-                failed[name] = "rank 0 could not write the COMMIT record"
+            pipe = self.pipes[name]
+            try:
+                vote = await self._write(pipe, version, raw, unreadable, deadline)
+                votes = await self._step(Step.PREEMPT_VOTE, vote, deadline)
+                is_durable, ranks = flush_outcome(votes, version, name)
+                if is_durable:
+                    already.append(name)
+                elif ranks:
+                    failed[name] = "; ".join(
+                        f"rank {r}: {votes[r].why or 'out of step'}" for r in ranks
+                    )
+                elif await self._commit(pipe, votes, deadline):
+                    durable.append(name)
+                else:
+                    failed[name] = "rank 0 could not write the COMMIT record"
+            finally:
+                pipe.flushing.discard(version)
         with contextlib.suppress(Exception):
             # The manifest's records of the flush, before the process ends (history only).
             await asyncio.wait_for(self.journal.drained(), max(0.0, deadline - time.monotonic()))
@@ -346,8 +350,14 @@ class Preemption:
             return FlushVote(version, name, already=True)
         if raw is None:
             return FlushVote(version, name, why=unreadable)
+        # No retention pass in the tier from now until the flush ends, and none still running:
+        # one could take the version for an uncommitted piece and delete it.
+        pipe.flushing.add(version)
+        await pipe.retention_idle.wait()
         try:
-            parts, meta = await self._encode(raw, pipe.policy.encoding)
+            parts, meta = await _encode_base(
+                raw, pipe.policy.encoding, self.rank, self.options, self.cpu
+            )
             key = blob_key(version, self.rank, "full" if meta.kind == "full" else "packed")
             await self.claim.check(pipe.tier)
             await pipe.tier.putv(key, parts)
@@ -367,19 +377,6 @@ class Preemption:
             size=meta.nbytes,
             checksum=meta.checksum,
             raw_digest=meta.raw_digest,
-        )
-
-    async def _encode(self, raw: RawState, encoding: TierEncoding) -> tuple[list[Buffer], BlobMeta]:
-        """``raw`` as a base in ``encoding`` (no delta: its base may not be in the tier)."""
-        if encoding == "full":
-            return encode_full(raw, rank=self.rank)
-        return await asyncio.to_thread(
-            encode_packed,
-            raw,
-            rank=self.rank,
-            base=None,
-            options=self.options.encode.codec,
-            executor=self.cpu,
         )
 
     async def _commit(
@@ -419,6 +416,17 @@ class Preemption:
             )
             return False, "error"
         return True, ""
+
+
+async def _encode_base(
+    raw: RawState, encoding: TierEncoding, rank: int, options: Options, cpu: ThreadPoolExecutor
+) -> tuple[list[Buffer], BlobMeta]:
+    """``raw`` as a base in ``encoding`` (no delta: its base may not be in the tier)."""
+    if encoding == "full":
+        return encode_full(raw, rank=rank)
+    return await asyncio.to_thread(
+        encode_packed, raw, rank=rank, base=None, options=options.encode.codec, executor=cpu
+    )
 
 
 def _read_outcome(task: asyncio.Future[Any]) -> None:

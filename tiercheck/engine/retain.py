@@ -10,6 +10,7 @@ this rank cannot see whole.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection
 
@@ -49,6 +50,10 @@ class Retention:
     others: dict[int, list[str]]
     committed: set[int]
     settled: int
+    #: Versions the flush on SIGTERM is writing to the tier (no retention pass meanwhile).
+    flushing: set[int]
+    #: Set while no retention pass runs.
+    retention_idle: asyncio.Event
 
     def adopt(self, *, committed: Collection[int] | None, adopted: Collection[int]) -> None:
         """What a restore settled for the tier: ``committed`` (where not ``None``) replaces
@@ -73,6 +78,17 @@ class Retention:
             # Never delete from a tier this run cannot see whole or no longer owns, nor from
             # one that still holds another timeline's versions (they would count as its own).
             return
+        if self.flushing:
+            # The flush on SIGTERM writes and commits a version here outside the rounds: a pass
+            # now could count it uncommitted and delete it. The next round's pass trims.
+            return
+        self.retention_idle.clear()
+        try:
+            await self._retain()
+        finally:
+            self.retention_idle.set()
+
+    async def _retain(self) -> None:
         if self.durable:
             # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
             # lifecycle rule) must not count towards `keep`.

@@ -282,7 +282,9 @@ def watch(member: Watched) -> None:
             _flusher = _Flusher()
         handler = _Handler(previous, _flusher)
         signal.signal(signal.SIGTERM, handler)
-        _flusher.forward_fd = signal.set_wakeup_fd(_flusher.write_fd, warn_on_full_buffer=False)
+        before = signal.set_wakeup_fd(_flusher.write_fd, warn_on_full_buffer=False)
+        if before != _flusher.write_fd:  # (ours still, when a handler dropped ours was left)
+            _flusher.forward_fd = before
         _handler = handler
 
 
@@ -294,19 +296,18 @@ def unwatch(member: Watched) -> None:
         handler, flusher = _handler, _flusher
         if _watched or handler is None or flusher is None:
             return
-        if not installed():
-            # Another handler was installed over this one and may call it: it stays, and with
-            # nothing watched it only passes the signal on.
-            return
         if threading.current_thread() is not threading.main_thread():
             logger.debug(
                 "tiercheck: the SIGTERM handler stays (the last close is off the main thread)"
             )
             return
-        signal.signal(signal.SIGTERM, handler.previous)
         current = signal.set_wakeup_fd(flusher.forward_fd)
         if current != flusher.write_fd:
             signal.set_wakeup_fd(current)  # set by someone after us: theirs stays
         else:
             flusher.forward_fd = -1
-        _handler = None
+        if installed():
+            signal.signal(signal.SIGTERM, handler.previous)
+            _handler = None
+        # Else another handler was installed over this one and may call it: it stays, and with
+        # nothing watched it only passes the signal on.

@@ -108,6 +108,9 @@ class TierPipeline(Retention):
         #: Set while the round worker has nothing left to do (retention included).
         self.idle = asyncio.Event()
         self.idle.set()
+        self.flushing: set[int] = set()
+        self.retention_idle = asyncio.Event()
+        self.retention_idle.set()
         #: This rank's blobs in the tier, by version.
         self.own: dict[int, OwnBlob] = {}
         #: Versions another number of ranks saved (tiercheck.consistency.worlds), with the keys
@@ -309,15 +312,12 @@ class TierPipeline(Retention):
         job.handle.stats.tiers[self.name].bytes = meta.nbytes
         return record
 
-    def record_flushed(self, version: int, key: str, meta: BlobMeta) -> Written:
-        """This rank's blob of ``version``, a base written by the flush on SIGTERM (see
-        :mod:`tiercheck.engine.preempt`), is in the tier: remember it and log it."""
-        record = Written(
-            version, self.rank, self.name, key, meta.nbytes, meta.checksum, meta.raw_digest
-        )
+    def record_flushed(self, version: int, key: str, meta: BlobMeta) -> None:
+        """This rank's blob of ``version``, a base the flush on SIGTERM wrote, is in the tier."""
         self.own[version] = OwnBlob(key, None)
-        self.journal.log(record)
-        return record
+        self.journal.log(
+            Written(version, self.rank, self.name, key, meta.nbytes, meta.checksum, meta.raw_digest)
+        )
 
     def round_over(self, version: int) -> None:
         """The commit round of ``version`` is over (committed or not): see :attr:`settled`."""
