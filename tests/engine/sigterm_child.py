@@ -15,7 +15,8 @@ memory tier), the local tier every version. Once every save is committed, it wri
   and goes on (as Lightning's does): the process lives on after the flush and says so;
 - ``block``: the durable tier never finishes writing a version that is not a base
   (``preemption_grace=2``);
-- ``stop``: ``preemption_grace=3``; the parent stops the other rank (two-rank runs only).
+- ``slow``: the only tier is a durable one that takes 0.6 s per blob, and ``ready`` comes
+  before its queue drained: what is in flight finishes before the process ends.
 
 Each line is one ``os.write`` (a kill must not cut one in half, and print writes the text and
 its newline apart).
@@ -54,6 +55,14 @@ def commits(folder: Path) -> list[int]:
     return sorted(int(p.parent.name[1:]) for p in folder.glob("v*/COMMIT"))
 
 
+class SlowWrites(DelegatingTier):
+    """Takes 0.6 s for every blob: saves queue up in front of it."""
+
+    async def putv(self, key: str, parts: Sequence[Buffer]) -> None:
+        await asyncio.sleep(0.6)
+        await super().putv(key, parts)
+
+
 class NeverWrites(DelegatingTier):
     """Writes bases (every 5th version) as the inner tier does; any other version never ends."""
 
@@ -89,6 +98,9 @@ def main() -> int:
     if args.mode == "block":
         options["preemption_grace"] = 2.0
         options["tiers"] = ["local", NeverWrites(PersistentTier(job.as_uri()))]
+    if args.mode == "slow":
+        options["tiers"] = [SlowWrites(PersistentTier(job.as_uri()))]
+        options["tier_queue"] = 16
     ckpt = tiercheck.SyncCheckpointer(
         "job",
         local_root=args.root,
@@ -113,7 +125,8 @@ def main() -> int:
         signal.signal(signal.SIGTERM, framework)
     for version in range(args.saves):
         ckpt.save(version, state_of(version))
-    ckpt.wait()
+    if args.mode != "slow":
+        ckpt.wait()
     say(f"ready; COMMIT records {commits(job)}")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

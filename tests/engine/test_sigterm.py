@@ -211,6 +211,9 @@ CASES = {
     "under-a-framework": Case(
         "framework", 8, 0, 7, "framework handler goes on; COMMIT records [0, 5, 7]"
     ),
+    "in-flight-finishes": Case(
+        "slow", 8, -signal.SIGTERM, 7, "no version is committed in memory on every rank"
+    ),
     "tier-blocks": Case("block", 8, -signal.SIGTERM, 5, "the grace of 2 s ran out"),
     "base-newest": Case("default", 6, -signal.SIGTERM, 5, "'persistent' holds version 5 already"),
     "nothing-saved": Case("default", 0, -signal.SIGTERM, None, "a rank saved nothing in this run"),
@@ -256,6 +259,8 @@ def test_sigterm_to_a_real_process_then_the_cluster_is_lost(
     assert case.says in text, text
     # Within its grace (and then some), never the scheduler's SIGKILL.
     assert took < (2.0 + sigterm.SLACK + 3.0 if mode == "block" else 10.0), (took, text)
+    if mode == "slow":
+        assert 7 not in before, before  # still in flight when the signal came
     if mode == "optout":
         assert "handler before opening: <Handlers.SIG_DFL: 0>" in text
         assert "SIGTERM:" not in text

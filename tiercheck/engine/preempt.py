@@ -16,7 +16,10 @@ time plus ``preemption_grace``):
 5. per such tier: each rank reads its blob of that version back from memory (verified, with its
    base), encodes it as a base in the tier's encoding and writes it there -- unless the
    version's own save targets the tier, which is waited for instead --; step ``PREEMPT_VOTE``;
-   rank 0 writes the ``COMMIT`` record; step ``PREEMPT_ACK``.
+   rank 0 writes the ``COMMIT`` record; step ``PREEMPT_ACK``;
+6. what is left of the grace goes to the saves up to the horizon still in flight in the
+   durable tiers (their own rounds: a slow store's queue), which the end of the process would
+   otherwise cut short.
 
 Every exchange is on the ``"preempt"`` channel, never a tier's own: a rank that gives up (its
 grace ran out) leaves no tier's commit rounds out of step, only that channel, which this
@@ -204,11 +207,12 @@ class Preemption:
         if horizon is None:
             return FlushReport(why=why, trouble=why.startswith("not every rank"))
         now = time.monotonic()
-        await self._finish_in_memory(horizon, now + (deadline - now) / 2)
+        await self._finish(horizon, now + (deadline - now) / 2, durable=False)
         offers = await self._step(Step.PREEMPT_OFFER, self._offer(horizon), deadline)
         choice = choose_flush(offers)
         version = choice.version
         if version is None or not choice.tiers:
+            await self._finish(horizon, deadline, durable=True)
             return FlushReport(version, why=choice.why, trouble=choice.trouble)
         raw, unreadable = await self._read(version)
         durable: list[str] = []
@@ -232,6 +236,7 @@ class Preemption:
                     failed[name] = "rank 0 could not write the COMMIT record"
             finally:
                 pipe.flushing.discard(version)
+        await self._finish(horizon, deadline, durable=True)
         with contextlib.suppress(Exception):
             # The manifest's records of the flush, before the process ends (history only).
             await asyncio.wait_for(self.journal.drained(), max(0.0, deadline - time.monotonic()))
@@ -265,9 +270,10 @@ class Preemption:
         self._waiting = None
         return everyone
 
-    async def _finish_in_memory(self, horizon: int, until: float) -> None:
+    async def _finish(self, horizon: int, until: float, *, durable: bool) -> None:
         """Wait (until ``until`` at most) for the saves up to ``horizon`` still in flight in
-        the memory tiers: the version they commit is what the flush can make durable."""
+        the memory tiers (``durable`` false: the version they commit is what the flush can make
+        durable) or in the durable ones (their own rounds, cut short by the end otherwise)."""
         futures = [
             fut
             for job in self.inflight
@@ -275,7 +281,7 @@ class Preemption:
             if job.version <= horizon and (job.confirmed is None or job.confirmed.done())
             for name in job.targets
             if name in self.pipes
-            and not self.pipes[name].durable
+            and self.pipes[name].durable == durable
             and (fut := job.handle.tier_future(name)) is not None
             and not fut.done()
         ]
