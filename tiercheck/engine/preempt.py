@@ -475,7 +475,7 @@ def _log(report: FlushReport) -> None:
     line = "; ".join(done) or "nothing to do"
     if report.trouble:
         logger.warning(
-            "tiercheck: SIGTERM: %s (%.2f s); what only memory holds is lost with the cluster",
+            "tiercheck: SIGTERM: %s (%.2f s); what only memory holds is not durable",
             line,
             report.seconds,
         )

@@ -83,6 +83,8 @@ _lock = threading.Lock()
 _watched: tuple[weakref.ref[Any], ...] = ()
 _handler: _Handler | None = None
 _flusher: _Flusher | None = None
+# What was said at INFO already (once per process; DEBUG afterwards).
+_said = {"off-main": False}
 
 
 def _members() -> list[Watched]:
@@ -265,11 +267,12 @@ def watch(member: Watched) -> None:
             # SIG_DFL or SIG_IGN back has dropped it: it is installed anew below).
             return
         if threading.current_thread() is not threading.main_thread():
-            logger.info(
+            (logger.debug if _said["off-main"] else logger.info)(
                 "tiercheck: no SIGTERM handler yet: this checkpointer opened off the main "
                 "thread, and Python installs signal handlers from the main thread only; what "
                 "only memory holds is flushed on SIGTERM once a checkpointer opens there"
             )
+            _said["off-main"] = True
             return
         previous = signal.getsignal(signal.SIGTERM)
         if previous is None:
