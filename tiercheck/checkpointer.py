@@ -52,8 +52,9 @@ in ``options`` (:func:`~tiercheck.engine.options.resolve_options`), the parts pu
 ``engine`` (:class:`~tiercheck.engine.engine.Engine`), step 1 in ``schedule`` and ``stage``, step
 2 in ``encode``, steps 3 and 4 in ``tier`` (one :class:`~tiercheck.engine.tier.TierPipeline` per
 tier), ``lane`` and ``commit``; restore in ``restore``, ``read`` and ``elastic``; the first save
-after a restore in ``timeline``; the checks on opening in ``claim``; closing in ``shutdown``. The
-walk file by file: ``docs/architecture.md``.
+after a restore in ``timeline``; the checks on opening in ``claim``; closing in ``shutdown``; the
+flush on SIGTERM in ``preempt`` (its handler in ``sigterm``). The walk file by file:
+``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -69,18 +69,20 @@ from tiercheck.consistency.manifest import Manifest
 from tests.engine.test_journal import _ckpt, _state
 
 tiercheck.engine.journal.COMPACT_MIN_RECORDS = 30
-original = Manifest._compact
+when = sys.argv[3]
+original = Manifest._install
 
-def dying(self, txn, keep_after):
-    # Every deletion done, the transaction not committed: the process dies.
-    if original(self, txn, keep_after) > 0:
-        # One write to its own stream: a print from this thread could land inside the main
-        # thread's "committed" line.
-        os.write(2, b"dying\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-    return 0
+def dying(self, temp):
+    # The compaction's commit is the rename of its new journal over the old one: the process
+    # dies just before it (the new file written whole) or just after it.
+    if when == "after":
+        original(self, temp)
+    # One write to its own stream: a print from this thread could land inside the main
+    # thread's "committed" line.
+    os.write(2, b"dying\n")
+    os.kill(os.getpid(), signal.SIGKILL)
 
-Manifest._compact = dying
+Manifest._install = dying
 from pathlib import Path
 with _ckpt(Path(sys.argv[1])) as ckpt:
     for v in range(200):
@@ -93,10 +95,14 @@ with _ckpt(Path(sys.argv[1])) as ckpt:
 """
 
 
-def test_a_crash_in_the_middle_of_a_compaction_loses_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_crash_in_the_middle_of_a_compaction_loses_nothing(tmp_path: Path, when: str) -> None:
+    """Killed at the first compaction, just before or just after its rename: the journal is the
+    old one or the compacted one, readable, its index the one its log gives, and the job
+    restores at least the newest version the dead process saw committed."""
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-c", SAVER, str(tmp_path), str(repo)],
+        [sys.executable, "-c", SAVER, str(tmp_path), str(repo), when],
         capture_output=True,
         text=True,
         timeout=300,
@@ -108,11 +114,19 @@ def test_a_crash_in_the_middle_of_a_compaction_loses_nothing(tmp_path: Path) -> 
     lines = proc.stdout.split("\n")[:-1]
     committed = [int(line.split()[1]) for line in lines if line.startswith("committed ")]
     assert committed
-    with Manifest(tmp_path / "shm" / "manifest") as m:
+    root = tmp_path / "shm" / "manifest"
+    unfinished = [p.name for p in root.iterdir() if p.name.startswith("journal#compacting#")]
+    assert bool(unfinished) is (when == "before")  # the new journal, written, not renamed
+    with Manifest(root) as m:
         index = m.dump_index()
         m.rebuild_index()
         assert m.dump_index() == index  # readable, and the index agrees with the log
-        assert min(r.version for r in m.log()) == 0  # the compaction did not happen
+        logged = {r.version for r in m.log()}
+        if when == "before":
+            # Nothing was ever compacted: the log still tells the first save.
+            assert 0 in logged
+        # The dead compaction's unfinished journal is gone once a manifest opened again.
+        assert not [p.name for p in root.iterdir() if p.name.startswith("journal#compacting#")]
     with _ckpt(tmp_path) as again:
         into = _state(0)
         restored = again.restore(into)

@@ -33,6 +33,8 @@ def test_defaults_are_filled_in_and_grouped(tmp_path: Path) -> None:
     assert options.schedule.base_every == 10
     assert options.encode.threads >= 1
     assert options.coordination.close_timeout == 30.0
+    assert options.preemption.enabled
+    assert options.preemption.grace == 20.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.schedule.base_every = 3  # type: ignore[misc]
 
@@ -98,6 +100,8 @@ BAD_OPTIONS: list[tuple[str, object]] = [
     *[("close_timeout", v) for v in (-1, True, float("nan"), "30", None)],
     *[("behind_saves", v) for v in (0, -1, 1.5, True, "10", None)],
     *[("behind_seconds", v) for v in (0, -1, True, float("nan"), "600", None)],
+    *[("preemption", v) for v in (1, "yes", None)],
+    *[("preemption_grace", v) for v in (0, -1, True, float("nan"), float("inf"), "20", None)],
     *[("threads", v) for v in (-1, 1.5, True, "4", None)],
     *[("local_capacity", v) for v in (-1, 1.5, True, "1GB")],
     *[("rank", v) for v in (-1, 1.5, True, "0")],
@@ -105,6 +109,7 @@ BAD_OPTIONS: list[tuple[str, object]] = [
     *[("ranks_per_node", v) for v in (0, 1.5, True, "1")],
     *[("node", v) for v in ("a/b", "", "x::y", 3)],
     *[("tiers", v) for v in ("local", b"local", ["local", "local"], [""], [None], 3, {"local": 1},
+                             ["local", "control"], ["preempt", "persistent"],
                              [_NotATier()])],
     *[("encodings", v) for v in ({"local": "zip"}, {"nope": "full"}, ["full"], "full")],
     *[("policies", v) for v in ({"local": {"keep": 1}}, {"nope": TierPolicy()}, "x")],
@@ -214,7 +219,7 @@ def test_the_options_are_declared_once_and_both_faces_list_them_with_their_docs(
     assert SyncCheckpointer.__init__ is CheckpointerCore.__init__
     params = inspect.signature(Checkpointer).parameters
     assert next(iter(params)) == "job_id"
-    assert len(params) == 31
+    assert len(params) == 33
     assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "job_id")
     for face in (Checkpointer, SyncCheckpointer):
         text = pydoc.render_doc(face, renderer=pydoc.plaintext)

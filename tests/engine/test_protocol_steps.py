@@ -17,6 +17,7 @@ import pytest
 
 from tiercheck._threads import DaemonExecutor
 from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator
+from tiercheck.consistency.preempt import FlushVote, PreemptBegin, PreemptOffer
 from tiercheck.consistency.protocol import (
     STEP_MESSAGES,
     ClaimOutcome,
@@ -122,6 +123,16 @@ SAMPLES: dict[Step, Callable[[int], Message]] = {
     Step.ACK: lambda r: CommitAck(r == 0, "" if r == 0 else "error"),
     Step.CLOSE_SAVED: lambda r: SavesDone(r == 0),
     Step.CLOSE_STOPPED: lambda r: ServingStopped(True),
+    Step.PREEMPT_BEGIN: lambda r: PreemptBegin(7 + r, "" if r == 0 else "superseded"),
+    Step.PREEMPT_OFFER: lambda r: PreemptOffer(
+        [3, 4 + r], {"persistent": 0, "s3": -1}, {"s3": "blocked"} if r else {}
+    ),
+    Step.PREEMPT_VOTE: lambda r: (
+        FlushVote(7, "persistent", key=f"v7/r{r}", size=9, checksum=1, raw_digest=2)
+        if r == 0
+        else FlushVote(7, "persistent", already=False, why="no room")
+    ),
+    Step.PREEMPT_ACK: lambda r: CommitAck(r == 1, "superseded" if r == 0 else ""),
 }
 
 
@@ -137,13 +148,20 @@ def test_every_step_round_trips_its_message_between_two_ranks() -> None:
     steps = list(Step)
 
     def rank(r: int) -> list[list[Message]]:
-        side = FakeSide(group.coordinator(r), ("control", "local"))
+        side = FakeSide(group.coordinator(r), ("control", "local", "preempt"))
 
         async def all_steps() -> list[list[Message]]:
             out = []
             for which in steps:
-                # The commit round's steps go on the tier's channel, the others on control.
-                channel = "local" if which in (Step.VOTE, Step.ACK) else "control"
+                # The commit round's steps go on the tier's channel, the flush on SIGTERM's on
+                # its own, the others on control.
+                channel = (
+                    "local"
+                    if which in (Step.VOTE, Step.ACK)
+                    else "preempt"
+                    if which.value.startswith("preempt")
+                    else "control"
+                )
                 out.append(await step(side, which, SAMPLES[which](r), channel=channel))
             return out
 

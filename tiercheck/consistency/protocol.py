@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any, Literal, Protocol, Self, cast
 
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
+from tiercheck.consistency.preempt import FlushVote, PreemptBegin, PreemptOffer
 from tiercheck.consistency.recovery import Inventory
 
 __all__ = [
@@ -65,7 +66,9 @@ class Step(Enum):
     In the order a job meets them: opening (``SESSION``, ``OPEN_FACTS``, ``CLAIM``), restoring
     (``INVENTORY``, ``VERDICT``, ``LOADED``), a changed world or timeline (``JOB_RECORD``,
     ``SET_ASIDE_*``), each commit round of each tier (``VOTE``, ``ACK``), closing
-    (``CLOSE_SAVED``, ``CLOSE_STOPPED``). The value names the step in logs and errors.
+    (``CLOSE_SAVED``, ``CLOSE_STOPPED``); and, on SIGTERM, the flush of what only memory
+    holds (``PREEMPT_*``, on a channel of their own: :mod:`tiercheck.consistency.preempt`).
+    The value names the step in logs and errors.
     """
 
     SESSION = "session"
@@ -82,6 +85,10 @@ class Step(Enum):
     ACK = "ack"
     CLOSE_SAVED = "close-saved"
     CLOSE_STOPPED = "close-stopped"
+    PREEMPT_BEGIN = "preempt-begin"
+    PREEMPT_OFFER = "preempt-offer"
+    PREEMPT_VOTE = "preempt-vote"
+    PREEMPT_ACK = "preempt-ack"
 
 
 class Message(Protocol):
@@ -466,6 +473,10 @@ STEP_MESSAGES: Mapping[Step, type[Message]] = {
     Step.ACK: CommitAck,
     Step.CLOSE_SAVED: SavesDone,
     Step.CLOSE_STOPPED: ServingStopped,
+    Step.PREEMPT_BEGIN: PreemptBegin,
+    Step.PREEMPT_OFFER: PreemptOffer,
+    Step.PREEMPT_VOTE: FlushVote,
+    Step.PREEMPT_ACK: CommitAck,
 }
 
 

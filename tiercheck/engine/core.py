@@ -74,6 +74,8 @@ class CheckpointerCore(CallSteps):
         per_rank: PerRankPolicy = "refuse",
         behind_saves: int = 10,
         behind_seconds: float = 600.0,
+        preemption: bool = True,
+        preemption_grace: float = 20.0,
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -166,6 +168,25 @@ class CheckpointerCore(CallSteps):
                 :meth:`health` has the figures. A tier that cannot keep up with the saves lags
                 by up to ``tier_queue`` + 1 saves; the defaults (10 saves, 600 s) leave room
                 for that and for a large upload.
+            preemption: on SIGTERM (a scheduler preempting the job, torchrun stopping its
+                workers), make the newest version committed in memory durable before the
+                process ends: the ranks agree on the newest version every one of them holds in
+                memory, and where a durable tier holds nothing as new, each rank writes its
+                blob of it there as a base and rank 0 commits it; what is left of the grace
+                goes to the saves still in flight to durable tiers. Then the signal goes on to
+                the handler that was in place before (the default one ends the process with
+                SIGTERM's status; an ignored SIGTERM stays ignored; a Python handler is called).
+                The flush starts from the signal itself, even while the main thread is inside a
+                long C++ call. The handler is installed when a checkpointer opens on the main
+                thread (an INFO line says when it cannot be) and put back when the last one
+                closes; one handler serves every checkpointer of the process (see
+                :mod:`tiercheck.engine.sigterm`). ``False``: no handler is installed and the
+                one in place is left alone. Every rank must use the same setting.
+            preemption_grace: the longest the flush on SIGTERM may take, in seconds (default
+                20, under the 30 s that Kubernetes, Slurm and torchrun give before SIGKILL): a
+                rank that does not answer in time, or a durable tier that does not take the
+                version in time, makes the flush give up with a WARNING, and the process ends
+                as it would have.
 
         Opening refuses, with a typed error and before anything is read or changed: a second
         live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a

@@ -32,6 +32,7 @@ from tiercheck.engine.journal import Journal
 from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
 from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.plan import SavePlan
+from tiercheck.engine.preempt import PREEMPT_CHANNEL, Preemption
 from tiercheck.engine.read import Reader
 from tiercheck.engine.restore import Agreement, Restorer
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
@@ -43,7 +44,7 @@ from tiercheck.engine.timeline import Timeline
 from tiercheck.errors import ConfigError, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "tier_setup"]
 
 
 class Engine:
@@ -86,6 +87,7 @@ class Engine:
         self.encoder = Encoder(config, self.journal, self.cpu, self.pipes, self.schedule)
         self.timeline = Timeline(config, self.claim, self.channels, self.pipes)
         reader = Reader(config, self.stats, self.claim, self.cpu, self.pipes)
+        self.save_lock = asyncio.Lock()
         self.restorer = Restorer(
             config,
             self.claim,
@@ -100,7 +102,8 @@ class Engine:
             timeline=self.timeline,
         )
         self.shutdown = Shutdown(self)
-        self.save_lock = asyncio.Lock()
+        #: The flush on SIGTERM (see tiercheck.engine.sigterm).
+        self.preemption = Preemption(self)
         self.opened = False
         #: When :meth:`open` began (so a close before ``opened`` follows a failed opening).
         self.open_started: float | None = None
@@ -135,23 +138,16 @@ class Engine:
         await channels.connect(
             cfg.coordination.coordinator,
             world_size=self.topo.world_size,
-            names=["control", *cfg.tier_names],
+            # The flush on SIGTERM's channel exists whether or not this rank handles SIGTERM:
+            # creating groups is a collective, the same on every rank whatever its options.
+            names=["control", PREEMPT_CHANNEL, *cfg.tier_names],
             timeout=cfg.coordination.peer_timeout,
         )
-        # One token per opening of the job (its session), agreed by all ranks: keeps a restarted job
-        # from reading the key-value store entries of the one that died.
+        channels.add(PREEMPT_CHANNEL)
+        # One token per opening of the job (its session), agreed by all ranks: keeps a
+        # restarted job from reading the key-value store entries of the one that died.
         session = await channels.agree_session(os.urandom(8).hex())
-        setup = TierSetup(
-            job_id=cfg.job.job_id,
-            session=session,
-            topology=self.topo,
-            node_root=cfg.job.node_root,
-            persistent_url=persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
-            storage_options=cfg.job.storage_options,
-            local_capacity=cfg.tiers.local_capacity,
-            peer_replicas=cfg.tiers.peer_replicas,
-            peer_timeout=cfg.coordination.peer_timeout,
-        )
+        setup = tier_setup(cfg, session)
         # Every tier but the peer tier: constructing that one is a collective, so it waits
         # until every rank has passed the checks below (which fail on every rank alike).
         for spec in cfg.tiers.specs:
@@ -342,3 +338,18 @@ class Engine:
     async def aclose(self, how: CloseMode) -> None:
         """Close, in one of three ways (see :data:`~tiercheck.engine.options.CloseMode`)."""
         await self.shutdown.close(how)
+
+
+def tier_setup(cfg: Options, session: str) -> TierSetup:
+    """What a tier built by name is given (:func:`~tiercheck.engine.stored.build_tier`)."""
+    return TierSetup(
+        job_id=cfg.job.job_id,
+        session=session,
+        topology=cfg.job.topology,
+        node_root=cfg.job.node_root,
+        persistent_url=persistent_job_url(cfg.job.persistent_url, cfg.job.job_id),
+        storage_options=cfg.job.storage_options,
+        local_capacity=cfg.tiers.local_capacity,
+        peer_replicas=cfg.tiers.peer_replicas,
+        peer_timeout=cfg.coordination.peer_timeout,
+    )

@@ -31,6 +31,7 @@ from tiercheck.tiers.base import FailureScope, Tier
 from tiercheck.topology import Topology
 
 __all__ = [
+    "RESERVED_CHANNELS",
     "BusyPolicy",
     "CloseMode",
     "CodecSetup",
@@ -39,6 +40,7 @@ __all__ = [
     "JobOptions",
     "Options",
     "PerRankPolicy",
+    "PreemptionOptions",
     "ScheduleOptions",
     "StalePolicy",
     "TierEncoding",
@@ -57,6 +59,9 @@ StalePolicy = Literal["error", "discard", "adopt"]
 #: rank ``q`` takes old rank ``q % N``'s); see :mod:`tiercheck.codec.reshard`.
 PerRankPolicy = Literal["refuse", "wrap"]
 VersionSelector = Literal["all", "base"] | Callable[[int], bool]
+#: Coordination channels that are not a tier's (each tier's rounds run on one named after it):
+#: the opening's, restores' and closes' exchanges, and the flush on SIGTERM's.
+RESERVED_CHANNELS = ("control", "preempt")
 #: How a checkpointer closes: ``"collective"`` -- the normal end, every save finished and the
 #: ranks leaving the store and each other in order; ``"bounded"`` -- leaving on an exception,
 #: pending saves get at most ``close_timeout`` seconds, no agreement with other ranks;
@@ -181,6 +186,17 @@ class HealthOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class PreemptionOptions:
+    """What happens on SIGTERM (see :mod:`tiercheck.engine.sigterm`)."""
+
+    #: Whether a SIGTERM handler flushes the newest version committed in memory to the
+    #: durable tiers before the process ends as it would have.
+    enabled: bool = True
+    #: The longest the flush may take, in seconds, from the signal on.
+    grace: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
 class Options:
     """Everything a checkpointer was configured with, resolved (see :func:`resolve_options`)."""
 
@@ -190,6 +206,7 @@ class Options:
     encode: CodecSetup
     coordination: CoordinationOptions
     health: HealthOptions = HealthOptions()
+    preemption: PreemptionOptions = PreemptionOptions()
 
     @property
     def tier_names(self) -> list[str]:
@@ -292,6 +309,8 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
     per_rank = args.pop("per_rank")
     behind_saves = args.pop("behind_saves")
     behind_seconds = args.pop("behind_seconds")
+    preemption = args.pop("preemption")
+    preemption_grace = args.pop("preemption_grace")
     # An option declared on the constructor that nothing here reads would be silently ignored.
     assert not args, f"options the constructor declares but nothing resolves: {sorted(args)}"
     if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
@@ -340,6 +359,15 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
     close_timeout = _seconds("close_timeout", close_timeout, zero=True)
     _count("behind_saves", behind_saves, 1, "saves a tier may fall behind before a WARNING")
     behind_seconds = _seconds("behind_seconds", behind_seconds, zero=False)
+    _flag("preemption", preemption)
+    preemption_grace = _seconds("preemption_grace", preemption_grace, zero=False)
+    if math.isinf(preemption_grace):
+        # A flush that may take forever would hold the process past its scheduler's SIGKILL.
+        raise ConfigError(
+            "preemption_grace must be a finite number of seconds (well under the scheduler's "
+            "grace period before SIGKILL: 30 s by default in Kubernetes, Slurm and torchrun), "
+            f"got {preemption_grace!r}"
+        )
     if persist is not None and persist not in ("all", "base") and not callable(persist):
         raise ConfigError(
             "persist must be 'all', 'base', a callable(version) -> bool, or None (every "
@@ -370,6 +398,13 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
     tier_names = [t.name if isinstance(t, Tier) else t for t in tiers]
     if len(set(tier_names)) != len(tier_names):
         raise ConfigError(f"tier names must be unique, got {tier_names}")
+    reserved = sorted(set(tier_names) & set(RESERVED_CHANNELS))
+    if reserved:
+        # Each tier's commit rounds run on a coordination channel named after it.
+        raise ConfigError(
+            f"tier names {reserved} are taken by the ranks' own coordination channels "
+            f"{list(RESERVED_CHANNELS)}; name the tier otherwise"
+        )
     if _is_int(keep):
         _count("keep", keep, 1, "versions each tier retains")
     elif keep is not None and not isinstance(keep, Mapping):
@@ -427,6 +462,7 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
             close_timeout=close_timeout,
         ),
         health=HealthOptions(behind_saves=behind_saves, behind_seconds=behind_seconds),
+        preemption=PreemptionOptions(enabled=preemption, grace=preemption_grace),
     )
 
 

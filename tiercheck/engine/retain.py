@@ -10,11 +10,12 @@ this rank cannot see whole.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from tiercheck.consistency.abandoned import ABANDONED_PREFIX, SetInfo, kept_and_removable
-from tiercheck.consistency.keys import commit_key, parse_commit_key
+from tiercheck.consistency.keys import commit_key, parse_blob_key, parse_commit_key
 from tiercheck.consistency.manifest import Commit, Evict
 from tiercheck.consistency.resync import unsure_kept
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
@@ -26,8 +27,9 @@ from tiercheck.engine.options import TierPolicy
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.stored import commit_versions
 from tiercheck.tiers.base import Tier
+from tiercheck.topology import Topology
 
-__all__ = ["Retention"]
+__all__ = ["Retention", "sort_blob_keys"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -37,6 +39,7 @@ class Retention:
     :class:`~tiercheck.engine.tier.TierPipeline`."""
 
     rank: int
+    topo: Topology
     stats: CheckpointerStats
     journal: Journal
     claim: Claim
@@ -53,6 +56,10 @@ class Retention:
     settled: int
     unsure: set[int]
     lag: CommitLag
+    #: Versions the flush on SIGTERM is writing to the tier (no retention pass meanwhile).
+    flushing: set[int]
+    #: Set while no retention pass runs.
+    retention_idle: asyncio.Event
 
     def adopt(self, *, committed: Collection[int] | None, adopted: Collection[int]) -> None:
         """What a restore settled for the tier: ``committed`` (where not ``None``) replaces
@@ -78,6 +85,17 @@ class Retention:
             # Never delete from a tier this run cannot see whole or no longer owns, nor from
             # one that still holds another timeline's versions (they would count as its own).
             return
+        if self.flushing:
+            # The flush on SIGTERM writes and commits a version here outside the rounds: a pass
+            # now could count it uncommitted and delete it. The next round's pass trims.
+            return
+        self.retention_idle.clear()
+        try:
+            await self._retain()
+        finally:
+            self.retention_idle.set()
+
+    async def _retain(self) -> None:
         if self.durable:
             # Count what is there: versions whose COMMIT record vanished (a deleted folder, a
             # lifecycle rule) must not count towards `keep`.
@@ -185,3 +203,85 @@ class Retention:
                 logger.exception(
                     "tiercheck: removing version %s from %r failed", version, self.name
                 )
+
+    # --- what the tier holds, as this rank lists it -------------------------------------------
+
+    async def list_own(self) -> dict[int, OwnBlob]:
+        """This rank's blobs in the tier, by version, with the base each is a delta on.
+
+        Also refreshes :attr:`others` from the same listing.
+        """
+        written = await self.journal.blobs(self.name, self.rank)
+        keys = [key async for key in self.tier.list("v")]
+        out, self.others = sort_blob_keys(
+            keys,
+            rank=self.rank,
+            world=self.topo.world_size,
+            world_of=self.claim.world_of,
+            bases={d.version: d.base for d in written},
+        )
+        return out
+
+    def keys_from(self, first: int) -> dict[int, list[str]]:
+        """This rank's blob keys of versions ``>= first``, by version (those of another world's
+        versions this rank looks after included, see :attr:`others`)."""
+        out: dict[int, list[str]] = {}
+        for version, blob in self.own.items():
+            if version >= first:
+                out.setdefault(version, []).append(blob.key)
+        for version, keys in self.others.items():
+            if version >= first:
+                out.setdefault(version, []).extend(keys)
+        return out
+
+    async def restorable(self) -> list[int]:
+        """Committed versions that are still there and whose base is too, as this rank sees."""
+        try:
+            if self.durable:
+                present = await commit_versions(self.tier)
+            else:
+                present = set(await self.list_own())
+        except Exception as exc:
+            logger.warning("tiercheck: cannot list the %r tier: %r", self.name, exc)
+            return sorted(self.committed)
+        there = self.committed & present
+        # A delta whose base is gone cannot be restored from this tier.
+        bases = {v: b.base for v, b in self.own.items()}
+        return sorted(v for v in there if bases.get(v) in (None, UNKNOWN_BASE) or bases[v] in there)
+
+
+def sort_blob_keys(
+    keys: Iterable[str],
+    *,
+    rank: int,
+    world: int,
+    world_of: Callable[[int], int],
+    bases: Mapping[int, int | None],
+) -> tuple[dict[int, OwnBlob], dict[int, list[str]]]:
+    """A tier's blob ``keys`` as rank ``rank`` of ``world`` sees them: its own blobs by version
+    (with the base each is a delta on: from ``bases``, what the manifest knows, else
+    :data:`~tiercheck.consistency.retention.UNKNOWN_BASE`), and the keys of versions another
+    number of ranks saved that this rank removes when retention drops them (old ranks ``s``
+    with ``s % world == rank``). ``world_of``: how many ranks saved a version."""
+    own: dict[int, OwnBlob] = {}
+    others: dict[int, list[str]] = {}
+    for key in keys:
+        parsed = parse_blob_key(key)
+        if parsed is None:
+            continue
+        # A version another number of ranks saved is not this rank's state, whatever its
+        # rank number: only an elastic restore reads it (tiercheck.engine.elastic).
+        if world_of(parsed.version) != world:
+            if parsed.rank % world == rank:
+                others.setdefault(parsed.version, []).append(key)
+            continue
+        if parsed.rank == rank:
+            if parsed.kind == "full":
+                base = None
+            elif parsed.version in bases:
+                base = bases[parsed.version]
+            else:
+                # Not in this node's manifest (a new node): any older blob may be its base.
+                base = UNKNOWN_BASE
+            own[parsed.version] = OwnBlob(key, base)
+    return own, others

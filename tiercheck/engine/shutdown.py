@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from tiercheck.engine.jobs import InFlight
     from tiercheck.engine.journal import Journal
     from tiercheck.engine.options import Options
+    from tiercheck.engine.preempt import Preemption
     from tiercheck.engine.stage import Stager
     from tiercheck.engine.tier import TierPipeline
     from tiercheck.tiers.base import Tier
@@ -55,6 +56,7 @@ class Closable(Protocol):
     pipes: dict[str, TierPipeline]
     encoder: Encoder
     stager: Stager
+    preemption: Preemption
     save_lock: asyncio.Lock
     opened: bool
     open_started: float | None
@@ -88,6 +90,8 @@ class Shutdown:
         if self.engine.closed or self.engine.closing:
             return
         self.engine.mark_closing()
+        # A flush on SIGTERM in progress ends first (within its grace); none starts from now.
+        await self.engine.preemption.finished()
         # The close decides every overlapped save: the caller confirmed what it could before
         # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
         self.engine.stager.abandon(

@@ -12,6 +12,7 @@ return value is the call's. :class:`~tiercheck.SyncCheckpointer` drives the step
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, TypeAlias, TypeVar
 from tiercheck import stateful
 from tiercheck._loop import LoopThread
 from tiercheck.consistency.keys import check_version
+from tiercheck.engine import sigterm
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.results import Restored, SaveHandle
@@ -241,6 +243,8 @@ class CallSteps:
             except BaseException:
                 yield from self._close_steps("now")
                 raise
+            if self._config.preemption.enabled:
+                sigterm.watch(self)
         return engine
 
     def _save_steps(self, version: int, state: Any) -> Steps[SaveHandle]:
@@ -296,6 +300,7 @@ class CallSteps:
             yield from self._last_point(engine, how)
             yield engine.aclose(how)
         finally:
+            sigterm.unwatch(self)
             loop.stop()
             self._loop = None
 
@@ -318,6 +323,22 @@ class CallSteps:
             logger.warning("tiercheck: closing; snapshots still copying are abandoned: %s", exc)
         finally:
             engine.stager.abandon(_ABANDONED)
+
+    # --- SIGTERM (see tiercheck.engine.sigterm) -------------------------------------------------
+
+    @property
+    def preemption_grace(self) -> float:
+        """The longest the flush on SIGTERM may take, in seconds (``preemption_grace``)."""
+        return self._config.preemption.grace
+
+    def _flush_on_sigterm(self, deadline: float) -> concurrent.futures.Future[Any] | None:
+        """Start the flush on SIGTERM on the loop, to end by ``deadline`` (from the handler's
+        thread, while training may still run: overlapped copies are confirmed only on the
+        caller's side, so a version not confirmed yet is not flushed)."""
+        engine, loop = self._engine, self._loop
+        if self._closed or engine is None or loop is None or not engine.opened:
+            return None
+        return loop.submit(engine.preemption.flush(deadline))
 
     # --- lifecycle ----------------------------------------------------------------------------
 

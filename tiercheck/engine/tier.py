@@ -20,18 +20,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 
 from tiercheck.codec import BlobMeta
 from tiercheck.consistency.abandoned import (
     SetInfo,
 )
-from tiercheck.consistency.keys import (
-    parse_blob_key,
-)
 from tiercheck.consistency.manifest import Commit, Written
 from tiercheck.consistency.protocol import committed_in_tier
-from tiercheck.consistency.retention import UNKNOWN_BASE
 from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels
 from tiercheck.engine.health import CommitLag
@@ -56,7 +52,6 @@ __all__ = [
     "build_tier",
     "commit_versions",
     "location",
-    "sort_blob_keys",
     "writes_commit_records",
 ]
 
@@ -109,6 +104,9 @@ class TierPipeline(Retention):
         #: Set while the round worker has nothing left to do (retention included).
         self.idle = asyncio.Event()
         self.idle.set()
+        self.flushing: set[int] = set()
+        self.retention_idle = asyncio.Event()
+        self.retention_idle.set()
         #: This rank's blobs in the tier, by version.
         self.own: dict[int, OwnBlob] = {}
         #: Versions another number of ranks saved (tiercheck.consistency.worlds), with the keys
@@ -166,22 +164,6 @@ class TierPipeline(Retention):
             self.own = {}
             self.committed = set()
 
-    async def list_own(self) -> dict[int, OwnBlob]:
-        """This rank's blobs in the tier, by version, with the base each is a delta on.
-
-        Also refreshes :attr:`others` from the same listing.
-        """
-        written = await self.journal.blobs(self.name, self.rank)
-        keys = [key async for key in self.tier.list("v")]
-        out, self.others = sort_blob_keys(
-            keys,
-            rank=self.rank,
-            world=self.topo.world_size,
-            world_of=self.claim.world_of,
-            bases={d.version: d.base for d in written},
-        )
-        return out
-
     async def relist(self) -> dict[int, OwnBlob]:
         """List this rank's blobs anew (a restore's inventory): :attr:`own` is what is there."""
         self.own = await self.list_own()
@@ -190,18 +172,6 @@ class TierPipeline(Retention):
     def listed(self, ok: bool) -> None:
         """Whether a restore's inventory could list the tier (see :attr:`unlisted`)."""
         self.unlisted = not ok
-
-    def keys_from(self, first: int) -> dict[int, list[str]]:
-        """This rank's blob keys of versions ``>= first``, by version (those of another world's
-        versions this rank looks after included, see :attr:`others`)."""
-        out: dict[int, list[str]] = {}
-        for version, blob in self.own.items():
-            if version >= first:
-                out.setdefault(version, []).append(blob.key)
-        for version, keys in self.others.items():
-            if version >= first:
-                out.setdefault(version, []).extend(keys)
-        return out
 
     def block(self, reason: str) -> None:
         """Take no new versions (each is dropped for this tier, with ``reason``) and keep
@@ -221,21 +191,6 @@ class TierPipeline(Retention):
     def note_abandoned(self, tag: str, info: SetInfo) -> None:
         """A whole abandoned set ``tag`` now lies in the tier."""
         self.abandoned[tag] = info
-
-    async def restorable(self) -> list[int]:
-        """Committed versions that are still there and whose base is too, as this rank sees."""
-        try:
-            if self.durable:
-                present = await commit_versions(self.tier)
-            else:
-                present = set(await self.list_own())
-        except Exception as exc:
-            logger.warning("tiercheck: cannot list the %r tier: %r", self.name, exc)
-            return sorted(self.committed)
-        there = self.committed & present
-        # A delta whose base is gone cannot be restored from this tier.
-        bases = {v: b.base for v, b in self.own.items()}
-        return sorted(v for v in there if bases.get(v) in (None, UNKNOWN_BASE) or bases[v] in there)
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -318,6 +273,13 @@ class TierPipeline(Retention):
         job.handle.stats.tiers[self.name].bytes = meta.nbytes
         return record
 
+    def record_flushed(self, version: int, key: str, meta: BlobMeta) -> None:
+        """This rank's blob of ``version``, a base the flush on SIGTERM wrote, is in the tier."""
+        self.own[version] = OwnBlob(key, None)
+        self.journal.log(
+            Written(version, self.rank, self.name, key, meta.nbytes, meta.checksum, meta.raw_digest)
+        )
+
     def round_over(self, version: int) -> None:
         """The commit round of ``version`` is over (committed or not): see :attr:`settled`."""
         self.settled = max(self.settled, version)
@@ -363,40 +325,3 @@ class TierPipeline(Retention):
             self.stats.failed[self.name] = self.stats.failed.get(self.name, 0) + 1
         self.lag.failed(job.version, error)
         job.handle.resolve_tier(self.name, error)
-
-
-def sort_blob_keys(
-    keys: Iterable[str],
-    *,
-    rank: int,
-    world: int,
-    world_of: Callable[[int], int],
-    bases: Mapping[int, int | None],
-) -> tuple[dict[int, OwnBlob], dict[int, list[str]]]:
-    """A tier's blob ``keys`` as rank ``rank`` of ``world`` sees them: its own blobs by version
-    (with the base each is a delta on: from ``bases``, what the manifest knows, else
-    :data:`~tiercheck.consistency.retention.UNKNOWN_BASE`), and the keys of versions another
-    number of ranks saved that this rank removes when retention drops them (old ranks ``s``
-    with ``s % world == rank``). ``world_of``: how many ranks saved a version."""
-    own: dict[int, OwnBlob] = {}
-    others: dict[int, list[str]] = {}
-    for key in keys:
-        parsed = parse_blob_key(key)
-        if parsed is None:
-            continue
-        # A version another number of ranks saved is not this rank's state, whatever its
-        # rank number: only an elastic restore reads it (tiercheck.engine.elastic).
-        if world_of(parsed.version) != world:
-            if parsed.rank % world == rank:
-                others.setdefault(parsed.version, []).append(key)
-            continue
-        if parsed.rank == rank:
-            if parsed.kind == "full":
-                base = None
-            elif parsed.version in bases:
-                base = bases[parsed.version]
-            else:
-                # Not in this node's manifest (a new node): any older blob may be its base.
-                base = UNKNOWN_BASE
-            own[parsed.version] = OwnBlob(key, base)
-    return own, others

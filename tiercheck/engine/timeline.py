@@ -98,6 +98,13 @@ class Timeline:
         """A restore chose where the run goes on from; settled at the next save."""
         self._pending = continuation
 
+    @property
+    def newest_on_timeline(self) -> int | None:
+        """While a restore's continuation is not settled yet, the newest version on the run's
+        timeline (the restored one; ``-1``: none): newer ones still stored leave it at the next
+        save. ``None`` when no continuation is pending."""
+        return None if self._pending is None else self._pending.version
+
     async def settle(self, version: int) -> None:
         """At the start of the save of ``version`` (every rank, in the same order): settle a
         pending continuation, or retry what could not be settled before. Never raises for a
