@@ -185,7 +185,12 @@ class PersistentTier(_LeftoverJudging, Tier):
         Every fsspec call runs in a worker thread, never on the event loop. Transient failures
         are retried per ``retry``; what still fails raises :class:`~tiercheck.errors.StorageError`
         naming the URL, the key and the cause (chained). A missing blob raises
-        :class:`~tiercheck.errors.BlobNotFound` at once, without retrying.
+        :class:`~tiercheck.errors.BlobNotFound` at once, without retrying. On S3, botocore's
+        own retries are off unless ``storage_options`` set them (``config_kwargs={"retries":
+        ...}``): they multiplied these (see :func:`~tiercheck.tiers.storage.single_try_botocore`),
+        so that with the defaults a call to an endpoint that refuses connections fails after
+        ~1.5 s, and one to an endpoint that does not answer after five of s3fs's 5 s connect
+        timeouts (``config_kwargs={"connect_timeout": ...}`` shortens them).
 
     Listing
         Recursive (``fs.find``), so nested keys are found on object stores too; temporary files

@@ -24,7 +24,14 @@ from tiercheck.errors import BlobNotFound, ConfigError, InvalidKey, StorageError
 from tiercheck.tiers import atomic
 from tiercheck.tiers.base import validate_key
 
-__all__ = ["DEFAULT_RETRY", "FsspecCalls", "RetryPolicy", "is_transient", "open_filesystem"]
+__all__ = [
+    "DEFAULT_RETRY",
+    "FsspecCalls",
+    "RetryPolicy",
+    "is_transient",
+    "open_filesystem",
+    "single_try_botocore",
+]
 
 _T = TypeVar("_T")
 
@@ -300,11 +307,32 @@ def _valid_key(key: str) -> bool:
     return True
 
 
+def single_try_botocore(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``protocol``'s filesystem, with botocore's own retries turned off on S3
+    unless ``options`` configure them (``config_kwargs={"retries": ...}``).
+
+    The persistent tier retries every storage call itself (:class:`RetryPolicy`); botocore's
+    default retries (5 tries, with waits of up to 1, 2, 4 and 8 s) ran *inside* each of those,
+    so that an endpoint that refuses connections took ~8.6 s per try and ~44 s per call before
+    it failed, and one that does not answer (s3fs's 5 s connect timeout) ~32 s per try and
+    ~160 s per call. s3fs still retries throttling (``SlowDown``) and broken reads itself.
+    """
+    if protocol not in _EXTRAS:
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    if "retries" in config:
+        return options
+    config["retries"] = {"total_max_attempts": 1}
+    return {**options, "config_kwargs": config}
+
+
 def open_filesystem(url: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of ``url`` and the root path in it; a
     :class:`~tiercheck.errors.ConfigError` that says what to install or fix when it cannot be
-    opened."""
+    opened. On S3, botocore's own retries are off unless ``options`` set them
+    (:func:`single_try_botocore`)."""
     protocol = split_protocol(url)[0] or "file"
+    options = single_try_botocore(protocol, options)
     try:
         fs, root = url_to_fs(url, **options)
     except ImportError as exc:
