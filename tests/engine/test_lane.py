@@ -49,6 +49,9 @@ class _Pipe:
         self.durable = durable
         self.claim = claim
         self.blocked: str | None = None
+        #: What the tier commits and holds for this rank (none of these tests commits).
+        self.committed: set[int] = set()
+        self.own: dict[int, Any] = {}
         self.skipped: list[tuple[int, BaseException]] = []
         self.recorded: list[int] = []
 
@@ -165,27 +168,31 @@ async def test_the_lane_writes_each_version_in_order_one_at_a_time(tmp_path: Pat
         assert v.released
 
 
-async def test_a_lane_tier_queue_versions_behind_drops_the_newest(tmp_path: Path) -> None:
+async def test_a_lane_tier_queue_versions_behind_passes_over_the_oldest(tmp_path: Path) -> None:
     tier = DictTier()
     pipe = _Pipe(tier, _claim(tmp_path), tier_queue=2)
     lane = Lane(cast(Any, pipe))
     versions = [_Version(v, tier.name) for v in (1, 2, 3)]
-    # The lane is not writing (a slow tier): two wait, the third is dropped for this tier.
-    assert [v.offer(lane) for v in versions] == [True, True, False]
-    dropped = await versions[2].result(tier.name)
+    # The lane is not writing (a slow tier): two wait; the third makes room for itself by
+    # passing over the oldest (each is self-contained), never the newest.
+    assert [v.offer(lane) for v in versions] == [True, True, True]
+    dropped = await versions[0].result(tier.name)
     assert isinstance(dropped.error, TierWriteFailed)
-    assert "is 2 versions behind; version 3 was dropped for it" in str(dropped.error)
-    # Dropped: the lane holds nothing of it (the encoder's hold is the last).
-    versions[2].let_go()
-    assert versions[2].released
+    assert (
+        "version 1 was passed over for the 'dict' tier: it is 2 versions behind, and the newest "
+        "whole versions go first (it keeps 2, 3)"
+    ) in str(dropped.error)
+    # Passed over: the lane holds nothing of it (the encoder's hold is the last).
+    versions[0].let_go()
+    assert versions[0].released
     await _drain(lane)
-    assert _versions_in(tier) == [1, 2]
-    # Once the lane caught up, it takes versions again.
+    assert _versions_in(tier) == [2, 3]
+    # Once the lane caught up, versions are taken in order again.
     lane = Lane(cast(Any, pipe))
-    later = _Version(4, tier.name)
-    assert later.offer(lane)
+    later = [_Version(v, tier.name) for v in (4, 5)]
+    assert all(v.offer(lane) for v in later)
     await _drain(lane)
-    assert _versions_in(tier) == [1, 2, 4]
+    assert _versions_in(tier) == [2, 3, 4, 5]
 
 
 async def test_a_write_that_fails_fails_the_version_in_that_tier_and_the_lane_goes_on(
@@ -211,6 +218,33 @@ async def test_a_write_that_fails_fails_the_version_in_that_tier_and_the_lane_go
     for v in versions:  # a failed write lets go of the memory too
         v.let_go()
         assert v.released
+
+
+async def test_a_durable_tier_that_failed_a_write_sends_the_newest_version_next(
+    tmp_path: Path,
+) -> None:
+    """A failed write in a durable tier (an outage): what queued up meanwhile is stale, and the
+    tier sends the newest whole version next. A memory tier goes on in order: a full tier there
+    is each rank's own, and frees room as retention runs."""
+    for durable, kept in ((True, [4]), (False, [2, 3, 4])):
+        inner = DictTier()
+        tier = FaultyTier(inner, FaultPlan(fail_at={1}))  # the first write fails
+        pipe = _Pipe(tier, _claim(tmp_path), durable=durable)
+        lane = Lane(cast(Any, pipe))
+        versions = [_Version(v, tier.name) for v in (1, 2, 3, 4)]
+        assert all(v.offer(lane) for v in versions)
+        await _drain(lane)
+        assert _versions_in(inner) == kept, durable
+        for passed in versions[1:3] if durable else ():
+            result = await passed.result(tier.name)
+            assert isinstance(result.error, TierWriteFailed)
+            assert (
+                f"version {passed.job.version} was passed over for the 'dict' tier: writing "
+                "version 1 failed, and the newest whole versions go first (it keeps 4)"
+            ) in str(result.error)
+        for v in versions:
+            v.let_go()
+            assert v.released
 
 
 async def test_a_blocked_tier_skips_the_version(tmp_path: Path) -> None:

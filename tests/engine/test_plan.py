@@ -18,9 +18,13 @@ from hypothesis import strategies as st
 
 from tiercheck.engine.options import ScheduleOptions, TierOptions, TierPolicy
 from tiercheck.engine.plan import (
+    Kept,
     SaveInputs,
     SavePlan,
+    Waiting,
     base_unusable,
+    catch_up,
+    make_room,
     plan_save,
     queue_full,
     waits_for_slot,
@@ -416,3 +420,215 @@ def test_a_plan_for_a_base_clears_force_base_and_a_skip_keeps_it() -> None:
         assert not schedule.force_base
 
     asyncio.run(run())
+
+
+# --- a tier that fell behind: make_room and catch_up ---------------------------------------------
+
+B = Waiting  # a self-contained blob: Waiting(version)
+
+
+def D(version: int, base: int) -> Waiting:
+    """A delta of ``version`` against ``base``."""
+    return Waiting(version, base)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "held", "room", "keep"),
+    [
+        # Self-contained versions: the newest that fit, the oldest passed over.
+        ([B(1), B(2), B(3)], set(), 2, (2, 3)),
+        ([B(1), B(2), B(3), B(4), B(5)], set(), 4, (2, 3, 4, 5)),
+        # A delta stays with its base when that only waits; a base too old to fit goes, and
+        # the deltas on it with it.
+        ([B(0), D(1, 0), B(2), D(3, 2), B(4), D(5, 4)], set(), 4, (2, 3, 4, 5)),
+        ([B(0), D(1, 0), B(2), D(3, 2), D(4, 2)], set(), 2, (2, 4)),
+        # A delta on a base the tier holds (or writes now) is whole on its own.
+        ([D(5, 4), D(6, 4), D(7, 4)], {4}, 2, (6, 7)),
+        # A delta whose base is nowhere can never be whole: it goes, whatever room is left.
+        ([B(1), D(3, 2), B(4)], set(), 3, (1, 4)),
+        # Room for one: a delta whose base only waits does not fit with it; the base does.
+        ([B(1), D(2, 1)], set(), 1, (1,)),
+        # Nothing can be whole.
+        ([D(2, 1), D(3, 1)], set(), 4, ()),
+    ],
+)
+def test_make_room_keeps_the_newest_whole_versions_that_fit(
+    waiting: list[Waiting], held: set[int], room: int, keep: tuple[int, ...]
+) -> None:
+    kept = make_room(waiting, held, room)
+    assert kept.keep == keep
+    assert kept.drop == tuple(w.version for w in waiting if w.version not in keep)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "held", "room", "keep"),
+    [
+        # Only the newest whole version is sent: older ones waited while the tier was down.
+        ([B(1), B(2), B(3)], set(), 4, (3,)),
+        # ...with its base first where that only waits.
+        ([B(3), D(4, 3), B(6), D(7, 6), D(8, 6)], set(), 4, (6, 8)),
+        ([D(7, 6), D(8, 6)], {6}, 4, (8,)),
+        # The newest delta cannot be whole (its base failed): the newest whole one before it.
+        ([B(3), D(4, 3), D(7, 6), D(8, 6)], set(), 4, (3, 4)),
+        # A base and its delta do not fit in a room of one: the base alone.
+        ([B(6), D(7, 6)], set(), 1, (6,)),
+        ([D(7, 6)], set(), 4, ()),
+        ([], set(), 4, ()),
+    ],
+)
+def test_catch_up_keeps_only_the_newest_whole_version(
+    waiting: list[Waiting], held: set[int], room: int, keep: tuple[int, ...]
+) -> None:
+    assert catch_up(waiting, held, room).keep == keep
+
+
+def test_a_version_waits_once_and_room_is_at_least_one() -> None:
+    for rule in (make_room, catch_up):
+        with pytest.raises(ValueError, match="twice"):
+            rule([B(1), D(1, 0)], set(), 2)
+        with pytest.raises(ValueError, match="room"):
+            rule([B(1)], set(), 0)
+
+
+@st.composite
+def _waiting(draw: st.DrawFn) -> tuple[list[Waiting], set[int], int]:
+    """Versions waiting (unordered), some deltas on bases that wait, are held, or are gone."""
+    versions = sorted(draw(st.sets(st.integers(0, 40), max_size=12)))
+    held = draw(st.sets(st.integers(0, 40), max_size=4))
+    out = []
+    for v in versions:
+        if draw(st.booleans()):
+            out.append(B(v))
+        else:
+            out.append(D(v, draw(st.integers(0, 40).filter(lambda b, v=v: b < v)) if v else 0))
+    out = [w for w in out if w.base is None or w.base != w.version]
+    return draw(st.permutations(out)), held, draw(st.integers(1, 6))
+
+
+def _needs(w: Waiting, held: set[int], waiting: list[Waiting]) -> set[int] | None:
+    """An oracle for what a version needs to be whole, written apart from the rule's own."""
+    if w.base is None or w.base in held:
+        return {w.version}
+    if any(o.version == w.base and o.base is None for o in waiting):
+        return {w.base, w.version}
+    return None
+
+
+@given(_waiting())
+@settings(max_examples=300, deadline=None)
+def test_what_a_lane_keeps_is_whole_fits_and_never_loses_the_newest_whole_version(
+    case: tuple[list[Waiting], set[int], int],
+) -> None:
+    waiting, held, room = case
+    versions = sorted(w.version for w in waiting)
+    whole = {w.version: n for w in waiting if (n := _needs(w, held, waiting)) is not None}
+    # The newest version that is whole and fits on its own (with its base): never passed over.
+    fitting = [v for v in versions if v in whole and len(whole[v]) <= room]
+    for rule in (make_room, catch_up):
+        kept: Kept = rule(waiting, held, room)
+        assert sorted(kept.keep + kept.drop) == versions
+        assert list(kept.keep) == sorted(kept.keep)
+        assert list(kept.drop) == sorted(kept.drop)
+        assert len(kept.keep) <= room
+        # Whole: every kept delta's base is held or kept.
+        for v in kept.keep:
+            assert v in whole, (rule, v)
+            assert whole[v] <= set(kept.keep), (rule, v)
+        if fitting:
+            assert fitting[-1] in kept.keep, rule
+        else:
+            assert kept.keep == ()
+    # make_room passes over only what could not fit with what it keeps.
+    kept = make_room(waiting, held, room)
+    for v in kept.drop:
+        assert v not in whole or len(set(kept.keep) | whole[v]) > room
+    # catch_up keeps exactly the newest whole version and what it needs.
+    if fitting:
+        assert set(catch_up(waiting, held, room).keep) == whole[fitting[-1]]
+
+
+class _Lane:
+    """A lane as the engine runs one (tiercheck/engine/lane.py), on versions alone: offers
+    queue up, :func:`make_room` when full; the writer takes the oldest; a failed write makes
+    :func:`catch_up` keep only the newest whole version of what waits."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.queue: list[Waiting] = []
+        self.writing: Waiting | None = None
+        self.written: set[int] = set()
+        self.failed: set[int] = set()
+
+    def held(self) -> set[int]:
+        return self.written | ({self.writing.version} if self.writing else set())
+
+    def offer(self, w: Waiting) -> None:
+        self.queue.append(w)
+        if len(self.queue) > self.room:
+            kept = make_room(self.queue, self.held(), self.room).keep
+            self.queue = [q for q in self.queue if q.version in kept]
+
+    def take(self) -> None:
+        if self.writing is None and self.queue:
+            self.writing = self.queue.pop(0)
+
+    def end_write(self, ok: bool) -> None:
+        if self.writing is None:
+            return
+        done, self.writing = self.writing, None
+        if ok:
+            self.written.add(done.version)
+            return
+        self.failed.add(done.version)
+        if self.queue:
+            kept = catch_up(self.queue, self.held(), self.room).keep
+            self.queue = [q for q in self.queue if q.version in kept]
+
+
+@given(
+    bases=st.integers(1, 4),
+    offers=st.integers(1, 30),
+    timings=st.lists(
+        st.lists(st.sampled_from(["offer", "take", "ok", "fail"]), max_size=80),
+        min_size=2,
+        max_size=3,
+    ),
+    room=st.integers(2, 5),
+)
+@settings(max_examples=300, deadline=None)
+def test_every_rank_writes_the_newest_version_whatever_its_timing(
+    bases: int, offers: int, timings: list[list[str]], room: int
+) -> None:
+    """The same versions offered in the same order on every rank (every ``bases``-th a base,
+    the others deltas on the newest base), each rank's writer taking, writing and failing at
+    its own pace (an outage is a run of failures): once the offers stop and the tier works,
+    every rank that did not itself fail to write the newest version or its base has written
+    both -- so the newest version commits wherever no rank's write of it failed, whatever
+    each rank passed over on the way. (With ``tier_queue=1`` a delta never waits with its
+    base, so ``room >= 2`` here.)"""
+    offered = [B(v) if v % bases == 0 else D(v, v - v % bases) for v in range(offers)]
+    newest = offered[-1]
+    needed = {newest.version} | ({newest.base} if newest.base is not None else set())
+    lanes = []
+    for timing in timings:
+        lane, left = _Lane(room), list(offered)
+        for action in timing:
+            if action == "offer" and left:
+                lane.offer(left.pop(0))
+            elif action == "take":
+                lane.take()
+            elif action in ("ok", "fail"):
+                lane.end_write(action == "ok")
+        for w in left:  # the rest of the offers, then the tier works again
+            lane.offer(w)
+        lane.end_write(True)
+        while lane.queue:
+            lane.take()
+            lane.end_write(True)
+        lanes.append(lane)
+    for lane in lanes:
+        assert lane.written <= {w.version for w in offered}
+        if not lane.failed & needed:
+            assert needed <= lane.written, (lane.written, lane.failed)
+    if not any(lane.failed & needed for lane in lanes):
+        assert all(needed <= lane.written for lane in lanes)

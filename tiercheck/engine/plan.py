@@ -7,9 +7,19 @@ the engine executes the :class:`SavePlan`: the schedule (:mod:`tiercheck.engine.
 gathers the inputs and keeps what the plan changes, the stager copies where the plan says, the
 encoder encodes for the plan's tiers, the lanes write.
 
-Two decisions can only be made later, and are named here too: a delta whose base is not in memory
-in memory when it is encoded is encoded as a base instead (:func:`base_unusable`), and a tier
-whose lane is ``tier_queue`` versions behind drops the version (:func:`queue_full`).
+Other decisions can only be made later, and are named here too: a delta whose base is not in
+memory when it is encoded is encoded as a base instead (:func:`base_unusable`); a tier whose
+lane is ``tier_queue`` versions behind (:func:`queue_full`) passes over the oldest versions
+waiting, never the newest whole one (:func:`make_room`); and a durable tier that failed a write
+(an outage) sends the newest whole version next, passing over every older one waiting
+(:func:`catch_up`).
+
+Which versions a lane passes over is a pure function of versions and their bases, so the
+newest whole version offered is never passed over for an older one, on any rank. How many
+waited when a rank's lane filled up, or when its write failed, depends on that rank's timing:
+a version one rank passed over commits on no rank (its round fails everywhere), which costs a
+wasted write, never a round out of step -- every rank holds a round for every version launched
+(:mod:`tiercheck.engine.commit`), whatever its lane did with it.
 
 Nothing here does I/O, awaits, or touches an engine object: the rules are tested on their own
 (tests/engine/test_plan.py).
@@ -17,17 +27,21 @@ Nothing here does I/O, awaits, or touches an engine object: the rules are tested
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from tiercheck.engine.options import BusyPolicy, TierEncoding, TierPolicy
 
 __all__ = [
+    "Kept",
     "SaveInputs",
     "SaveKind",
     "SavePlan",
+    "Waiting",
     "base_unusable",
+    "catch_up",
+    "make_room",
     "plan_save",
     "queue_full",
     "waits_for_slot",
@@ -154,3 +168,99 @@ def queue_full(queued: int, tier_queue: int) -> bool:
     """Whether a tier whose lane holds ``queued`` versions drops the next one for itself
     (rather than hold training's memory for it)."""
     return queued >= tier_queue
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A version waiting in a tier's lane (or just offered to it), as :func:`make_room` and
+    :func:`catch_up` see it.
+
+    Attributes:
+        version: the version.
+        base: the version its blob is a delta against; ``None`` for a self-contained blob (a
+            base, or a version stored as is).
+    """
+
+    version: int
+    base: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """What a lane keeps of the versions waiting for its tier (:func:`make_room`,
+    :func:`catch_up`).
+
+    Attributes:
+        keep: the versions that stay, oldest first (the order they are written in).
+        drop: the versions passed over for this tier, oldest first.
+    """
+
+    keep: tuple[int, ...]
+    drop: tuple[int, ...]
+
+
+def _needs(w: Waiting, held: Collection[int], selfcontained: Collection[int]) -> set[int] | None:
+    """What must stay for ``w`` to be whole: itself, and its base where that only waits too;
+    ``None`` when it can never be whole (its base is neither held nor waiting)."""
+    if w.base is None or w.base in held:
+        return {w.version}
+    if w.base in selfcontained and w.base < w.version:
+        return {w.base, w.version}
+    return None
+
+
+def _ordered(waiting: Sequence[Waiting], room: int) -> list[Waiting]:
+    if room < 1:
+        raise ValueError(f"room must be >= 1, got {room}")
+    ordered = sorted(waiting, key=lambda w: w.version)
+    versions = [w.version for w in ordered]
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"a version waits twice: {versions}")
+    return ordered
+
+
+def make_room(waiting: Sequence[Waiting], held: Collection[int], room: int) -> Kept:
+    """A tier's lane is full: ``waiting`` (the versions queued for the tier and the one just
+    offered) are more than its ``room`` (``tier_queue``). Which stay?
+
+    The newest whole versions that fit, not the oldest: going from the newest down, a version
+    stays when it is whole and fits with what stays already -- whole: its blob is
+    self-contained, or a delta whose base is in ``held`` (what the tier holds or commits for
+    this rank, the version being written included) or waits too, self-contained, and then
+    stays with it. So the fewest versions are passed over, the oldest first, the newest whole
+    one never; a delta that could never be whole (its base is nowhere) goes too.
+    """
+    ordered = _ordered(waiting, room)
+    selfcontained = {w.version for w in ordered if w.base is None}
+    kept: set[int] = set()
+    for w in reversed(ordered):
+        needs = _needs(w, held, selfcontained)
+        if needs is not None and len(kept | needs) <= room:
+            kept |= needs
+    return Kept(
+        tuple(w.version for w in ordered if w.version in kept),
+        tuple(w.version for w in ordered if w.version not in kept),
+    )
+
+
+def catch_up(waiting: Sequence[Waiting], held: Collection[int], room: int) -> Kept:
+    """A durable tier failed a write (it is down, or was): the versions that ``waiting`` for it
+    meanwhile are stale. Which stay?
+
+    Only the newest whole version (see :func:`make_room` for "whole"), with its base where that
+    waits too and must be sent first, within ``room``: the tier sends the newest state it can
+    once it works again, instead of catching up through every version that queued up while it
+    did not. Nothing stays when no version can be whole.
+    """
+    ordered = _ordered(waiting, room)
+    selfcontained = {w.version for w in ordered if w.base is None}
+    kept: set[int] = set()
+    for w in reversed(ordered):
+        needs = _needs(w, held, selfcontained)
+        if needs is not None and len(needs) <= room:
+            kept = needs
+            break
+    return Kept(
+        tuple(w.version for w in ordered if w.version in kept),
+        tuple(w.version for w in ordered if w.version not in kept),
+    )
