@@ -182,6 +182,10 @@ def writer_record(generation: int, session: str) -> WriterRecord:
     )
 
 
+#: What the probe's steps are called once done ("could not be ...").
+_DONE = {"write": "written", "read back": "read back", "delete": "deleted"}
+
+
 async def probe(tier: Tier, session: str, rank: int) -> None:
     """Write a small object, read it back, delete it; raise what fails, naming the step."""
     key = probe_key(session, rank)
@@ -198,7 +202,7 @@ async def probe(tier: Tier, session: str, rank: int) -> None:
     except TiercheckError as exc:
         raise StorageError(
             f"the {tier.name!r} tier ({tier!r}) cannot be used: a test object could not be "
-            f"{'written' if step == 'write' else step + ' '}({exc}). Check the URL, the "
+            f"{_DONE[step]} ({exc}). Check the URL, the "
             "credentials (storage_options) and the permissions; nothing of the job was touched."
         ) from exc
     except OSError as exc:
@@ -261,6 +265,18 @@ class Fence:
         try:
             return WriterRecord.from_bytes(bytes(data)).session
         except FormatError:
+            return None
+
+    async def newest_writer(self) -> WriterRecord | None:
+        """The record of the newest writer generation in the tier (``None``: there is none, or
+        it cannot be parsed)."""
+        newest, _ = await self._newest()
+        if newest is None:
+            return None
+        try:
+            data = await self.tier.get(writer_key(newest))
+            return WriterRecord.from_bytes(bytes(data))
+        except (BlobNotFound, FormatError):
             return None
 
     def adopt(self, generation: int) -> None:

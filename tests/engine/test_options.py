@@ -35,6 +35,10 @@ def test_defaults_are_filled_in_and_grouped(tmp_path: Path) -> None:
     assert options.coordination.close_timeout == 30.0
     assert options.preemption.enabled
     assert options.preemption.grace == 20.0
+    assert (options.coordination.durable_retry_delay, options.coordination.durable_retry_max) == (
+        1.0,
+        60.0,
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.schedule.base_every = 3  # type: ignore[misc]
 
@@ -102,6 +106,9 @@ BAD_OPTIONS: list[tuple[str, object]] = [
     *[("behind_seconds", v) for v in (0, -1, True, float("nan"), "600", None)],
     *[("preemption", v) for v in (1, "yes", None)],
     *[("preemption_grace", v) for v in (0, -1, True, float("nan"), float("inf"), "20", None)],
+    *[("durable_retry_delay", v) for v in (0, -1.0, True, float("nan"), "1", None)],
+    # Unbounded, or shorter than the first wait.
+    *[("durable_retry_max", v) for v in (0, True, float("inf"), 0.5, "60", None)],
     *[("threads", v) for v in (-1, 1.5, True, "4", None)],
     *[("local_capacity", v) for v in (-1, 1.5, True, "1GB")],
     *[("rank", v) for v in (-1, 1.5, True, "0")],

@@ -26,6 +26,8 @@ from tiercheck.consistency.protocol import (
     Message,
     OpenFacts,
     Outcome,
+    Reached,
+    Rejoined,
     RestoreVerdict,
     SavesDone,
     ServingStopped,
@@ -93,6 +95,7 @@ def _facts(rank: int) -> OpenFacts:
         local_rank=0,
         lock="rank 1 holds the lock (test)",
         probe={"persistent": "refused (test)"},
+        unreachable=("persistent",),
         identity_error="cut short (test)",
         identity_damaged=True,
         has_data=False,
@@ -111,6 +114,12 @@ SAMPLES: dict[Step, Callable[[int], Message]] = {
         r == 0, "local" if r == 0 else None, ("a", "b") if r else (), ("StateMismatch", "x")
     ),
     Step.LOADED: lambda r: Outcome(None if r == 0 else "ValueError: no"),
+    Step.REACHED: lambda r: Reached(("persistent",) if r == 0 else ()),
+    Step.REJOIN: lambda r: (
+        Rejoined({"persistent": 4}, {"other": "a newer opening"}, {"third": "timeout"})
+        if r == 0
+        else Rejoined()
+    ),
     Step.JOB_RECORD: lambda r: Outcome("StorageError: refused" if r == 0 else None),
     Step.SET_ASIDE_LIST: lambda r: SetAsideListing([4, 5] if r == 0 else [], None),
     Step.SET_ASIDE_COPY: lambda r: Outcome(None),

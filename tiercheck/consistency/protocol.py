@@ -45,6 +45,8 @@ __all__ = [
     "Message",
     "OpenFacts",
     "Outcome",
+    "Reached",
+    "Rejoined",
     "RestoreVerdict",
     "SavesDone",
     "ServingStopped",
@@ -64,11 +66,12 @@ class Step(Enum):
     """Every collective of the engine: one all-gather of one message class per rank.
 
     In the order a job meets them: opening (``SESSION``, ``OPEN_FACTS``, ``CLAIM``), restoring
-    (``INVENTORY``, ``VERDICT``, ``LOADED``), a changed world or timeline (``JOB_RECORD``,
-    ``SET_ASIDE_*``), each commit round of each tier (``VOTE``, ``ACK``), closing
-    (``CLOSE_SAVED``, ``CLOSE_STOPPED``); and, on SIGTERM, the flush of what only memory
-    holds (``PREEMPT_*``, on a channel of their own: :mod:`tiercheck.consistency.preempt`).
-    The value names the step in logs and errors.
+    (``INVENTORY``, ``VERDICT``, ``LOADED``), a durable tier unreachable at opening, at the
+    start of each save until it is claimed (``REACHED``, then ``REJOIN``), a changed world or
+    timeline (``JOB_RECORD``, ``SET_ASIDE_*``), each commit round of each tier (``VOTE``,
+    ``ACK``), closing (``CLOSE_SAVED``, ``CLOSE_STOPPED``); and, on SIGTERM, the flush of what
+    only memory holds (``PREEMPT_*``, on a channel of their own:
+    :mod:`tiercheck.consistency.preempt`). The value names the step in logs and errors.
     """
 
     SESSION = "session"
@@ -77,6 +80,8 @@ class Step(Enum):
     INVENTORY = "inventory"
     VERDICT = "verdict"
     LOADED = "loaded"
+    REACHED = "reached"
+    REJOIN = "rejoin"
     JOB_RECORD = "job-record"
     SET_ASIDE_LIST = "set-aside-list"
     SET_ASIDE_COPY = "set-aside-copy"
@@ -249,6 +254,9 @@ class OpenFacts:
     lock: str | None = None
     #: Why each durable tier failed its probe, by tier name.
     probe: Mapping[str, str] = field(default_factory=dict)
+    #: The tiers of :attr:`probe` that failed for a cause that passes (a connection or a
+    #: timeout error: the tier cannot be reached), not one that stays (a refusal).
+    unreachable: Sequence[str] = ()
     #: Rank 0: what the durable tiers say of the job's incarnation (see ``Claim``).
     job: Mapping[str, Any] | None = None
     #: Rank 0: why the job record (or the tombstone) cannot be read.
@@ -272,6 +280,8 @@ class OpenFacts:
         if self.lock is not None:
             wire["lock"] = self.lock
         wire["probe"] = dict(self.probe)
+        if self.unreachable:
+            wire["unreachable"] = list(self.unreachable)
         for name in ("job", "job_error", "deleted", "tombstone"):
             if getattr(self, name) is not None:
                 wire[name] = getattr(self, name)
@@ -294,6 +304,7 @@ class OpenFacts:
             local_rank=int(data["local_rank"]),
             lock=data.get("lock"),
             probe={str(k): str(v) for k, v in data["probe"].items()},
+            unreachable=tuple(str(t) for t in data.get("unreachable", ())),
             job=data.get("job"),
             job_error=data.get("job_error"),
             deleted=data.get("deleted"),
@@ -324,6 +335,53 @@ class ClaimOutcome:
         """Inverse of :meth:`to_wire`."""
         generations = {str(k): int(v) for k, v in data["generations"].items()}
         return cls(generations, str(data["failure"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Reached:
+    """Step ``REACHED``: the durable tiers, of those unreachable when the job opened, that
+    this rank's background probe has reached since."""
+
+    tiers: Sequence[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {"tiers": list(self.tiers)}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Reached:
+        """Inverse of :meth:`to_wire`."""
+        return cls(tuple(str(t) for t in data["tiers"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoined:
+    """Step ``REJOIN``: rank 0's word on the durable tiers every rank reached again (others
+    send an empty one): the writer generation it claimed in each (``generations``), the tiers
+    this run must never write (``refused``: why -- the location is another run's now, a newer
+    opening holds it, the job was deleted), and those whose claim failed for now (``failed``:
+    tried again later)."""
+
+    generations: Mapping[str, int] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+    failed: Mapping[str, str] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for exchange between ranks (msgpack-able, no pickle)."""
+        return {
+            "generations": dict(self.generations),
+            "refused": dict(self.refused),
+            "failed": dict(self.failed),
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Rejoined:
+        """Inverse of :meth:`to_wire`."""
+        return cls(
+            {str(k): int(v) for k, v in data["generations"].items()},
+            {str(k): str(v) for k, v in data["refused"].items()},
+            {str(k): str(v) for k, v in data["failed"].items()},
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,6 +523,8 @@ STEP_MESSAGES: Mapping[Step, type[Message]] = {
     Step.INVENTORY: InventoryReport,
     Step.VERDICT: RestoreVerdict,
     Step.LOADED: Outcome,
+    Step.REACHED: Reached,
+    Step.REJOIN: Rejoined,
     Step.JOB_RECORD: Outcome,
     Step.SET_ASIDE_LIST: SetAsideListing,
     Step.SET_ASIDE_COPY: Outcome,

@@ -48,8 +48,9 @@ from tiercheck.guard import (
     write_job_record,
 )
 from tiercheck.tiers.base import Tier
+from tiercheck.tiers.storage import is_transient
 
-__all__ = ["Claim", "Stale", "gather_facts", "read_job_facts", "stale_message"]
+__all__ = ["Claim", "Stale", "gather_facts", "passes", "read_job_facts", "stale_message"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -68,11 +69,14 @@ async def gather_facts(
     except (JobLocked, OSError) as exc:
         locked = str(exc)
     probes: dict[str, str] = {}
+    unreachable: list[str] = []
     for tier in durable:
         try:
             await probe(tier, session, rank)
         except (TiercheckError, OSError) as exc:
             probes[tier.name] = str(exc)
+            if passes(exc):
+                unreachable.append(tier.name)
     job: dict[str, Any] | None = None
     job_error: str | None = None
     deleted: dict[str, Any] = {}
@@ -109,6 +113,7 @@ async def gather_facts(
         local_rank=topo.local_rank,
         lock=locked,
         probe=probes,
+        unreachable=tuple(unreachable),
         job=job,
         job_error=job_error,
         deleted=deleted.get("deleted"),
@@ -120,6 +125,21 @@ async def gather_facts(
         held=held,
         fresh_token=os.urandom(8).hex() if rank == 0 else None,
     )
+
+
+def passes(exc: BaseException) -> bool:
+    """Whether a failed storage call failed for a cause that passes -- the store cannot be
+    reached (a connection or timeout error) -- rather than one that stays (a permission error,
+    a missing bucket, a damaged record): judged on the first cause, under the storage errors
+    that wrap it (:func:`~tiercheck.tiers.storage.is_transient`)."""
+    root: BaseException = exc
+    seen = {id(root)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    if isinstance(root, TiercheckError):
+        return False  # tiercheck's own verdict (a damaged record, a mismatch): it stays
+    return is_transient(root)
 
 
 async def read_job_facts(durable: Sequence[Tier]) -> dict[str, Any]:
@@ -192,11 +212,27 @@ class Claim:
         #: Nodes whose memory belongs to an incarnation `tiercheck rm-job` deleted (set by
         #: :meth:`judge`; discarded by :meth:`guard` whatever ``stale_memory`` says).
         self.deleted_nodes: dict[int, str] = {}
+        #: Durable tiers some rank could not reach when the job opened (it opened on its
+        #: memory), by name, with why: nothing of this opening is written there until
+        #: :meth:`rejoined` (see :mod:`tiercheck.engine.rejoin`), and :meth:`check` refuses.
+        self.pending: dict[str, str] = {}
+        #: Durable tiers that were :attr:`pending`, and that this opening must never write:
+        #: what they held once reached again was not this run's to write (see :meth:`refuse`).
+        self.refused: dict[str, str] = {}
+        #: When this opening began (seconds since the epoch): a writer generation claimed in
+        #: a durable tier after it is a newer opening's.
+        self.opened_at = 0.0
 
     @property
     def world_changed(self) -> bool:
         """Whether this run has another number of ranks than the one that saved the job."""
         return self.stored_world != self.topo.world_size
+
+    @property
+    def claimed(self) -> list[Tier]:
+        """The durable tiers this opening holds (all of them but those still
+        :attr:`pending`)."""
+        return [t for t in self.durable if t.name not in self.pending]
 
     def world_of(self, version: int) -> int:
         """How many ranks saved ``version``."""
@@ -251,9 +287,13 @@ class Claim:
         """
         cfg, topo = self.options, self.topo
         durable = self.durable
+        self.opened_at = time.time()
         mine = await gather_facts(self.options, self.channels.session, self.lock, durable)
         everyone = await step(self.channels, Step.OPEN_FACTS, mine)
         stale = self.judge(everyone)
+        if self.pending:
+            self._warn_degraded(everyone)
+            durable = self.claimed
         # Past this point every rank may open: only now is anything written.
         if stale and topo.local_rank == 0 and topo.node_index in stale:
             logger.warning(
@@ -264,7 +304,7 @@ class Claim:
                 stale[topo.node_index],
             )
             await asyncio.to_thread(discard_node_memory, cfg.job.node_root)
-        claimed: dict[str, int] = {}
+        generations: dict[str, int] = {}
         failure = ""
         if self.rank == 0 and durable:
             try:
@@ -272,12 +312,13 @@ class Claim:
                     await self.write_job_record()
                 for tier in durable:
                     fence = Fence(tier, self.channels.session)
-                    claimed[tier.name] = await fence.claim()
+                    generations[tier.name] = await fence.claim()
                     self.fences[tier.name] = fence
             except (TiercheckError, OSError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
         # Also a barrier: no rank reads its node's memory while it is being discarded.
-        decided = (await step(self.channels, Step.CLAIM, ClaimOutcome(claimed, failure)))[0]
+        outcome = ClaimOutcome(generations, failure)
+        decided = (await step(self.channels, Step.CLAIM, outcome))[0]
         if decided.failure:
             raise StorageError(
                 f"cannot claim job {cfg.job.job_id!r} in its durable storage: {decided.failure}"
@@ -292,6 +333,27 @@ class Claim:
             me.identity is None or topo.node_index in stale or topo.node_index in self._adopted
         ):
             await self._write_identity()
+
+    def _warn_degraded(self, everyone: Sequence[OpenFacts]) -> None:
+        """The job opens on its memory: one WARNING naming the tiers and why."""
+        held = sorted({v for e in everyone for v in e.held or ()})
+        cfg = self.options.coordination
+        for name, why in sorted(self.pending.items()):
+            logger.warning(
+                "tiercheck: the durable %r tier of job %r cannot be reached (%s). The job opens "
+                "on its memory, which holds versions %s of this run: restore() reads from "
+                "memory, saves go to the memory tiers, and the %r tier is tried again in the "
+                "background (every %gs to %gs). Once every rank reaches it, this run's "
+                "ownership there is checked and it takes versions again; until then "
+                "stats.unreachable names it.",
+                name,
+                self.job_id,
+                why,
+                held,
+                name,
+                cfg.durable_retry_delay,
+                cfg.durable_retry_max,
+            )
 
     async def _write_identity(self) -> None:
         durable = self.durable
@@ -309,8 +371,9 @@ class Claim:
         except OSError as exc:  # memory that cannot take a small file takes no blob either
             logger.warning("tiercheck: cannot record the node's identity: %r", exc)
 
-    async def write_job_record(self) -> None:
-        record = JobRecord(
+    def job_record(self) -> JobRecord:
+        """The job record, as this opening knows the job."""
+        return JobRecord(
             self.options.job.job_id,
             self.job_token,
             self.stored_world,
@@ -318,7 +381,12 @@ class Claim:
             worlds=self.worlds,
             revision=self.revision,
         )
-        for tier in self.durable:
+
+    async def write_job_record(self) -> None:
+        """Store the job record in every durable tier this opening holds (one still
+        :attr:`pending` gets it once claimed)."""
+        record = self.job_record()
+        for tier in self.claimed:
             await write_job_record(tier, record)
 
     def judge(self, everyone: Sequence[OpenFacts]) -> dict[int, str]:
@@ -335,6 +403,14 @@ class Claim:
             node_root=str(cfg.job.node_root),
         )
         self.deleted_nodes = verdict.deleted_nodes
+        self.pending = dict(verdict.unreachable)
+        if self.pending and everyone[0].job is None:
+            # Rank 0 read nothing of the job (a tier it could not reach): the ownership of
+            # the tiers it could reach was not checked either, so they wait too.
+            unchecked = f"not checked while {sorted(self.pending)} cannot be reached"
+            for tier in self.durable:
+                self.pending.setdefault(tier.name, unchecked)
+        self.stats.unreachable = dict(self.pending)
         self._record_behind = verdict.record_behind
         self.stored_world = verdict.stored_world
         self.worlds = verdict.worlds
@@ -353,8 +429,32 @@ class Claim:
         self.superseded = True
         self.stats.superseded = True
 
+    def rejoined(self, tier: Tier, generation: int) -> None:
+        """A tier :attr:`pending` since opening is claimed: writer ``generation`` is this
+        opening's there (every rank, once rank 0 claimed it; see
+        :mod:`tiercheck.engine.rejoin`)."""
+        fence = Fence(tier, self.channels.session)
+        fence.adopt(generation)
+        self.fences[tier.name] = fence
+        self.pending.pop(tier.name, None)
+        self.stats.unreachable.pop(tier.name, None)
+
+    def refuse(self, tier: Tier, why: str) -> None:
+        """A tier :attr:`pending` since opening must never be written by this opening (every
+        rank, once rank 0 judged it; see :mod:`tiercheck.engine.rejoin`): it counts as
+        superseded there."""
+        self.pending.pop(tier.name, None)
+        self.stats.unreachable.pop(tier.name, None)
+        self.refused[tier.name] = why
+        self.mark_superseded()
+
     async def check(self, tier: Tier) -> None:
         """Before durable data is written: is this opening still the job's writer there?"""
+        if tier.name in self.pending:
+            raise StorageError(
+                f"the {tier.name!r} tier was unreachable when job {self.job_id!r} opened and "
+                "is not claimed yet: this opening writes nothing there until it is"
+            )
         if self.superseded:
             raise Superseded(
                 f"a newer opening of job {self.job_id!r} took over the {tier.name!r} tier; "

@@ -76,6 +76,8 @@ class CheckpointerCore(CallSteps):
         behind_seconds: float = 600.0,
         preemption: bool = True,
         preemption_grace: float = 20.0,
+        durable_retry_delay: float = 1.0,
+        durable_retry_max: float = 60.0,
     ) -> None:
         """Configure; nothing is opened or written until first use (or ``open``).
 
@@ -187,6 +189,11 @@ class CheckpointerCore(CallSteps):
                 rank that does not answer in time, or a durable tier that does not take the
                 version in time, makes the flush give up with a WARNING, and the process ends
                 as it would have.
+            durable_retry_delay, durable_retry_max: a durable tier that cannot be reached when
+                the job opens, while the nodes' memory holds this run's versions, does not stop
+                the opening (see below): it is tried again in the background, first after
+                ``durable_retry_delay`` seconds, each wait twice the one before (with jitter),
+                up to ``durable_retry_max`` seconds between tries.
 
         Opening refuses, with a typed error and before anything is read or changed: a second
         live writer of the same rank on this node (:class:`~tiercheck.errors.JobLocked`), a
@@ -195,6 +202,18 @@ class CheckpointerCore(CallSteps):
         (:class:`~tiercheck.errors.WorldSizeMismatch`, unless ``elastic``), and stale memory
         (above). A second opening of the job elsewhere takes the durable tiers over; this one
         then stops writing there (:class:`~tiercheck.errors.Superseded`, ``stats.superseded``).
+
+        A durable tier that cannot be *reached* (a connection or timeout error, not a refusal
+        such as a permission error or a missing bucket) is refused the same way, unless the
+        nodes' memory holds versions of this run that can be verified without it (every node
+        that holds data names this job, this durable location and one incarnation): the job
+        then opens *degraded*, with one WARNING naming the tier and the error. ``restore``
+        reads from memory (call it before saving: what the tier stores cannot be checked),
+        saves go to the memory tiers, and ``stats.unreachable`` names the tier. Once every
+        rank reaches it again, the start of the next save checks this run's ownership there
+        (the job record, ``tiercheck rm-job``'s tombstone, the writer generations -- an
+        opening made while the tier was unreachable is newer and keeps it) and claims it;
+        only then is anything written there, first what the restore left to set aside.
 
         Memory: staging costs one copy of the state (in the local tier's memory when it is used),
         a second copy is held as the delta base when a packed tier receives deltas, and each

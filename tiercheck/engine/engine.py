@@ -34,6 +34,7 @@ from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.plan import SavePlan
 from tiercheck.engine.preempt import PREEMPT_CHANNEL, Preemption
 from tiercheck.engine.read import Reader
+from tiercheck.engine.rejoin import Rejoin
 from tiercheck.engine.restore import Agreement, Restorer
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
 from tiercheck.engine.schedule import Schedule
@@ -86,6 +87,8 @@ class Engine:
         self.stager = Stager(config, self.pipes)
         self.encoder = Encoder(config, self.journal, self.cpu, self.pipes, self.schedule)
         self.timeline = Timeline(config, self.claim, self.channels, self.pipes)
+        #: Gets back the durable tiers the opening could not reach.
+        self.rejoin = Rejoin(config, self.claim, self.channels, self.pipes, self.timeline)
         reader = Reader(config, self.stats, self.claim, self.cpu, self.pipes)
         self.save_lock = asyncio.Lock()
         self.restorer = Restorer(
@@ -158,8 +161,9 @@ class Engine:
         claim.use_durable([t for t in self.tiers if writes_commit_records(t)])
         await claim.guard()
         if self.topo.local_rank == 0:
-            # This opening now holds the job: what killed writers left can go.
-            await sweep_leftovers(claim.durable, session)
+            # This opening now holds the job: what killed writers left can go (not where it
+            # holds nothing yet: a tier it could not reach).
+            await sweep_leftovers(claim.claimed, session)
             await asyncio.to_thread(sweep_node_root, cfg.job.node_root)
         if "peer" in cfg.tiers.specs:
             self.tiers.append(await asyncio.to_thread(build_tier, "peer", setup))
@@ -185,8 +189,10 @@ class Engine:
             )
             self.pipes[tier.name] = pipe
             channels.add(tier.name)
-            await pipe.load()
+            if not self.rejoin.holds_back(pipe):
+                await pipe.load()
             pipe.start()
+        self.rejoin.start()
         self.opened = True
 
     # --- saving -------------------------------------------------------------------------------
@@ -231,6 +237,8 @@ class Engine:
         flat = self.planner.flatten(state)
         layout = flat.layout
         await schedule.check_fresh_start(version)
+        # A durable tier unreachable since opening is claimed here once every rank reaches it.
+        await self.rejoin.settle()
         # After a restore, the first save settles where the run goes on from (versions that
         # left the timeline set aside, the world-size history) before anything of this version
         # is written anywhere -- and only once the save is known to be allowed at all.

@@ -8,8 +8,9 @@ Claim.guard` applies the verdict.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from tiercheck.consistency.identity import NodeIdentity
 from tiercheck.consistency.protocol import OpenFacts
@@ -18,7 +19,7 @@ from tiercheck.engine.stale import Stale, made_at, stale_message
 from tiercheck.errors import JobLocked, StaleMemory, StorageError, WorldSizeMismatch
 from tiercheck.guard import forget_deleted
 
-__all__ = ["OpeningVerdict", "judge_opening"]
+__all__ = ["OpeningVerdict", "RejoinVerdict", "judge_opening", "judge_rejoin"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -43,6 +44,10 @@ class OpeningVerdict:
     job_token: str
     #: Nodes whose memory this opening adopts as its own (``stale_memory="adopt"``).
     adopted: tuple[int, ...]
+    #: Durable tiers some rank could not reach, with why (the first rank's word): the job
+    #: opens on its memory, which holds this run's versions, and claims them later (see
+    #: :mod:`tiercheck.engine.rejoin`). Empty on a normal opening.
+    unreachable: Mapping[str, str] = field(default_factory=dict)
 
 
 def judge_opening(
@@ -60,16 +65,37 @@ def judge_opening(
 
     ``here`` names the durable location (``None`` without a durable tier), ``ranks`` is this
     run's world size, ``stale_policy`` its ``stale_memory`` option.
+
+    A durable tier that some rank cannot *reach* (its probe failed for a cause that passes,
+    :attr:`OpenFacts.unreachable`) does not stop the opening when the nodes' memory holds
+    versions this run can verify as its own without it: every node that holds data names this
+    job, this location and one incarnation (the job record's, where rank 0 could read it), and
+    nothing of it is stale. The verdict then names the tier (:attr:`OpeningVerdict.unreachable`)
+    and discards nothing. Otherwise, and for a tier that refused (a permission error, a missing
+    bucket), :class:`~tiercheck.errors.StorageError` as ever.
     """
     locked = [e.lock for e in everyone if e.lock]
     if locked:
         raise JobLocked(locked[0] + (f" ({len(locked)} ranks)" if len(locked) > 1 else ""))
     broken = [f"rank {r}: {msg}" for r, e in enumerate(everyone) for msg in e.probe.values()]
-    if broken:
-        raise StorageError(
-            "the durable storage of job "
-            f"{job_id!r} cannot be used, so the job does not start:\n  " + "\n  ".join(broken[:8])
+    unusable = (
+        "the durable storage of job "
+        f"{job_id!r} cannot be used, so the job does not start:\n  " + "\n  ".join(broken[:8])
+    )
+    refused = [t for e in everyone for t in e.probe if t not in e.unreachable]
+    if refused:
+        raise StorageError(unusable)
+    unreachable: dict[str, str] = {}
+    for e in everyone:
+        for tier, msg in e.probe.items():
+            unreachable.setdefault(tier, msg)
+
+    def no_stand_in(why: str) -> StorageError:
+        return StorageError(
+            f"{unusable}\nIt cannot be reached, and the nodes' memory cannot stand in for it: "
+            f"{why}. Nothing was changed."
         )
+
     first = everyone[0]
     if first.job_error:
         raise StorageError(
@@ -170,6 +196,26 @@ def judge_opening(
                 )
         else:
             token = first.fresh_token or ""
+    elif unreachable:
+        # Rank 0 could not read the job record: the memory's identities are checked against
+        # what they can be checked against here -- this job, this location, one incarnation
+        # -- and against the job record once the tier is back (tiercheck.engine.rejoin).
+        tokens = {
+            i.token
+            for i in identities.values()
+            if i is not None and i.job_id == job_id and i.persistent == here
+        }
+        if not tokens:
+            raise no_stand_in(f"it holds no versions of job {job_id!r} saved to {here}")
+        if len(tokens) > 1:
+            raise no_stand_in(
+                f"its nodes hold memory of different runs of the job (tokens {sorted(tokens)})"
+            )
+        token = tokens.pop()
+        known = [i for i in identities.values() if i is not None and i.token == token]
+        best = max(known, key=lambda i: (i.revision, len(i.worlds)))
+        world_size, worlds, revision = best.world_size, best.worlds, best.revision
+        where = "in the nodes' memory"
     else:
         tokens = {i.token for i in identities.values() if i is not None}
         if len(tokens) > 1:
@@ -235,7 +281,30 @@ def judge_opening(
             revision=revision,
             job_token=token,
             adopted=adopted,
+            unreachable=unreachable,
         )
+
+    if unreachable:
+        # Opening on memory alone: all of it must verify as this run's, and none is discarded
+        # (what the unreachable tier holds cannot be compared with it).
+        doubts = [f"node {n}: {why.text}" for n, why in sorted(stale.items())]
+        doubts += [f"node {n}: {why}" for n, why in sorted(deleted_nodes.items())]
+        doubts += [
+            f"node {n}: it holds checkpoints but no identity record"
+            for n, identity in sorted(identities.items())
+            if identity is None and nodes[n].has_data and n not in stale
+        ]
+        if doubts:
+            raise no_stand_in("; ".join(doubts))
+        held = [
+            v
+            for n, e in nodes.items()
+            if (identity := identities.get(n)) is not None and identity.token == token
+            for v in e.held or ()
+        ]
+        if not held:
+            raise no_stand_in(f"it holds no versions of job {job_id!r}")
+        return verdict({}, ())
 
     policy = stale_policy
     # Memory of an incarnation `tiercheck rm-job` deleted goes whatever the policy says.
@@ -252,3 +321,96 @@ def judge_opening(
     root = node_root
     damaged = tuple(sorted(n for n, why in stale.items() if why.kind == "damaged"))
     raise StaleMemory(stale_message(job_id, root, stale, first, nodes), damaged=damaged)
+
+
+@dataclass(frozen=True)
+class RejoinVerdict:
+    """Whether an opening that could not reach a durable tier may claim it now that it can
+    (:func:`judge_rejoin`)."""
+
+    #: Why this run must never write to the tier; ``None``: it may claim it.
+    refused: str | None = None
+    #: The job record must be written (before anything else): the location lost it, holds a
+    #: repaired one, or one older than what this run knows.
+    write_record: bool = False
+    #: What to tell the user at WARNING, if anything (the location was emptied).
+    note: str | None = None
+
+
+def judge_rejoin(
+    job: Mapping[str, Any],
+    deleted: Mapping[str, Any],
+    *,
+    job_id: str,
+    here: str,
+    token: str,
+    revision: int,
+    worlds: Spans,
+    stored_world: int,
+    opened_at: float,
+    newest_writer: tuple[float, str] | None,
+) -> RejoinVerdict:
+    """Decide whether this run may claim a durable tier it could not reach when it opened.
+
+    The checks the opening could not make there, made now, before anything is written: ``job``
+    is what the tier says of the job (:func:`~tiercheck.engine.claim.read_job_facts`),
+    ``deleted`` what its tombstone says (:func:`~tiercheck.guard.deletion_facts`); ``token``,
+    ``revision``, ``worlds`` and ``stored_world`` are the incarnation and world-size history
+    this run took from the nodes' memory; ``opened_at`` is when this run opened (seconds since
+    the epoch), ``newest_writer`` the time and session of the newest writer generation in the
+    tier (``None``: none).
+
+    Refused (for good: the run goes on with its memory tiers alone): the job was deleted there
+    by ``tiercheck rm-job``; a writer generation was claimed after this run opened (that opening
+    is the newer one and keeps the job); the location holds another incarnation of the job
+    (deleted and started anew there); its versions were saved by another number of ranks than
+    this run's history says. Else it may claim it, writing the job record first where the
+    location lost it, holds a repaired one, or one older than what this run knows.
+    """
+    state = job.get("state")
+    if deleted.get("tombstone"):
+        tokens = set(deleted.get("deleted") or ())
+        if token in tokens or state != "found" or job.get("token") in tokens:
+            return RejoinVerdict(
+                refused=f"job {job_id!r} was deleted from {here} by `tiercheck rm-job` while "
+                "this run could not reach it"
+            )
+    if newest_writer is not None and newest_writer[0] > opened_at:
+        when, session = newest_writer
+        return RejoinVerdict(
+            refused=f"another opening of job {job_id!r} (session {session}) claimed {here} at "
+            f"{made_at(when)}, after this run opened ({made_at(opened_at)}) and while it could "
+            "not reach it: that opening is the newer one and keeps the job there"
+        )
+    if state == "found":
+        if job.get("token") == token:
+            return RejoinVerdict(write_record=revision > int(job.get("revision", 0)))
+        if job.get("repaired"):
+            # `tiercheck repair-job` wrote it with a new token: the incarnation is the one the
+            # nodes' memory names (as an opening decides, see judge_opening).
+            return RejoinVerdict(write_record=True)
+        return RejoinVerdict(
+            refused=f"{here} holds another run of job {job_id!r} (token "
+            f"{str(job.get('token'))[:8]}), not the one this run's memory belongs to (token "
+            f"{token[:8]}): the job was deleted or started anew there while this run could "
+            "not reach it"
+        )
+    committed = list(job.get("committed") or ())
+    if state == "legacy" and committed:
+        newest = max(committed)
+        size = int(job.get("world_size", stored_world))
+        theirs = world_of(newest, parse_spans(job.get("worlds"), size), size)
+        ours = world_of(newest, worlds, stored_world)
+        if theirs != ours:
+            return RejoinVerdict(
+                refused=f"{here} holds versions of job {job_id!r} without a job record, the "
+                f"newest ({newest}) saved by {theirs} ranks where this run's history says "
+                f"{ours}: they are not known to be this run's"
+            )
+        return RejoinVerdict(write_record=True)
+    return RejoinVerdict(
+        write_record=True,
+        note=f"the durable location {here} of job {job_id!r} holds nothing: it was emptied "
+        "while this run could not reach it. Writing the job record again; the run's versions "
+        "go there from now on.",
+    )

@@ -173,6 +173,11 @@ class CoordinationOptions:
     coordinator: Coordinator | None
     peer_timeout: float
     close_timeout: float
+    #: A durable tier that could not be reached at opening is tried again in the background,
+    #: first after ``durable_retry_delay`` seconds, each wait twice the one before, up to
+    #: ``durable_retry_max`` (see :mod:`tiercheck.engine.rejoin`).
+    durable_retry_delay: float = 1.0
+    durable_retry_max: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +316,8 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
     behind_seconds = args.pop("behind_seconds")
     preemption = args.pop("preemption")
     preemption_grace = args.pop("preemption_grace")
+    durable_retry_delay = args.pop("durable_retry_delay")
+    durable_retry_max = args.pop("durable_retry_max")
     # An option declared on the constructor that nothing here reads would be silently ignored.
     assert not args, f"options the constructor declares but nothing resolves: {sorted(args)}"
     if persistent is not None and (not isinstance(persistent, str) or not persistent.strip()):
@@ -367,6 +374,13 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
             "preemption_grace must be a finite number of seconds (well under the scheduler's "
             "grace period before SIGKILL: 30 s by default in Kubernetes, Slurm and torchrun), "
             f"got {preemption_grace!r}"
+        )
+    durable_retry_delay = _seconds("durable_retry_delay", durable_retry_delay, zero=False)
+    durable_retry_max = _seconds("durable_retry_max", durable_retry_max, zero=False)
+    if not math.isfinite(durable_retry_max) or durable_retry_max < durable_retry_delay:
+        raise ConfigError(
+            "durable_retry_max must be a finite number of seconds >= durable_retry_delay "
+            f"({durable_retry_delay}), got {durable_retry_max!r}"
         )
     if persist is not None and persist not in ("all", "base") and not callable(persist):
         raise ConfigError(
@@ -460,6 +474,8 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
             coordinator=coordinator,
             peer_timeout=peer_timeout,
             close_timeout=close_timeout,
+            durable_retry_delay=durable_retry_delay,
+            durable_retry_max=durable_retry_max,
         ),
         health=HealthOptions(behind_saves=behind_saves, behind_seconds=behind_seconds),
         preemption=PreemptionOptions(enabled=preemption, grace=preemption_grace),

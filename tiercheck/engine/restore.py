@@ -548,6 +548,13 @@ class Restorer:
         world = self.topo.world_size
         elastic = self.options.job.elastic
         for pipe in self.pipes.values():
+            unreachable = self.claim.pending.get(pipe.name)
+            if unreachable is not None:
+                # Warned about at opening; listing it would only wait out its retries.
+                errors[pipe.name] = f"unreachable since the job opened: {unreachable}"
+                pipe.listed(False)
+                by_tier[pipe.name] = frozenset()
+                continue
             try:
                 await pipe.relist()
                 if pipe.durable:

@@ -90,6 +90,10 @@ class CheckpointerStats:
     #: Whether a newer opening of the job took over its durable tiers (this one stopped
     #: writing there; see :class:`~tiercheck.errors.Superseded`).
     superseded: bool = False
+    #: Durable tiers this opening could not reach when it opened and has not claimed since (it
+    #: opened on the nodes' memory; see :mod:`tiercheck.engine.rejoin`), by name, with the
+    #: error; empty once every one is claimed again.
+    unreachable: dict[str, str] = field(default_factory=dict)
     #: Saves whose state had the structure of the save before it, so that its layout was
     #: reused instead of walked and planned anew (see :mod:`tiercheck.codec.plan`).
     layouts_reused: int = 0

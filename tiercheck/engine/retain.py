@@ -236,6 +236,8 @@ class Retention:
 
     async def restorable(self) -> list[int]:
         """Committed versions that are still there and whose base is too, as this rank sees."""
+        if self.name in self.claim.pending:
+            return []  # unreachable since the job opened: nothing of it is known
         try:
             if self.durable:
                 present = await commit_versions(self.tier)

@@ -82,6 +82,13 @@ class Schedule:
         if self.session_started:
             return
         claim = self.claim
+        if claim.pending:
+            raise VersionError(
+                f"job {self.job_id!r} opened on its memory: the durable tiers "
+                f"{sorted(claim.pending)} cannot be reached, so whether they store version "
+                f"{version} or later cannot be checked. Call restore() first to continue the "
+                "run (it reads from memory), or use a new job_id to start another"
+            )
         if claim.world_changed:
             raise VersionError(
                 f"job {self.job_id!r} was saved by {claim.stored_world} ranks and this run "

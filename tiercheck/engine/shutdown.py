@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from tiercheck.engine.journal import Journal
     from tiercheck.engine.options import Options
     from tiercheck.engine.preempt import Preemption
+    from tiercheck.engine.rejoin import Rejoin
     from tiercheck.engine.stage import Stager
     from tiercheck.engine.tier import TierPipeline
     from tiercheck.tiers.base import Tier
@@ -57,6 +58,7 @@ class Closable(Protocol):
     encoder: Encoder
     stager: Stager
     preemption: Preemption
+    rejoin: Rejoin
     save_lock: asyncio.Lock
     opened: bool
     open_started: float | None
@@ -92,6 +94,7 @@ class Shutdown:
         self.engine.mark_closing()
         # A flush on SIGTERM in progress ends first (within its grace); none starts from now.
         await self.engine.preemption.finished()
+        self.engine.rejoin.stop()
         # The close decides every overlapped save: the caller confirmed what it could before
         # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
         self.engine.stager.abandon(

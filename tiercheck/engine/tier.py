@@ -136,7 +136,9 @@ class TierPipeline(Retention):
     # --- what the tier holds ----------------------------------------------------------------
 
     async def load(self) -> None:
-        """At opening: list this rank's blobs and what is committed (never fatal)."""
+        """At opening (or once a tier unreachable then is claimed): list this rank's blobs and
+        what is committed (never fatal)."""
+        self.unlisted = False
         try:
             self.own = await self.list_own()
             # What retention counts in a durable tier is what its COMMIT records prove, not
@@ -173,11 +175,15 @@ class TierPipeline(Retention):
         """Whether a restore's inventory could list the tier (see :attr:`unlisted`)."""
         self.unlisted = not ok
 
-    def block(self, reason: str) -> None:
+    def block(self, reason: str, *, announced: bool = False) -> None:
         """Take no new versions (each is dropped for this tier, with ``reason``) and keep
         retention away, until :meth:`unblock`: the tier still holds another timeline's
-        versions, or a record the run needs could not be written there."""
+        versions, a record the run needs could not be written there, or it is not claimed
+        (unreachable when the job opened). ``announced``: the reason was logged at WARNING
+        already, so the versions dropped for it are only counted (``stats.tier_skips``)."""
         self.blocked = reason
+        if announced:
+            self.skip_logged.add(TierWriteFailed.__name__)
 
     def unblock(self) -> None:
         """Take versions again; the next save is a base (the tier holds none of the run's

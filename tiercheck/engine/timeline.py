@@ -20,7 +20,10 @@ of the first save, before anything of it is written) is the job made to continue
 
 A durable tier where either step fails (an outage) takes no new versions (each is skipped for
 it, with the reason) until a retry succeeds; the retry runs every :data:`RETRY_EVERY` saves. A
-version is never written over blobs that another timeline left there.
+durable tier the job could not reach when it opened is owed its part without trying, and
+settles it as soon as it is claimed (:meth:`Timeline.rejoined`, see
+:mod:`tiercheck.engine.rejoin`). A version is never written over blobs that another timeline
+left there.
 """
 
 from __future__ import annotations
@@ -133,6 +136,9 @@ class Timeline:
         owed = dict(self._owed)
         self._owed.clear()
         for name, continuation in sorted(owed.items()):
+            if name in self.claim.pending:
+                self._owed[name] = continuation  # settled once it is claimed (rejoined)
+                continue
             await self._set_aside_or_block(self.pipes[name], continuation)
         if self._world_owed is not None:
             await self._record_world(self._world_owed)
@@ -149,7 +155,11 @@ class Timeline:
             c.reason,
         )
         for pipe in pipes:
-            if pipe.durable:
+            if pipe.durable and pipe.name in self.claim.pending:
+                # Unreachable since the job opened: nothing is written there before it is
+                # claimed, and then this comes first (rejoined).
+                self._owed[pipe.name] = c
+            elif pipe.durable:
                 await self._set_aside_or_block(pipe, c)
             else:
                 await pipe.truncate_from(first, f"abandoned: {c.reason}")
@@ -192,8 +202,26 @@ class Timeline:
 
     def _unblock_settled(self) -> None:
         for pipe in self.pipes.values():
-            if pipe.blocked and pipe.name not in self._owed and self._world_owed is None:
+            if (
+                pipe.blocked
+                and pipe.name not in self._owed
+                and self._world_owed is None
+                and pipe.name not in self.claim.pending
+                and pipe.name not in self.claim.refused
+            ):
                 pipe.unblock()
+
+    async def rejoined(self, name: str) -> None:
+        """The durable tier ``name``, unreachable since the job opened, is claimed now (at the
+        start of a save, every rank alike: :mod:`tiercheck.engine.rejoin`): settle what it is
+        owed, then let it take versions. A continuation still pending is settled by this same
+        save's :meth:`settle`, which the tier is part of now, and which unblocks it."""
+        if self._pending is not None:
+            return
+        owed = self._owed.pop(name, None)
+        if owed is not None:
+            await self._set_aside_or_block(self.pipes[name], owed)
+        self._unblock_settled()
 
     async def _set_aside(self, pipe: TierPipeline, c: Continuation) -> None:
         """Collective, in one durable tier: set the committed versions after ``c.version``
@@ -201,6 +229,10 @@ class Timeline:
         run's timeline. On any rank's failure nothing is removed and the tier is blocked."""
         tier, claim, channels = pipe.tier, self.claim, self.channels
         first = c.version + 1
+        if pipe.unlisted and not claim.superseded:
+            # Its listing failed (at opening, or when it was claimed after an outage): try
+            # again, or what this rank holds there is not known.
+            await pipe.load()
         mine = pipe.keys_from(first)
         committed: list[int] = []
         error: str | None = None
