@@ -226,7 +226,7 @@ def test_the_options_are_declared_once_and_both_faces_list_them_with_their_docs(
     assert SyncCheckpointer.__init__ is CheckpointerCore.__init__
     params = inspect.signature(Checkpointer).parameters
     assert next(iter(params)) == "job_id"
-    assert len(params) == 33
+    assert len(params) == 35
     assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "job_id")
     for face in (Checkpointer, SyncCheckpointer):
         text = pydoc.render_doc(face, renderer=pydoc.plaintext)
