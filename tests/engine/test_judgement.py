@@ -114,7 +114,7 @@ def down(node: int, *, held: list[int] | None = None, **kw: Any) -> OpenFacts:
         node,
         0,
         probe={"persistent": DOWN},
-        unreachable=("persistent",),
+        unreachable={"persistent": DOWN},
         held=held,
         **kw,
     )

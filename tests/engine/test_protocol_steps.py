@@ -95,7 +95,7 @@ def _facts(rank: int) -> OpenFacts:
         local_rank=0,
         lock="rank 1 holds the lock (test)",
         probe={"persistent": "refused (test)"},
-        unreachable=("persistent",),
+        unreachable={"persistent": "connection refused (test)"},
         identity_error="cut short (test)",
         identity_damaged=True,
         has_data=False,

@@ -255,8 +255,9 @@ class OpenFacts:
     #: Why each durable tier failed its probe, by tier name.
     probe: Mapping[str, str] = field(default_factory=dict)
     #: The tiers of :attr:`probe` that failed for a cause that passes (a connection or a
-    #: timeout error: the tier cannot be reached), not one that stays (a refusal).
-    unreachable: Sequence[str] = ()
+    #: timeout error: the tier cannot be reached), not one that stays (a refusal), with that
+    #: cause in a few words.
+    unreachable: Mapping[str, str] = field(default_factory=dict)
     #: Rank 0: what the durable tiers say of the job's incarnation (see ``Claim``).
     job: Mapping[str, Any] | None = None
     #: Rank 0: why the job record (or the tombstone) cannot be read.
@@ -281,7 +282,7 @@ class OpenFacts:
             wire["lock"] = self.lock
         wire["probe"] = dict(self.probe)
         if self.unreachable:
-            wire["unreachable"] = list(self.unreachable)
+            wire["unreachable"] = dict(self.unreachable)
         for name in ("job", "job_error", "deleted", "tombstone"):
             if getattr(self, name) is not None:
                 wire[name] = getattr(self, name)
@@ -304,7 +305,7 @@ class OpenFacts:
             local_rank=int(data["local_rank"]),
             lock=data.get("lock"),
             probe={str(k): str(v) for k, v in data["probe"].items()},
-            unreachable=tuple(str(t) for t in data.get("unreachable", ())),
+            unreachable={str(k): str(v) for k, v in data.get("unreachable", {}).items()},
             job=data.get("job"),
             job_error=data.get("job_error"),
             deleted=data.get("deleted"),

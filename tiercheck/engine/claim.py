@@ -69,14 +69,15 @@ async def gather_facts(
     except (JobLocked, OSError) as exc:
         locked = str(exc)
     probes: dict[str, str] = {}
-    unreachable: list[str] = []
+    unreachable: dict[str, str] = {}
     for tier in durable:
         try:
             await probe(tier, session, rank)
         except (TiercheckError, OSError) as exc:
             probes[tier.name] = str(exc)
             if passes(exc):
-                unreachable.append(tier.name)
+                # The storage call's own words, without the probe's advice around them.
+                unreachable[tier.name] = str(exc.__cause__ or exc)
     job: dict[str, Any] | None = None
     job_error: str | None = None
     deleted: dict[str, Any] = {}
@@ -113,7 +114,7 @@ async def gather_facts(
         local_rank=topo.local_rank,
         lock=locked,
         probe=probes,
-        unreachable=tuple(unreachable),
+        unreachable=unreachable,
         job=job,
         job_error=job_error,
         deleted=deleted.get("deleted"),

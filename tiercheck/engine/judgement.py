@@ -87,8 +87,8 @@ def judge_opening(
         raise StorageError(unusable)
     unreachable: dict[str, str] = {}
     for e in everyone:
-        for tier, msg in e.probe.items():
-            unreachable.setdefault(tier, msg)
+        for tier, why in e.unreachable.items():
+            unreachable.setdefault(tier, why)
 
     def no_stand_in(why: str) -> StorageError:
         return StorageError(

@@ -185,14 +185,16 @@ class TierPipeline(Retention):
         if announced:
             self.skip_logged.add(TierWriteFailed.__name__)
 
-    def unblock(self) -> None:
+    def unblock(self, *, announced: bool = False) -> None:
         """Take versions again; the next save is a base (the tier holds none of the run's
-        current deltas' base)."""
+        current deltas' base). ``announced``: said at WARNING already (a tier claimed again
+        after an outage)."""
         if self.blocked is None:
             return
         self.blocked = None
         self._on_base_lost()
-        logger.warning("tiercheck: the %r tier takes new versions again", self.name)
+        if not announced:
+            logger.warning("tiercheck: the %r tier takes new versions again", self.name)
 
     def note_abandoned(self, tag: str, info: SetInfo) -> None:
         """A whole abandoned set ``tag`` now lies in the tier."""

@@ -96,6 +96,8 @@ class Timeline:
         self._saves_since_failure = 0
         # Whether this opening saved anything yet (its first save may owe the history).
         self._saved = False
+        # Tiers claimed again after an outage, not unblocked yet (see rejoined).
+        self._rejoined: set[str] = set()
 
     def continue_from(self, continuation: Continuation) -> None:
         """A restore chose where the run goes on from; settled at the next save."""
@@ -209,13 +211,15 @@ class Timeline:
                 and pipe.name not in self.claim.pending
                 and pipe.name not in self.claim.refused
             ):
-                pipe.unblock()
+                pipe.unblock(announced=pipe.name in self._rejoined)
+                self._rejoined.discard(pipe.name)
 
     async def rejoined(self, name: str) -> None:
         """The durable tier ``name``, unreachable since the job opened, is claimed now (at the
         start of a save, every rank alike: :mod:`tiercheck.engine.rejoin`): settle what it is
         owed, then let it take versions. A continuation still pending is settled by this same
         save's :meth:`settle`, which the tier is part of now, and which unblocks it."""
+        self._rejoined.add(name)  # claimed with a WARNING that says so already
         if self._pending is not None:
             return
         owed = self._owed.pop(name, None)
