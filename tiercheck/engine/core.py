@@ -120,8 +120,10 @@ class CheckpointerCore(CallSteps):
                 the next save, ``wait``, ``close``, the handle's ``result``), and no tier
                 stores the version before. Inference tensors and numpy arrays, whose changes
                 no counter shows, are copied before ``save`` returns.
-            tier_queue: how many encoded versions may wait for one tier before newer ones are
-                dropped for that tier (a slow remote store never blocks training).
+            tier_queue: how many encoded versions may wait for one tier (a slow remote store
+                never blocks training). One more, and the oldest waiting are dropped for that
+                tier, never the newest whole one (a base, or a delta with its base); a durable
+                tier whose write failed (an outage) sends the newest whole version next.
             codec: compression options for packed blobs.
             allow_pickle: admit arbitrary Python objects in the state through pickle (off: a
                 checkpoint from a stranger must not be able to run code).

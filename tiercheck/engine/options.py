@@ -135,7 +135,8 @@ class TierOptions:
     policies: Mapping[str, TierPolicy]
     local_capacity: int | None
     peer_replicas: int
-    #: Encoded versions that may wait for one tier before newer ones are dropped for it.
+    #: Encoded versions that may wait for one tier; beyond, the oldest are dropped for it
+    #: (see :func:`~tiercheck.engine.plan.make_room`).
     tier_queue: int
 
     def policy(self, tier: str) -> TierPolicy:
