@@ -15,16 +15,16 @@ import logging
 import random
 import shutil
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import torch
 
+from tests.test_never_lose import run_ranks
 from tiercheck import StorageError, SyncCheckpointer, VersionError
 from tiercheck.testing import LocalGroup
 
@@ -126,30 +126,6 @@ def second_endpoint(s3_server: S3Server) -> Iterator[Endpoint]:
     finally:
         if endpoint.up:
             endpoint.stop()
-
-
-def run_ranks(world: int, fn: Callable[[int], T], *, timeout: float = 120.0) -> list[T]:
-    """``fn(rank)`` for every rank, on threads (a hang guard bounds each); the results, or the
-    first error raised."""
-    results: list[Any] = [None] * world
-    errors: list[BaseException | None] = [None] * world
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank hung"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
 
 
 def opened(s3: FlakyS3, root: Path, **kw: Any) -> SyncCheckpointer:
