@@ -1,0 +1,386 @@
+"""The soak's mechanics: start the job, watch it, crash it, restart it, end it -- each step
+checked by the :class:`~tiercheck.testing.chaos.oracle.Oracle`.
+
+:class:`Soak` holds the run: the S3 server, the memory folder, the current incarnation of the
+job, the oracle. The faults themselves (:mod:`tiercheck.testing.chaos.faults`) are written with
+its few verbs: :meth:`Soak.run_to`, :meth:`Soak.crash`, :meth:`Soak.restart`,
+:meth:`Soak.hold`, :meth:`Soak.expect_resume`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiercheck.defaults import SHM_DIR
+from tiercheck.testing.chaos.catalog import TIERS
+from tiercheck.testing.chaos.cluster import Incarnation, JobSpec, RankProcess
+from tiercheck.testing.chaos.model import Reference
+from tiercheck.testing.chaos.oracle import Finding, Oracle, Restore
+from tiercheck.testing.chaos.s3 import S3
+from tiercheck.testing.chaos.worker import EXIT_LEFT, EXIT_REFUSED, EXIT_RESTORE_FAILED
+
+__all__ = ["Settings", "Soak"]
+
+TICK = 0.05
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a soak is run with (the command line's options)."""
+
+    seed: int
+    faults: tuple[str, ...]
+    minutes: float | None = None
+    episodes: int | None = None
+    nodes: int = 2
+    ranks_per_node: int = 1
+    size: int = 16384
+    base_every: int = 4
+    peer_timeout: float = 3.0
+    close_timeout: float = 5.0
+    step_seconds: float = 0.05
+    #: Saves within which commits must resume in every tier after a transient fault.
+    resume_within: int = 24
+    stall_limit: float = 10.0
+    #: Seconds without a save by every rank (no rank stopped) that count as a hang.
+    hang_s: float = 60.0
+    open_timeout: float = 120.0
+    exit_timeout: float = 45.0
+    #: Size of the tmpfs mounted for the node roots (0: none; they live in /dev/shm itself).
+    tmpfs_mb: int = 64
+    workdir: Path | None = None
+    keep: bool = False
+    plant: str | None = None
+
+    @property
+    def world(self) -> int:
+        """Ranks of the job."""
+        return self.nodes * self.ranks_per_node
+
+
+class Soak:
+    """One soak run: its processes, its job, its oracle."""
+
+    def __init__(self, settings: Settings, log: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.log = log
+        run = f"chaos-{settings.seed}-{uuid.uuid4().hex[:8]}"
+        base = settings.workdir or Path("/tmp")  # noqa: S108 -- a unique folder below it
+        self.workdir = base / run
+        self.workdir.mkdir(parents=True)
+        shm = Path(SHM_DIR)
+        self.memory = (shm if shm.is_dir() else self.workdir) / run
+        self.s3 = S3(self.workdir)
+        self.reference = Reference(settings.world, settings.size)
+        self.oracle = Oracle(self.reference, stall_limit=settings.stall_limit)
+        self.spec = JobSpec(
+            job="chaos",
+            memory=self.memory,
+            persistent=self.s3.url(run),
+            storage_options=self.s3.storage_options(),
+            out=self.workdir,
+            ranks_per_node=settings.ranks_per_node,
+            size=settings.size,
+            base_every=settings.base_every,
+            peer_timeout=settings.peer_timeout,
+            close_timeout=settings.close_timeout,
+            step_seconds=settings.step_seconds,
+            plant=settings.plant,
+        )
+        self.prefix = f"{run}/"
+        #: Why the node roots are not on a tmpfs of their own (``None``: they are).
+        self.tmpfs_refused: str | None = "no tmpfs asked for (--tmpfs-mb 0)"
+        self.inc: Incarnation | None = None
+        self.incarnations = 0
+        self.progress_at = time.monotonic()
+        self.progress_step = -1
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Mount the memory tmpfs, start S3 and the first incarnation (a fresh start)."""
+        self.memory.mkdir(parents=True)
+        if self.settings.tmpfs_mb:
+            self.tmpfs_refused = _mount(self.memory, self.settings.tmpfs_mb)
+            if self.tmpfs_refused is not None:
+                self.log(f"  node roots on {SHM_DIR} itself: {self.tmpfs_refused}")
+        self.s3.start()
+        self.restart((), "the first start")
+
+    def launch(self, world: int | None = None, *, restore_only: bool = False) -> Incarnation:
+        """Start a new incarnation of the job (the previous one must have ended)."""
+        assert self.inc is None or not self.inc.alive()
+        self.inc = Incarnation(
+            self.spec, self.incarnations, world or self.settings.world, restore_only=restore_only
+        )
+        self.incarnations += 1
+        self.progress_at, self.progress_step = time.monotonic(), -1
+        return self.inc
+
+    @property
+    def job(self) -> Incarnation:
+        """The current incarnation."""
+        assert self.inc is not None
+        return self.inc
+
+    def tick(self, *, exits_allowed: bool = False) -> None:
+        """Read the ranks' new events into the oracle; check that no rank ended unasked and
+        that training makes progress."""
+        inc = self.job
+        for rank, event in inc.read():
+            self.oracle.see(rank, event)
+        if not exits_allowed:
+            for r in inc.ranks:
+                if r.poll() is not None and not r.signalled:
+                    inc.read()
+                    raise Finding("unexpected-exit", self._exit_story(r))
+        step = inc.min_step()
+        now = time.monotonic()
+        if step > self.progress_step or any(r.stopped for r in inc.ranks):
+            self.progress_at, self.progress_step = now, step
+        elif now - self.progress_at > self.settings.hang_s and inc.alive():
+            inc.dump_stacks()
+            raise Finding(
+                "hung",
+                f"no rank saved a version for {now - self.progress_at:.0f} s "
+                f"(every rank at or past version {step}); stacks are in the ranks' output",
+            )
+
+    def _exit_story(self, r: RankProcess) -> str:
+        code = r.poll()
+        last = r.events.events[-1] if r.events.events else {}
+        return (
+            f"rank {r.rank} exited with code {code} although the driver did not signal it; "
+            f"its last event: {last}\n--- its output:\n{r.tail()}"
+        )
+
+    def wait(self, seconds: float, *, exits_allowed: bool = False) -> None:
+        """Watch the job for ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.tick(exits_allowed=exits_allowed)
+            time.sleep(TICK)
+
+    def until(self, done: Callable[[], bool], what: str) -> None:
+        """Watch (exits allowed) until ``done()``; a hang after ``open_timeout`` seconds."""
+        deadline = time.monotonic() + self.settings.open_timeout
+        while not done():
+            if time.monotonic() > deadline:
+                self.job.dump_stacks()
+                raise Finding("hung", f"waited {self.settings.open_timeout:.0f} s for {what}")
+            self.tick(exits_allowed=True)
+            time.sleep(TICK)
+
+    def run_to(self, version: int) -> None:
+        """Watch until every rank saved ``version``."""
+        while self.job.min_step() < version:
+            self.tick()
+            time.sleep(TICK)
+
+    def crash(self, ranks: Sequence[RankProcess], sig: int, *, restoring: bool = False) -> None:
+        """Send ``sig`` to ``ranks``; wait until every rank has ended. The others must leave
+        because a collective failed (or, ``restoring``, because their restore did)."""
+        inc = self.job
+        for r in ranks:
+            r.send(sig)
+        deadline = time.monotonic() + self.settings.exit_timeout
+        while inc.alive() and time.monotonic() < deadline:
+            self.tick(exits_allowed=True)
+            time.sleep(TICK)
+        if inc.alive():
+            stuck = [r.rank for r in inc.alive()]
+            inc.dump_stacks()
+            inc.kill()
+            raise Finding(
+                "did-not-leave",
+                f"ranks {stuck} were still alive {self.settings.exit_timeout:.0f} s after "
+                f"{[r.rank for r in ranks]} got signal {sig}; their stacks:\n"
+                + "\n".join(inc.ranks[s].tail(60) for s in stuck),
+            )
+        self.tick(exits_allowed=True)
+        allowed = {EXIT_LEFT} | ({EXIT_REFUSED, EXIT_RESTORE_FAILED} if restoring else set())
+        for r in inc.ranks:
+            if not r.signalled and r.returncode not in allowed:
+                raise Finding("unexpected-exit", self._exit_story(r))
+
+    def started(self, *, exits_allowed: bool = False) -> dict[int, dict[str, Any]]:
+        """Wait until every rank reported how its open and restore went; by rank."""
+        inc = self.job
+        kinds = ("restored", "fresh", "refused", "restore_failed")
+        deadline = time.monotonic() + self.settings.open_timeout
+        while True:
+            self.tick(exits_allowed=True)
+            found = {r.rank: e for r in inc.ranks for e in r.events.events if e["e"] in kinds}
+            if len(found) == len(inc.ranks):
+                return found
+            gone = [r for r in inc.ranks if r.poll() is not None and r.rank not in found]
+            if gone and not exits_allowed:
+                raise Finding("unexpected-exit", self._exit_story(gone[0]))
+            if time.monotonic() > deadline:
+                inc.dump_stacks()
+                raise Finding(
+                    "hung",
+                    f"ranks {sorted(set(range(inc.world)) - set(found))} did not finish "
+                    f"opening and restoring within {self.settings.open_timeout:.0f} s",
+                )
+            time.sleep(TICK)
+
+    def restart(
+        self, survivors: Sequence[str], after: str, floor: tuple[int, str] | None = None
+    ) -> int | None:
+        """Start the job again; check its restore against the tiers that survived (and
+        ``floor``: a version known whole elsewhere, and where); return the version it restored
+        (``None``: fresh)."""
+        self.oracle.lose(set(TIERS) - set(survivors))
+        t0 = time.monotonic()
+        self.launch()
+        got = self.started()
+        failed = {r: e for r, e in got.items() if e["e"] in ("refused", "restore_failed")}
+        if failed:
+            rank, event = min(failed.items())
+            raise Finding(
+                "refused",
+                f"after {after} rank {rank} could not open or restore: {event.get('error')}: "
+                f"{event.get('message', '')}{event.get('tb', '')}",
+            )
+        restores = _restores(got)
+        bound = max(filter(None, [self.oracle.bound(survivors), floor]), default=None)
+        version = self.oracle.check_restore(restores, survivors, after, floor)
+        sources = ",".join(str(r.source) for r in restores)
+        self.log(
+            f"    restored {'nothing (fresh)' if version is None else f'v{version}'}"
+            f"{f' from {sources}' if version is not None else ''}; newest committed in a "
+            f"surviving tier: {'none' if bound is None else f'v{bound[0]} ({bound[1]})'}; "
+            f"{time.monotonic() - t0:.1f} s"
+        )
+        return version
+
+    def hold(self, seconds: float) -> None:
+        """Let ``seconds`` pass while a fault lasts (a stopped rank does not count as hung)."""
+        self.wait(seconds)
+
+    def expect_resume(self, what: str) -> None:
+        """After a transient fault: every tier commits a version saved after it, before the job
+        saved :attr:`Settings.resume_within` more."""
+        inc = self.job
+        after = inc.max_step()
+        since = len(self.oracle.commits)
+        limit = after + self.settings.resume_within
+        while True:
+            self.tick()
+            done = self.oracle.resumed(after, since)
+            if done >= set(TIERS):
+                self.log(
+                    f"    commits resumed in every tier by v{inc.max_step()} "
+                    f"(the fault ended at v{after})"
+                )
+                return
+            if inc.min_step() >= limit:
+                raise Finding(
+                    "no-resume",
+                    f"after {what}, which ended at version {after}, no version was committed in "
+                    f"{sorted(set(TIERS) - done)} before every rank saved version {limit} "
+                    f"(K = {self.settings.resume_within} saves)",
+                )
+            time.sleep(TICK)
+
+    def finish(self) -> int:
+        """End the job at an agreed step; check its final state and that a restart restores
+        it. Returns the final version."""
+        inc = self.job
+        inc.stop()
+        deadline = time.monotonic() + self.settings.open_timeout
+        while inc.alive() and time.monotonic() < deadline:
+            self.tick(exits_allowed=True)
+            time.sleep(TICK)
+        if inc.alive():
+            inc.dump_stacks()
+            raise Finding("did-not-end", "the job did not end after it was asked to")
+        self.tick(exits_allowed=True)
+        finals = {r.rank: r.events.last("final") for r in inc.ranks}
+        for r in inc.ranks:
+            if r.returncode != 0 or finals[r.rank] is None:
+                raise Finding("unexpected-exit", self._exit_story(r))
+        versions = {int(e["v"]) for e in finals.values() if e}
+        if len(versions) != 1:
+            raise Finding("inconsistent-end", f"the ranks ended at {versions}")
+        final = versions.pop()
+        for rank, e in finals.items():
+            assert e is not None
+            if e["digest"] != self.reference.digest(final, rank):
+                raise Finding(
+                    "not-bit-exact",
+                    f"rank {rank}'s final state differs from the uninterrupted run's at "
+                    f"version {final}",
+                )
+            for tier in ("local", "peer"):
+                if e["newest"].get(tier) != final:
+                    raise Finding(
+                        "no-resume",
+                        f"at the end rank {rank}'s newest version in {tier} is "
+                        f"{e['newest'].get(tier)}, not the final {final}",
+                    )
+        newest = (finals[0] or {}).get("newest")
+        self.log(f"    ended at v{final}, bit-exact; newest committed by tier: {newest}")
+        self.launch(restore_only=True)
+        got = self.started()
+        version = self.oracle.check_restore(_restores(got), TIERS, "the end")
+        if version != final:
+            raise Finding(
+                "lost-committed", f"after the end the job restored {version}, not {final}"
+            )
+        self.wait_exit()
+        self.log(f"    a restart after the end restored v{final}")
+        return final
+
+    def wait_exit(self) -> None:
+        """Wait for every rank of a restore-only incarnation to end normally."""
+        inc = self.job
+        deadline = time.monotonic() + self.settings.exit_timeout
+        while inc.alive() and time.monotonic() < deadline:
+            self.tick(exits_allowed=True)
+            time.sleep(TICK)
+        for r in inc.ranks:
+            if r.poll() != 0:
+                raise Finding("unexpected-exit", self._exit_story(r))
+
+    def close(self, *, keep: bool) -> None:
+        """Stop every process; remove the run's files unless ``keep``."""
+        if self.inc is not None:
+            self.inc.kill()
+        self.s3.close()
+        if not keep:
+            shutil.rmtree(self.memory, ignore_errors=True)
+            if self.tmpfs_refused is None:
+                subprocess.run(["umount", str(self.memory)], check=False)
+                self.memory.rmdir()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _restores(got: dict[int, dict[str, Any]]) -> list[Restore]:
+    """What each rank reported about its restore (``fresh``: no version)."""
+    return [
+        Restore(rank, e.get("v"), e.get("digest"), e.get("source"))
+        for rank, e in sorted(got.items())
+    ]
+
+
+def _mount(folder: Path, megabytes: int) -> str | None:
+    """Mount a tmpfs of ``megabytes`` on ``folder``; why not, if the machine refuses."""
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return None if done.returncode == 0 else f"mount refused: {done.stderr.strip()}"
