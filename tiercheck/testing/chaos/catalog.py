@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CATALOG", "PASSING", "Episode", "Fault", "schedule"]
+__all__ = ["CATALOG", "PASSING", "TIERS", "Episode", "Fault", "passing", "schedule"]
 
 #: Tier names, fastest first.
 TIERS = ("local", "peer", "persistent")
@@ -38,6 +38,8 @@ class Fault:
     #: ``None``: expected to pass today; else why it is expected to fail.
     fails_today: str | None = None
     weight: float = 1.0
+    #: Only where the ranks are started by ``torchrun`` (``--launcher torchrun``).
+    torchrun_only: bool = False
 
 
 _ALL = TIERS
@@ -105,6 +107,30 @@ CATALOG: dict[str, Fault] = {
             1,
         ),
         Fault(
+            "kill-closing",
+            "ask the job to end, SIGKILL one rank 0-1 s later (while it waits for its saves and "
+            "closes), restart",
+            _ALL,
+            None,
+            1,
+        ),
+        Fault(
+            "wipe-live",
+            "remove one node's memory root while its ranks train (an operator, a cleanup job): "
+            "training goes on, commits resume",
+            None,
+            None,
+            1,
+        ),
+        Fault(
+            "damage-live",
+            "cut or flip a bit in one of the newest blobs of a node while its ranks train; "
+            "then SIGKILL every rank",
+            _ALL,  # less the damaged blob's tier (the driver drops it)
+            None,
+            1,
+        ),
+        Fault(
             "world-size",
             "relaunch with another number of ranks: every rank must refuse, nothing stored may "
             "change; then relaunch as before",
@@ -144,6 +170,35 @@ CATALOG: dict[str, Fault] = {
             1,
         ),
         Fault(
+            "kill-launcher",
+            "SIGKILL the torchrun launcher of a node other than node 0: its ranks train on, "
+            "orphaned",
+            None,
+            None,
+            1,
+            torchrun_only=True,
+        ),
+        Fault(
+            "kill-store-launcher",
+            "SIGKILL node 0's torchrun launcher, which hosts the job's key-value store: the "
+            "ranks train on, orphaned, without a store",
+            None,
+            "found by this soak (no issue yet): the peer tier sends its control messages "
+            "through the job's key-value store; once the store's host is gone no version "
+            "commits in the peer tier again, while training goes on (one WARNING)",
+            1,
+            torchrun_only=True,
+        ),
+        Fault(
+            "term-launcher",
+            "SIGTERM one node's torchrun launcher (the scheduler preempts it): it stops its "
+            "ranks, the others leave",
+            _ALL,
+            None,
+            1,
+            torchrun_only=True,
+        ),
+        Fault(
             "pause-long",
             "SIGSTOP one rank for 1.5-3 x peer_timeout, then SIGCONT",
             None,
@@ -170,8 +225,14 @@ CATALOG: dict[str, Fault] = {
     ]
 }
 
-#: The faults expected to pass today: the default soak.
+#: The faults expected to pass today: the default soak (with ``--launcher torchrun``; without,
+#: less the faults that need it, see :func:`passing`).
 PASSING = tuple(name for name, f in CATALOG.items() if f.fails_today is None)
+
+
+def passing(launcher: str) -> tuple[str, ...]:
+    """The faults expected to pass today that ``launcher`` can produce."""
+    return tuple(n for n in PASSING if launcher == "torchrun" or not CATALOG[n].torchrun_only)
 
 
 @dataclass(frozen=True)
@@ -213,6 +274,13 @@ class Episode:
             "s3-down": f"S3 down {self.seconds(2, 8):.1f} s",
             "s3-hang": f"S3 hung {self.seconds(2, 8):.1f} s",
             "world-size": "relaunch on another world size",
+            "kill-closing": f"end the job, SIGKILL rank {self.rank} {self.scale:.1f} s later",
+            "wipe-live": f"remove node {self.node}'s memory root under its live ranks",
+            "damage-live": f"{'cut' if self.pick % 2 else 'flip a bit in'} blob #{self.pick} "
+            f"on node {self.node} under its live ranks, then SIGKILL all",
+            "kill-launcher": f"SIGKILL node {max(1, self.node)}'s launcher",
+            "kill-store-launcher": "SIGKILL node 0's launcher (the store's host)",
+            "term-launcher": f"SIGTERM node {self.node}'s launcher",
         }.get(self.fault, self.fault)
         return f"#{self.index} after {self.after} saves: {what}"
 

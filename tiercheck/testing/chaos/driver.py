@@ -16,6 +16,7 @@ not hold, 2 bad options, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import shlex
 import sys
@@ -24,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from tiercheck.testing.chaos.catalog import CATALOG, PASSING, schedule
-from tiercheck.testing.chaos.faults import HANDLERS
+from tiercheck.testing.chaos.catalog import CATALOG, passing, schedule
+from tiercheck.testing.chaos.faults import HANDLERS, finish
 from tiercheck.testing.chaos.oracle import Finding
 from tiercheck.testing.chaos.soak import Settings, Soak
 
@@ -64,7 +65,8 @@ def replay_command(settings: Settings, episodes: int) -> str:
     args = ["python", "-m", "tiercheck.testing.chaos", "--seed", str(settings.seed)]
     args += ["--episodes", str(episodes), "--faults", ",".join(settings.faults)]
     defaults = Settings(seed=0, faults=())
-    for name in ("nodes", "ranks_per_node", "base_every", "peer_timeout", "step_seconds", "plant"):
+    names = ("launcher", "nodes", "ranks_per_node", "base_every", "peer_timeout", "step_seconds")
+    for name in (*names, "plant"):
         value = getattr(settings, name)
         if value != getattr(defaults, name):
             args += [f"--{name.replace('_', '-')}", str(value)]
@@ -113,7 +115,7 @@ def run(settings: Settings, say: object = _say) -> Outcome:
             outcome.episodes += 1
         outcome.episode, outcome.fault = "the end", None
         log(f"  [{time.monotonic() - started:7.1f}s] the end")
-        outcome.final = soak.finish()
+        outcome.final = finish(soak)
     except Finding as finding:
         outcome.finding = finding
     finally:
@@ -154,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--catalog", action="store_true", help="each fault alone; a table")
     p.add_argument("--list", action="store_true", help="print the catalog and exit")
+    p.add_argument(
+        "--launcher",
+        choices=["plain", "torchrun"],
+        default="plain",
+        help="start the ranks directly (default) or by one torchrun per node",
+    )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--base-every", type=int, default=4)
@@ -169,9 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _faults(spec: str) -> tuple[str, ...]:
+def _faults(spec: str, launcher: str) -> tuple[str, ...]:
     if spec == "passing":
-        return PASSING
+        return passing(launcher)
     if spec == "all":
         return tuple(CATALOG)
     names = tuple(n.strip() for n in spec.split(",") if n.strip())
@@ -185,6 +193,9 @@ def catalog_run(settings: Settings, episodes: int) -> int:
     """Each fault alone for ``episodes`` episodes; a table; 0 when every fault did as expected."""
     rows = []
     for name, fault in CATALOG.items():
+        if fault.torchrun_only and settings.launcher != "torchrun":
+            rows.append((name, "skip", "", "needs --launcher torchrun"))
+            continue
         got = run(replace(settings, faults=(name,), episodes=episodes, minutes=None))
         if got.ok:
             verdict = "pass" if fault.fails_today is None else "XPASS"
@@ -197,7 +208,7 @@ def catalog_run(settings: Settings, episodes: int) -> int:
     _say(f"\ncatalog (seed {settings.seed}, {episodes} episodes each):")
     for name, verdict, secs, detail in rows:
         _say(f"  {name:22} {verdict:6} {secs:>5}  {detail}")
-    return 0 if all(v in ("pass", "xfail") for _, v, _, _ in rows) else 1
+    return 0 if all(v in ("pass", "xfail", "skip") for _, v, _, _ in rows) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,9 +220,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(f"{name:22} {fault.description}\n{'':22} {mark}")
         return 0
     try:
-        faults = _faults(args.faults)
+        faults = _faults(args.faults, args.launcher)
     except ValueError as exc:
         _say(f"chaos: {exc}")
+        return 2
+    if args.nodes < 2 or args.ranks_per_node < 1:
+        _say("chaos: --nodes must be at least 2 (the peer tier needs another node)")
+        return 2
+    missing = [m for m in ("moto", "boto3", "s3fs") if importlib.util.find_spec(m) is None]
+    if missing:
+        _say(f"chaos: {', '.join(missing)} missing: pip install 'tiercheck[test,s3]'")
         return 2
     seed = args.seed if args.seed is not None else int.from_bytes(__import__("os").urandom(3))
     settings = Settings(
@@ -221,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         episodes=args.episodes if args.episodes is not None or args.minutes else 8,
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
+        launcher=args.launcher,
         base_every=args.base_every,
         peer_timeout=args.peer_timeout,
         step_seconds=args.step_seconds,

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from tiercheck.testing.chaos.catalog import CATALOG, TIERS, Episode
 from tiercheck.testing.chaos.cluster import stored_blobs, wipe
 from tiercheck.testing.chaos.oracle import Finding
-from tiercheck.testing.chaos.soak import Soak
+from tiercheck.testing.chaos.soak import Soak, restores_of
 
-__all__ = ["HANDLERS", "lose_newest"]
+__all__ = ["HANDLERS", "finish", "lose_newest"]
 
 
 def _restart(
@@ -90,31 +90,64 @@ def cluster_lost(soak: Soak, ep: Episode, sig: int = signal.SIGKILL) -> None:
     _restart(soak, ep)
 
 
-def damage_blob(soak: Soak, ep: Episode) -> None:
-    soak.crash(soak.job.ranks, signal.SIGKILL)
+def _damage(soak: Soak, ep: Episode) -> str | None:
+    """Cut or flip a bit in one of the newest blobs of a node; the blob's tier (``None``: none
+    was found)."""
     root = soak.spec.node_root(ep.node % soak.settings.nodes)
     blobs = sorted(p for p in root.rglob("v*/r*") if p.is_file() and "#" not in p.name)
     newest = sorted({p.parent.name for p in blobs})[-2:]
     candidates = [p for p in blobs if p.parent.name in newest]
     if not candidates:
         soak.log("    no blob to damage")
-        _restart(soak, ep)
-        return
+        return None
     victim = candidates[ep.pick % len(candidates)]
-    size = victim.stat().st_size
-    if ep.pick % 2:
-        os.truncate(victim, size // 2)
-        how = f"cut from {size} to {size // 2} bytes"
-    else:
-        with victim.open("r+b") as f:
-            f.seek(size // 2)
-            byte = f.read(1)[0]
-            f.seek(size // 2)
-            f.write(bytes([byte ^ 0x10]))
-        how = f"bit 4 of byte {size // 2} flipped"
+    try:
+        size = victim.stat().st_size
+        if ep.pick % 2:
+            os.truncate(victim, size // 2)
+            how = f"cut from {size} to {size // 2} bytes"
+        else:
+            with victim.open("r+b") as f:
+                f.seek(size // 2)
+                byte = f.read(1)[0]
+                f.seek(size // 2)
+                f.write(bytes([byte ^ 0x10]))
+            how = f"bit 4 of byte {size // 2} flipped"
+    except (FileNotFoundError, IndexError):  # retention took it meanwhile (a live job)
+        soak.log(f"    {victim.relative_to(soak.memory)} went before it could be damaged")
+        return None
     tier = "local" if "blobs" in victim.relative_to(root).parts else "peer"
     soak.log(f"    {victim.relative_to(soak.memory)} ({tier}): {how}")
+    return tier
+
+
+def damage_blob(soak: Soak, ep: Episode) -> None:
+    soak.crash(soak.job.ranks, signal.SIGKILL)
+    tier = _damage(soak, ep)
     _restart(soak, ep, tuple(t for t in TIERS if t != tier))
+
+
+def damage_live(soak: Soak, ep: Episode) -> None:
+    tier = _damage(soak, ep)
+    # The damaged blob may be read by the live job (a restore, a peer's get) before the kill.
+    soak.wait(0.5)
+    soak.crash(soak.job.ranks, signal.SIGKILL)
+    _restart(soak, ep, tuple(t for t in TIERS if t != tier))
+
+
+def wipe_live(soak: Soak, ep: Episode) -> None:
+    node = ep.node % soak.settings.nodes
+    wipe(soak.spec.node_root(node))
+    soak.oracle.lose(["local", "peer"])
+    soak.expect_resume(ep.describe(soak.settings.peer_timeout))
+
+
+def kill_closing(soak: Soak, ep: Episode) -> None:
+    job = soak.job
+    job.stop()
+    soak.wait(ep.scale, exits_allowed=True)
+    soak.crash([job.ranks[ep.rank % job.world]], signal.SIGKILL, closing=True)
+    _restart(soak, ep)
 
 
 def damage_s3_blob(soak: Soak, ep: Episode) -> None:
@@ -175,7 +208,7 @@ def fill_memory(soak: Soak, ep: Episode) -> None:
             os.posix_fallocate(f.fileno(), 0, max(0, free - (1 << 20)))
     soak.log(f"    {os.statvfs(soak.memory).f_bavail * st.f_frsize} bytes left free")
     try:
-        soak.hold(ep.seconds(1, 4))
+        soak.wait(ep.seconds(1, 4))
     finally:
         ballast.unlink()
     soak.expect_resume(ep.describe(soak.settings.peer_timeout))
@@ -222,7 +255,7 @@ def pause(soak: Soak, ep: Episode) -> None:
     )
     r = soak.job.ranks[ep.rank % soak.job.world]
     r.send(signal.SIGSTOP)
-    soak.hold(seconds)
+    soak.wait(seconds)
     r.send(signal.SIGCONT)
     soak.expect_resume(ep.describe(p))
 
@@ -231,7 +264,7 @@ def s3_down(soak: Soak, ep: Episode) -> None:
     soak.s3.stop_proxy()
     try:
         before = soak.job.min_step()
-        soak.hold(ep.seconds(0.2, 1) if ep.fault == "s3-blip" else ep.seconds(2, 8))
+        soak.wait(ep.seconds(0.2, 1) if ep.fault == "s3-blip" else ep.seconds(2, 8))
         if soak.job.min_step() <= before:
             raise Finding("hurt-training", "training saved no version while S3 was down")
     finally:
@@ -243,7 +276,7 @@ def s3_hang(soak: Soak, ep: Episode) -> None:
     soak.s3.pause_server()
     try:
         before = soak.job.min_step()
-        soak.hold(ep.seconds(2, 8))
+        soak.wait(ep.seconds(2, 8))
         if soak.job.min_step() <= before:
             raise Finding("hurt-training", "training saved no version while S3 hung")
     finally:
@@ -257,14 +290,90 @@ def s3_down_restart(soak: Soak, ep: Episode) -> None:
         soak.crash(soak.job.ranks, signal.SIGKILL)
         back = time.monotonic() + 10.0
         _restart(soak, ep)
-        soak.hold(max(0.0, back - time.monotonic()))
+        soak.wait(max(0.0, back - time.monotonic()))
     finally:
         soak.s3.start_proxy()
     soak.expect_resume("S3 back after a restart during its outage")
 
 
+def kill_launcher(soak: Soak, ep: Episode) -> None:
+    if not soak.job.agents:
+        soak.log("    skipped: the ranks have no launcher (--launcher torchrun)")
+        return
+    node = 0 if ep.fault == "kill-store-launcher" else max(1, ep.node % len(soak.job.agents))
+    agent = soak.job.agents[node]
+    if agent.poll() is not None:
+        soak.log(f"    skipped: node {node}'s launcher is gone already")
+        return
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    soak.wait(1.0)
+    soak.expect_resume(ep.describe(soak.settings.peer_timeout))
+
+
+def term_launcher(soak: Soak, ep: Episode) -> None:
+    if not soak.job.agents:
+        soak.log("    skipped: the ranks have no launcher (--launcher torchrun)")
+        return
+    node = ep.node % len(soak.job.agents)
+    agent = soak.job.agents[node]
+    if agent.poll() is not None:
+        soak.log(f"    skipped: node {node}'s launcher is gone already")
+        return
+    agent.send_signal(signal.SIGTERM)
+    # Its ranks end by the signal it forwards (not the driver's): allowed like the others'.
+    soak.crash([], signal.SIGTERM)
+    _restart(soak, ep)
+
+
 def term_all_cluster_lost(soak: Soak, ep: Episode) -> None:
     cluster_lost(soak, ep, signal.SIGTERM)
+
+
+def finish(soak: Soak) -> int:
+    """End the job at an agreed step; check its final state and that a restart restores
+    it. Returns the final version."""
+    inc = soak.job
+    inc.stop()
+    soak.until(lambda: not inc.alive(), "the job to end once asked to")
+    soak.tick(exits_allowed=True)
+    finals = {r.rank: r.events.last("final") for r in inc.ranks}
+    for r in inc.ranks:
+        if r.returncode != 0 or finals[r.rank] is None:
+            raise Finding("unexpected-exit", soak.exit_story(r))
+    versions = {int(e["v"]) for e in finals.values() if e}
+    if len(versions) != 1:
+        raise Finding("inconsistent-end", f"the ranks ended at {versions}")
+    final = versions.pop()
+    for rank, e in finals.items():
+        assert e is not None
+        if e["digest"] != soak.reference.digest(final, rank):
+            raise Finding(
+                "not-bit-exact",
+                f"rank {rank}'s final state differs from the uninterrupted run's at "
+                f"version {final}",
+            )
+        for tier in ("local", "peer"):
+            if e["newest"].get(tier) != final:
+                raise Finding(
+                    "no-resume",
+                    f"at the end rank {rank}'s newest version in {tier} is "
+                    f"{e['newest'].get(tier)}, not the final {final}",
+                )
+    newest = (finals[0] or {}).get("newest")
+    soak.log(f"    ended at v{final}, bit-exact; newest committed by tier: {newest}")
+    soak.launch(restore_only=True)
+    got = soak.started()
+    version = soak.oracle.check_restore(restores_of(got), TIERS, "the end")
+    if version != final:
+        raise Finding("lost-committed", f"after the end the job restored {version}, not {final}")
+    check = soak.job
+    soak.until(lambda: not check.alive(), "the restore-only job to end")
+    for r in check.ranks:
+        if r.poll() != 0:
+            raise Finding("unexpected-exit", soak.exit_story(r))
+    soak.log(f"    a restart after the end restored v{final}")
+    return final
 
 
 HANDLERS: dict[str, Callable[[Soak, Episode], None]] = {
@@ -276,6 +385,9 @@ HANDLERS: dict[str, Callable[[Soak, Episode], None]] = {
     "node-lost": node_lost,
     "cluster-lost": cluster_lost,
     "damage-blob": damage_blob,
+    "damage-live": damage_live,
+    "wipe-live": wipe_live,
+    "kill-closing": kill_closing,
     "damage-s3-blob": damage_s3_blob,
     "journal-cut": journal_cut,
     "fill-memory": fill_memory,
@@ -287,5 +399,8 @@ HANDLERS: dict[str, Callable[[Soak, Episode], None]] = {
     "s3-hang": s3_hang,
     "s3-down-restart": s3_down_restart,
     "term-all-cluster-lost": term_all_cluster_lost,
+    "kill-launcher": kill_launcher,
+    "kill-store-launcher": kill_launcher,
+    "term-launcher": term_launcher,
 }
 assert set(HANDLERS) == set(CATALOG)

@@ -4,7 +4,7 @@ checked by the :class:`~tiercheck.testing.chaos.oracle.Oracle`.
 :class:`Soak` holds the run: the S3 server, the memory folder, the current incarnation of the
 job, the oracle. The faults themselves (:mod:`tiercheck.testing.chaos.faults`) are written with
 its few verbs: :meth:`Soak.run_to`, :meth:`Soak.crash`, :meth:`Soak.restart`,
-:meth:`Soak.hold`, :meth:`Soak.expect_resume`.
+:meth:`Soak.wait`, :meth:`Soak.expect_resume`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any
 
 from tiercheck.defaults import SHM_DIR
 from tiercheck.testing.chaos.catalog import TIERS
-from tiercheck.testing.chaos.cluster import Incarnation, JobSpec, RankProcess
+from tiercheck.testing.chaos.cluster import VANISHED, Incarnation, JobSpec, Launcher, RankProcess
 from tiercheck.testing.chaos.model import Reference
 from tiercheck.testing.chaos.oracle import Finding, Oracle, Restore
 from tiercheck.testing.chaos.s3 import S3
 from tiercheck.testing.chaos.worker import EXIT_LEFT, EXIT_REFUSED, EXIT_RESTORE_FAILED
 
-__all__ = ["Settings", "Soak"]
+__all__ = ["Settings", "Soak", "restores_of"]
 
 TICK = 0.05
 
@@ -42,6 +42,7 @@ class Settings:
     episodes: int | None = None
     nodes: int = 2
     ranks_per_node: int = 1
+    launcher: Launcher = "plain"
     size: int = 16384
     base_every: int = 4
     peer_timeout: float = 3.0
@@ -117,9 +118,19 @@ class Soak:
 
     def launch(self, world: int | None = None, *, restore_only: bool = False) -> Incarnation:
         """Start a new incarnation of the job (the previous one must have ended)."""
-        assert self.inc is None or not self.inc.alive()
+        if self.inc is not None:
+            assert not self.inc.alive()
+            # A launcher outliving its ranks waits in torch's exit barrier for a launcher that is
+            # gone (killed by a fault): torch's to answer for, not the job's; it is ended.
+            codes = self.inc.reap_agents(10.0)
+            if None in codes:
+                self.log(f"    (launchers still waiting 10 s after their ranks ended: {codes})")
         self.inc = Incarnation(
-            self.spec, self.incarnations, world or self.settings.world, restore_only=restore_only
+            self.spec,
+            self.incarnations,
+            world or self.settings.world,
+            restore_only=restore_only,
+            launcher=self.settings.launcher,
         )
         self.incarnations += 1
         self.progress_at, self.progress_step = time.monotonic(), -1
@@ -137,11 +148,12 @@ class Soak:
         inc = self.job
         for rank, event in inc.read():
             self.oracle.see(rank, event)
+        inc.alive()  # marks the ranks a dead launcher never started
         if not exits_allowed:
             for r in inc.ranks:
                 if r.poll() is not None and not r.signalled:
                     inc.read()
-                    raise Finding("unexpected-exit", self._exit_story(r))
+                    raise Finding("unexpected-exit", self.exit_story(r))
         step = inc.min_step()
         now = time.monotonic()
         if step > self.progress_step or any(r.stopped for r in inc.ranks):
@@ -154,7 +166,7 @@ class Soak:
                 f"(every rank at or past version {step}); stacks are in the ranks' output",
             )
 
-    def _exit_story(self, r: RankProcess) -> str:
+    def exit_story(self, r: RankProcess) -> str:
         code = r.poll()
         last = r.events.events[-1] if r.events.events else {}
         return (
@@ -185,9 +197,17 @@ class Soak:
             self.tick()
             time.sleep(TICK)
 
-    def crash(self, ranks: Sequence[RankProcess], sig: int, *, restoring: bool = False) -> None:
+    def crash(
+        self,
+        ranks: Sequence[RankProcess],
+        sig: int,
+        *,
+        restoring: bool = False,
+        closing: bool = False,
+    ) -> None:
         """Send ``sig`` to ``ranks``; wait until every rank has ended. The others must leave
-        because a collective failed (or, ``restoring``, because their restore did)."""
+        because a collective failed (or, ``restoring``, because their restore did; or,
+        ``closing``, because they were ending anyway)."""
         inc = self.job
         for r in ranks:
             r.send(sig)
@@ -207,9 +227,12 @@ class Soak:
             )
         self.tick(exits_allowed=True)
         allowed = {EXIT_LEFT} | ({EXIT_REFUSED, EXIT_RESTORE_FAILED} if restoring else set())
+        allowed |= {0} if closing else set()
+        if self.settings.launcher == "torchrun":
+            allowed.add(VANISHED)  # its launcher ended it once a rank of its node failed
         for r in inc.ranks:
             if not r.signalled and r.returncode not in allowed:
-                raise Finding("unexpected-exit", self._exit_story(r))
+                raise Finding("unexpected-exit", self.exit_story(r))
 
     def started(self, *, exits_allowed: bool = False) -> dict[int, dict[str, Any]]:
         """Wait until every rank reported how its open and restore went; by rank."""
@@ -223,7 +246,7 @@ class Soak:
                 return found
             gone = [r for r in inc.ranks if r.poll() is not None and r.rank not in found]
             if gone and not exits_allowed:
-                raise Finding("unexpected-exit", self._exit_story(gone[0]))
+                raise Finding("unexpected-exit", self.exit_story(gone[0]))
             if time.monotonic() > deadline:
                 inc.dump_stacks()
                 raise Finding(
@@ -251,7 +274,7 @@ class Soak:
                 f"after {after} rank {rank} could not open or restore: {event.get('error')}: "
                 f"{event.get('message', '')}{event.get('tb', '')}",
             )
-        restores = _restores(got)
+        restores = restores_of(got)
         bound = max(filter(None, [self.oracle.bound(survivors), floor]), default=None)
         version = self.oracle.check_restore(restores, survivors, after, floor)
         sources = ",".join(str(r.source) for r in restores)
@@ -262,10 +285,6 @@ class Soak:
             f"{time.monotonic() - t0:.1f} s"
         )
         return version
-
-    def hold(self, seconds: float) -> None:
-        """Let ``seconds`` pass while a fault lasts (a stopped rank does not count as hung)."""
-        self.wait(seconds)
 
     def expect_resume(self, what: str) -> None:
         """After a transient fault: every tier commits a version saved after it, before the job
@@ -292,66 +311,6 @@ class Soak:
                 )
             time.sleep(TICK)
 
-    def finish(self) -> int:
-        """End the job at an agreed step; check its final state and that a restart restores
-        it. Returns the final version."""
-        inc = self.job
-        inc.stop()
-        deadline = time.monotonic() + self.settings.open_timeout
-        while inc.alive() and time.monotonic() < deadline:
-            self.tick(exits_allowed=True)
-            time.sleep(TICK)
-        if inc.alive():
-            inc.dump_stacks()
-            raise Finding("did-not-end", "the job did not end after it was asked to")
-        self.tick(exits_allowed=True)
-        finals = {r.rank: r.events.last("final") for r in inc.ranks}
-        for r in inc.ranks:
-            if r.returncode != 0 or finals[r.rank] is None:
-                raise Finding("unexpected-exit", self._exit_story(r))
-        versions = {int(e["v"]) for e in finals.values() if e}
-        if len(versions) != 1:
-            raise Finding("inconsistent-end", f"the ranks ended at {versions}")
-        final = versions.pop()
-        for rank, e in finals.items():
-            assert e is not None
-            if e["digest"] != self.reference.digest(final, rank):
-                raise Finding(
-                    "not-bit-exact",
-                    f"rank {rank}'s final state differs from the uninterrupted run's at "
-                    f"version {final}",
-                )
-            for tier in ("local", "peer"):
-                if e["newest"].get(tier) != final:
-                    raise Finding(
-                        "no-resume",
-                        f"at the end rank {rank}'s newest version in {tier} is "
-                        f"{e['newest'].get(tier)}, not the final {final}",
-                    )
-        newest = (finals[0] or {}).get("newest")
-        self.log(f"    ended at v{final}, bit-exact; newest committed by tier: {newest}")
-        self.launch(restore_only=True)
-        got = self.started()
-        version = self.oracle.check_restore(_restores(got), TIERS, "the end")
-        if version != final:
-            raise Finding(
-                "lost-committed", f"after the end the job restored {version}, not {final}"
-            )
-        self.wait_exit()
-        self.log(f"    a restart after the end restored v{final}")
-        return final
-
-    def wait_exit(self) -> None:
-        """Wait for every rank of a restore-only incarnation to end normally."""
-        inc = self.job
-        deadline = time.monotonic() + self.settings.exit_timeout
-        while inc.alive() and time.monotonic() < deadline:
-            self.tick(exits_allowed=True)
-            time.sleep(TICK)
-        for r in inc.ranks:
-            if r.poll() != 0:
-                raise Finding("unexpected-exit", self._exit_story(r))
-
     def close(self, *, keep: bool) -> None:
         """Stop every process; remove the run's files unless ``keep``."""
         if self.inc is not None:
@@ -365,7 +324,7 @@ class Soak:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _restores(got: dict[int, dict[str, Any]]) -> list[Restore]:
+def restores_of(got: dict[int, dict[str, Any]]) -> list[Restore]:
     """What each rank reported about its restore (``fresh``: no version)."""
     return [
         Restore(rank, e.get("v"), e.get("digest"), e.get("source"))

@@ -229,6 +229,11 @@ def main() -> None:
     args = _parser().parse_args()
     args.events.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])
+    # Output to a file of this rank's own, whoever started it (under torchrun, the launcher's
+    # output would mix every rank of the node).
+    out = os.open(args.events / f"r{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
     events = Events(args.events / f"r{rank}.jsonl")
     events("start", pid=os.getpid(), rank=rank)
     # The driver asks a rank that seems hung for every thread's stack (into its stderr file).
@@ -247,6 +252,7 @@ def main() -> None:
         code = EXIT_CRASHED
     sys.stdout.flush()
     sys.stderr.flush()
+    events("exit", code=code)
     # Leave at once: torch's C++ teardown at interpreter exit can abort a process whose peers
     # are gone, which would hide the code that says how this one ended.
     os._exit(code)
