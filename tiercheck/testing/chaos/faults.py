@@ -40,12 +40,12 @@ def _restart(
 
 
 def lose_newest(soak: Soak) -> None:
-    """The planted bug ``lose-newest``: the newest version disappears from every memory root,
-    behind the oracle's back (a tier that loses what it committed)."""
-    versions = sorted({p.name for p in soak.memory.rglob("v*") if p.is_dir()})
-    if not versions:
+    """The planted bug ``lose-newest``: the newest version committed in memory disappears from
+    every memory root, behind the oracle's back (tiers that lose what they committed)."""
+    known = [v for t in ("local", "peer") if (v := soak.oracle.known[t]) is not None]
+    if not known:
         return
-    for path in sorted(soak.memory.rglob(versions[-1])):
+    for path in sorted(soak.memory.rglob(f"v{max(known):012d}")):
         if path.is_dir():
             wipe(path)
 
