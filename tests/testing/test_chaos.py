@@ -80,6 +80,22 @@ def test_a_replay_command_names_everything_the_schedule_depends_on() -> None:
     assert "--ranks-per-node 2" in command
 
 
+def test_the_command_line_lists_the_catalog_and_refuses_bad_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tiercheck.cli import main as tiercheck_main
+
+    assert tiercheck_main(["chaos", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for name, fault in CATALOG.items():
+        assert name in listed
+        if fault.fails_today:
+            assert fault.fails_today in listed
+    for bad in (["--faults", "explode"], ["--nodes", "1"]):
+        assert tiercheck_main(["chaos", *bad]) == 2
+        assert "chaos:" in capsys.readouterr().out
+
+
 # --- the oracle, on evidence made by hand ----------------------------------------------------
 
 

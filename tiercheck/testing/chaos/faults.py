@@ -71,6 +71,7 @@ def kill_restoring(soak: Soak, ep: Episode) -> None:
     restored = [r.rank for r in inc.ranks if r.events.last("restored") or r.events.last("fresh")]
     soak.log(f"    killing rank {ep.rank % inc.world} (ranks {restored} had restored)")
     soak.crash([inc.ranks[ep.rank % inc.world]], signal.SIGKILL, restoring=True)
+    soak.release()  # what it committed after its restore (if it got that far) is committed
     _restart(soak, ep)
 
 
@@ -229,6 +230,7 @@ def world_size(soak: Soak, ep: Episode) -> None:
     inc = soak.launch(other)
     got = soak.started(exits_allowed=True)
     soak.crash([], signal.SIGKILL, restoring=True)  # wait for every rank to end
+    soak.release()
     wrong = {
         r: f"{e['e']} {e.get('error', e.get('v'))}"
         for r, e in got.items()
@@ -365,6 +367,7 @@ def finish(soak: Soak) -> int:
     soak.launch(restore_only=True)
     got = soak.started()
     version = soak.oracle.check_restore(restores_of(got), TIERS, "the end")
+    soak.release()
     if version != final:
         raise Finding("lost-committed", f"after the end the job restored {version}, not {final}")
     check = soak.job

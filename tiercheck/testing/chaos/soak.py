@@ -103,6 +103,8 @@ class Soak:
         self.incarnations = 0
         self.progress_at = time.monotonic()
         self.progress_step = -1
+        #: Commits of the current incarnation held until its restore is checked.
+        self.unchecked: list[tuple[int, dict[str, Any]]] | None = None
 
     # --- processes ---------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class Soak:
         )
         self.incarnations += 1
         self.progress_at, self.progress_step = time.monotonic(), -1
+        self.unchecked = []
         return self.inc
 
     @property
@@ -146,13 +149,12 @@ class Soak:
         """Read the ranks' new events into the oracle; check that no rank ended unasked and
         that training makes progress."""
         inc = self.job
-        for rank, event in inc.read():
-            self.oracle.see(rank, event)
+        self._feed()
         inc.alive()  # marks the ranks a dead launcher never started
         if not exits_allowed:
             for r in inc.ranks:
                 if r.poll() is not None and not r.signalled:
-                    inc.read()
+                    self._feed()  # its last words (a crash) say more than its exit code
                     raise Finding("unexpected-exit", self.exit_story(r))
         step = inc.min_step()
         now = time.monotonic()
@@ -165,6 +167,22 @@ class Soak:
                 f"no rank saved a version for {now - self.progress_at:.0f} s "
                 f"(every rank at or past version {step}); stacks are in the ranks' output",
             )
+
+    def _feed(self) -> None:
+        """The ranks' new events into the oracle. Commits reported by an incarnation whose
+        restore is not checked yet wait: they belong to the timeline after that restore, while
+        the check compares the restore with what was committed before it."""
+        for rank, event in self.job.read():
+            if self.unchecked is not None and event["e"] == "commit":
+                self.unchecked.append((rank, event))
+            else:
+                self.oracle.see(rank, event)
+
+    def release(self) -> None:
+        """The restore of this incarnation is checked (or never will be): its commits count."""
+        held, self.unchecked = self.unchecked or [], None
+        for rank, event in held:
+            self.oracle.see(rank, event)
 
     def exit_story(self, r: RankProcess) -> str:
         code = r.poll()
@@ -277,6 +295,7 @@ class Soak:
         restores = restores_of(got)
         bound = max(filter(None, [self.oracle.bound(survivors), floor]), default=None)
         version = self.oracle.check_restore(restores, survivors, after, floor)
+        self.release()
         sources = ",".join(str(r.source) for r in restores)
         self.log(
             f"    restored {'nothing (fresh)' if version is None else f'v{version}'}"

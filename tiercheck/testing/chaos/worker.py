@@ -208,7 +208,8 @@ def train(args: argparse.Namespace, events: Events) -> int:
             time.sleep(args.step_seconds)
         newest = ckpt.wait()
         pending.report()
-        events("final", v=step, digest=model.digest(), newest=newest, stats=_stats(ckpt))
+        if not args.restore_only:
+            events("final", v=step, digest=model.digest(), newest=newest, stats=_stats(ckpt))
     events("closed")
     return 0
 
