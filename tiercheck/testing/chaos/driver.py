@@ -21,7 +21,7 @@ import itertools
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,17 +65,17 @@ def replay_command(settings: Settings, episodes: int) -> str:
     args = ["python", "-m", "tiercheck.testing.chaos", "--seed", str(settings.seed)]
     args += ["--episodes", str(episodes), "--faults", ",".join(settings.faults)]
     defaults = Settings(seed=0, faults=())
-    names = ("launcher", "nodes", "ranks_per_node", "base_every", "peer_timeout", "step_seconds")
-    for name in (*names, "plant"):
+    names = ("launcher", "nodes", "ranks_per_node", "size", "base_every", "peer_timeout")
+    for name in (*names, "step_seconds", "resume_within", "tmpfs_mb", "plant"):
         value = getattr(settings, name)
         if value != getattr(defaults, name):
             args += [f"--{name.replace('_', '-')}", str(value)]
     return shlex.join(args)
 
 
-def run(settings: Settings, say: object = _say) -> Outcome:
-    """Run one soak; return how it went (never raises a :class:`Finding`)."""
-    log = say if callable(say) else _say
+def run(settings: Settings, log: Callable[[str], None] = _say) -> Outcome:
+    """Run one soak, reporting through ``log``; return how it went (never raises a
+    :class:`Finding`)."""
     outcome = Outcome(settings)
     episodes = schedule(settings.seed, settings.faults, settings.world, settings.nodes)
     p = settings.peer_timeout
@@ -164,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--size", type=int, default=16384, help="fp32 weights per rank")
     p.add_argument("--base-every", type=int, default=4)
     p.add_argument("--peer-timeout", type=float, default=3.0)
     p.add_argument("--step-seconds", type=float, default=0.05)
@@ -240,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         launcher=args.launcher,
+        size=args.size,
         base_every=args.base_every,
         peer_timeout=args.peer_timeout,
         step_seconds=args.step_seconds,
