@@ -167,11 +167,13 @@ def test_the_oracle_catches_a_crash_and_a_stall(reference: Reference) -> None:
 def test_commits_resume_only_with_newer_versions_in_the_tier(reference: Reference) -> None:
     oracle = Oracle(reference, stall_limit=5)
     committed(oracle, local=3, peer=3, persistent=0)
-    since = len(oracle.commits)
-    committed(oracle, local=4, peer=4, persistent=3)
-    assert oracle.resumed(3, since) == {"local", "peer"}
-    committed(oracle, persistent=4)
-    assert oracle.resumed(3, since) == set(TIERS)
+    newest, since = dict(oracle.known), len(oracle.commits)
+    committed(oracle, local=4, peer=3, persistent=0)  # the peer and persistent ones again
+    assert oracle.resumed(newest, since) == {"local"}
+    committed(oracle, peer=4, persistent=2)  # persistent lags, but moves
+    assert oracle.resumed(newest, since) == set(TIERS)
+    # A tier that had committed nothing resumes with any version.
+    assert oracle.resumed({**newest, "peer": None}, len(oracle.commits) - 2) >= {"peer"}
 
 
 def test_the_reference_is_the_models_own_uninterrupted_run() -> None:

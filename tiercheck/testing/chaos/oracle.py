@@ -11,7 +11,7 @@ checkpointer stored.
   committed there since the tier was last lost (:attr:`Oracle.known`); a restore after a fault
   must reach at least the newest such version among the tiers that survived it.
 * **Commits resume**: after a transient fault, every tier reports a commit of a version newer
-  than the last one saved during the fault before the job saved K more.
+  than any it had committed when the fault ended, before the job saved K more.
 """
 
 from __future__ import annotations
@@ -139,7 +139,9 @@ class Oracle:
                 self.known[tier] = version
         return version
 
-    def resumed(self, after_version: int, since: int) -> set[str]:
-        """The tiers with a commit report of a version newer than ``after_version`` among the
-        reports from index ``since`` on."""
-        return {t for t, v in self.commits[since:] if v > after_version}
+    def resumed(self, newest: dict[str, int | None], since: int) -> set[str]:
+        """The tiers with a commit report, from index ``since`` on, of a version newer than
+        ``newest[tier]`` (the newest they had committed before; ``None``: any version)."""
+        return {
+            t for t, v in self.commits[since:] if (before := newest.get(t)) is None or v > before
+        }

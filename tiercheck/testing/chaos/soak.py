@@ -306,15 +306,19 @@ class Soak:
         return version
 
     def expect_resume(self, what: str) -> None:
-        """After a transient fault: every tier commits a version saved after it, before the job
-        saved :attr:`Settings.resume_within` more."""
+        """After a transient fault: every tier commits a version newer than any it had
+        committed when the fault ended, before the job saved :attr:`Settings.resume_within`
+        more. (A tier that lags -- it commits the oldest versions it queued first -- passes as
+        long as it commits; one that stopped does not.)"""
         inc = self.job
+        self.tick()
         after = inc.max_step()
+        newest = dict(self.oracle.known)
         since = len(self.oracle.commits)
         limit = after + self.settings.resume_within
         while True:
             self.tick()
-            done = self.oracle.resumed(after, since)
+            done = self.oracle.resumed(newest, since)
             if done >= set(TIERS):
                 self.log(
                     f"    commits resumed in every tier by v{inc.max_step()} "
@@ -322,11 +326,12 @@ class Soak:
                 )
                 return
             if inc.min_step() >= limit:
+                stuck = {t: newest[t] for t in TIERS if t not in done}
                 raise Finding(
                     "no-resume",
-                    f"after {what}, which ended at version {after}, no version was committed in "
-                    f"{sorted(set(TIERS) - done)} before every rank saved version {limit} "
-                    f"(K = {self.settings.resume_within} saves)",
+                    f"after {what}, which ended at version {after}, no tier of {sorted(stuck)} "
+                    f"committed a version newer than it had by then ({stuck}) before every rank "
+                    f"saved version {limit} (K = {self.settings.resume_within} saves)",
                 )
             time.sleep(TICK)
 
