@@ -176,6 +176,23 @@ def test_commits_resume_only_with_newer_versions_in_the_tier(reference: Referenc
     assert oracle.resumed({**newest, "peer": None}, len(oracle.commits) - 2) >= {"peer"}
 
 
+def test_the_oracle_catches_ranks_whose_handles_disagree(reference: Reference) -> None:
+    oracle = Oracle(reference, stall_limit=5)
+    oracle.see(0, {"e": "commit", "tier": "local", "v": 9})
+    oracle.see(1, {"e": "fail", "tier": "local", "v": 8, "error": "x"})  # another version
+    oracle.see(1, {"e": "commit", "tier": "peer", "v": 9})
+    oracle.check_agreement()
+    oracle.see(1, {"e": "fail", "tier": "local", "v": 9, "error": "timed out"})
+    with pytest.raises(Finding) as caught:
+        oracle.check_agreement()
+    assert caught.value.check == "split-decision"
+    assert "timed out" in caught.value.message
+    # A new incarnation saves the same numbers anew.
+    oracle.new_incarnation()
+    oracle.see(1, {"e": "fail", "tier": "local", "v": 9, "error": "x"})
+    oracle.check_agreement()
+
+
 def test_the_reference_is_the_models_own_uninterrupted_run() -> None:
     """Two references agree; a state one step off does not (the digests see every step)."""
     a, b = Reference(2, 512), Reference(2, 512)

@@ -339,6 +339,7 @@ def finish(soak: Soak) -> int:
     inc.stop()
     soak.until(lambda: not inc.alive(), "the job to end once asked to")
     soak.tick(exits_allowed=True)
+    soak.oracle.check_agreement()
     finals = {r.rank: r.events.last("final") for r in inc.ranks}
     for r in inc.ranks:
         if r.returncode != 0 or finals[r.rank] is None:

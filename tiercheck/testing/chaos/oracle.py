@@ -57,10 +57,15 @@ class Oracle:
         self.commits: list[tuple[str, int]] = []
         self.restores = 0
         self.max_stall = 0.0
+        #: What each rank's handle said about a version in a tier, in this incarnation:
+        #: (tier, version) -> {rank: "commit" or "fail (why)"}.
+        self.outcomes: dict[tuple[str, int], dict[int, str]] = {}
 
     def see(self, rank: int, event: dict[str, Any]) -> None:
         """Take one event of a rank into account (commits; saves that blocked too long)."""
         kind = event["e"]
+        if kind in ("commit", "fail"):
+            self._agree(rank, event)
         if kind == "commit":
             tier, version = event["tier"], int(event["v"])
             self.commits.append((tier, version))
@@ -79,6 +84,26 @@ class Oracle:
                 "killed-by-storage",
                 f"rank {rank} crashed: {event['error']}\n{event.get('tb', '')}",
             )
+
+    def _agree(self, rank: int, event: dict[str, Any]) -> None:
+        said = self.outcomes.setdefault((event["tier"], int(event["v"])), {})
+        said[rank] = event["e"] if event["e"] == "commit" else f"fail ({event.get('error')})"
+
+    def check_agreement(self) -> None:
+        """A version is committed in a tier for every rank or for none: the handles of ranks
+        that live on must agree (checked while no rank was killed: a rank killed in the middle
+        of a round may have heard the outcome its survivors did not)."""
+        for (tier, version), said in sorted(self.outcomes.items()):
+            if len({word.split()[0] for word in said.values()}) > 1:
+                raise Finding(
+                    "split-decision",
+                    f"the ranks' handles disagree on version {version} in the {tier} tier: "
+                    + "; ".join(f"rank {r}: {word[:300]}" for r, word in sorted(said.items())),
+                )
+
+    def new_incarnation(self) -> None:
+        """Versions saved from now on are new saves (after a restore, the same numbers)."""
+        self.outcomes.clear()
 
     def lose(self, tiers: Iterable[str]) -> None:
         """``tiers`` lost what they held (their committed versions no longer bind a restore)."""

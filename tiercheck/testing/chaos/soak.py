@@ -137,6 +137,7 @@ class Soak:
         self.incarnations += 1
         self.progress_at, self.progress_step = time.monotonic(), -1
         self.unchecked = []
+        self.oracle.new_incarnation()
         return self.inc
 
     @property
@@ -318,6 +319,7 @@ class Soak:
         limit = after + self.settings.resume_within
         while True:
             self.tick()
+            self.oracle.check_agreement()
             done = self.oracle.resumed(newest, since)
             if done >= set(TIERS):
                 self.log(
