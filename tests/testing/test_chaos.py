@@ -254,11 +254,16 @@ def test_a_short_schedule_passes(tmp_path: Path) -> None:
 def test_the_oracle_catches_a_planted_bug(tmp_path: Path, plant: str, check: str) -> None:
     # Seed 8: the job saves 6 versions before the kill, so something is committed by then.
     outcome, lines = soak(tmp_path, seed=8, faults=("kill-all",), episodes=1, plant=plant)
-    assert outcome.finding is not None, "\n".join(lines)
-    assert outcome.finding.check == check, "\n".join(lines)
-    assert any(line.startswith("  replay: ") and f"--plant {plant}" in line for line in lines)
-    assert outcome.workdir is not None
-    assert outcome.workdir.is_dir()  # kept for a look
+    try:
+        assert outcome.finding is not None, "\n".join(lines)
+        assert outcome.finding.check == check, "\n".join(lines)
+        assert any(line.startswith("  replay: ") and f"--plant {plant}" in line for line in lines)
+        assert outcome.workdir is not None
+        assert outcome.workdir.is_dir()  # kept for a look
+    finally:
+        outcome.remove()
+    assert outcome.memory is not None
+    assert not outcome.memory.exists()
 
 
 @pytest.mark.multiprocess

@@ -28,7 +28,7 @@ from pathlib import Path
 from tiercheck.testing.chaos.catalog import CATALOG, passing, schedule
 from tiercheck.testing.chaos.faults import HANDLERS, finish
 from tiercheck.testing.chaos.oracle import Finding
-from tiercheck.testing.chaos.soak import Settings, Soak
+from tiercheck.testing.chaos.soak import Settings, Soak, remove_run
 
 __all__ = ["Outcome", "main", "run"]
 
@@ -48,11 +48,17 @@ class Outcome:
         self.seconds = 0.0
         self.final: int | None = None
         self.workdir: Path | None = None
+        self.memory: Path | None = None
 
     @property
     def ok(self) -> bool:
         """Whether every invariant held."""
         return self.finding is None
+
+    def remove(self) -> None:
+        """Remove the run's folder and node roots, kept after a finding."""
+        if self.workdir is not None and self.memory is not None:
+            remove_run(self.workdir, self.memory)
 
 
 def _say(line: str) -> None:
@@ -99,7 +105,7 @@ def run(settings: Settings, log: Callable[[str], None] = _say) -> Outcome:
     started = time.monotonic()
     deadline = None if settings.minutes is None else started + 60 * settings.minutes
     soak = Soak(settings, log)
-    outcome.workdir = soak.workdir
+    outcome.workdir, outcome.memory = soak.workdir, soak.memory
     try:
         log(f"  start (run folder {soak.workdir})")
         soak.start()

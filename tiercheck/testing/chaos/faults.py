@@ -40,13 +40,15 @@ def _restart(
 
 
 def lose_newest(soak: Soak) -> None:
-    """The planted bug ``lose-newest``: the newest version committed in memory disappears from
-    every memory root, behind the oracle's back (tiers that lose what they committed)."""
+    """The planted bug ``lose-newest``: the newest version reported committed in memory, and
+    every later one, disappear from every memory root, behind the oracle's back (tiers that
+    lose what they committed)."""
     known = [v for t in ("local", "peer") if (v := soak.oracle.known[t]) is not None]
     if not known:
         return
-    for path in sorted(soak.memory.rglob(f"v{max(known):012d}")):
-        if path.is_dir():
+    for path in sorted(soak.memory.rglob("v*")):
+        version = path.name.removeprefix("v")
+        if path.is_dir() and version.isdigit() and int(version) >= max(known):
             wipe(path)
 
 
@@ -155,15 +157,21 @@ def damage_s3_blob(soak: Soak, ep: Episode) -> None:
     soak.crash(soak.job.ranks, signal.SIGKILL)
     job = f"{soak.prefix}{soak.spec.job}/"
     present = {k.removeprefix(job) for k in soak.s3.objects(job)}
-    # Versions reported committed in S3 whose COMMIT record is still there (not retired).
+    # Versions reported committed in S3 whose COMMIT record is still there (not retired), and
+    # that no earlier episode damaged.
     committed = sorted(
-        {v for t, v in soak.oracle.commits if t == "persistent" and f"v{v:012d}/COMMIT" in present}
+        {
+            v
+            for t, v in soak.oracle.commits
+            if t == "persistent" and f"v{v:012d}/COMMIT" in present and v not in soak.damaged
+        }
     )
     floor: tuple[int, str] | None = None
     if len(committed) < 2:
-        soak.log(f"    {len(committed)} version(s) committed in S3: nothing damaged")
+        soak.log(f"    {len(committed)} undamaged version(s) committed in S3: nothing damaged")
     else:
         newest, floor = committed[-1], (committed[-2], "persistent (undamaged)")
+        soak.damaged.add(newest)
         key = (
             job
             + sorted(k for k in present if k.startswith(f"v{newest:012d}/r"))[

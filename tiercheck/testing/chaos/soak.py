@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from tiercheck.testing.chaos.oracle import Finding, Oracle, Restore
 from tiercheck.testing.chaos.s3 import S3
 from tiercheck.testing.chaos.worker import EXIT_LEFT, EXIT_REFUSED, EXIT_RESTORE_FAILED
 
-__all__ = ["Settings", "Soak", "restores_of"]
+__all__ = ["Settings", "Soak", "remove_run", "restores_of"]
 
 TICK = 0.05
 
@@ -74,7 +75,7 @@ class Soak:
         self.settings = settings
         self.log = log
         run = f"chaos-{settings.seed}-{uuid.uuid4().hex[:8]}"
-        base = settings.workdir or Path("/tmp")  # noqa: S108 -- a unique folder below it
+        base = settings.workdir or Path(tempfile.gettempdir())
         self.workdir = base / run
         self.workdir.mkdir(parents=True)
         shm = Path(SHM_DIR)
@@ -103,6 +104,8 @@ class Soak:
         self.incarnations = 0
         self.progress_at = time.monotonic()
         self.progress_step = -1
+        #: Versions whose blobs in S3 a fault damaged (they bind no restore).
+        self.damaged: set[int] = set()
         #: Commits of the current incarnation held until its restore is checked.
         self.unchecked: list[tuple[int, dict[str, Any]]] | None = None
 
@@ -343,11 +346,16 @@ class Soak:
             self.inc.kill()
         self.s3.close()
         if not keep:
-            shutil.rmtree(self.memory, ignore_errors=True)
-            if self.tmpfs_refused is None:
-                subprocess.run(["umount", str(self.memory)], check=False)
-                self.memory.rmdir()
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_run(self.workdir, self.memory)
+
+
+def remove_run(workdir: Path, memory: Path) -> None:
+    """Remove a run's folder and its node roots (unmounting their tmpfs, if it has one)."""
+    shutil.rmtree(memory, ignore_errors=True)  # what is in it, a mount point stays
+    if memory.is_dir() and os.path.ismount(memory):
+        subprocess.run(["umount", str(memory)], check=False)
+    shutil.rmtree(memory, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def restores_of(got: dict[int, dict[str, Any]]) -> list[Restore]:
