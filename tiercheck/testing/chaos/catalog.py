@@ -40,6 +40,10 @@ class Fault:
     weight: float = 1.0
     #: Only where the ranks are started by ``torchrun`` (``--launcher torchrun``).
     torchrun_only: bool = False
+    #: It destroys copies in memory: the versions committed before it bind the restore right
+    #: after it, but not after a later fault before the job commits again (a second node lost
+    #: before anything was re-replicated is two failures, which no memory tier survives).
+    degrades: bool = False
 
 
 _ALL = TIERS
@@ -67,6 +71,7 @@ CATALOG: dict[str, Fault] = {
             ("peer", "persistent"),
             None,
             2,
+            degrades=True,
         ),
         Fault(
             "cluster-lost",
@@ -74,6 +79,7 @@ CATALOG: dict[str, Fault] = {
             ("persistent",),
             None,
             1,
+            degrades=True,
         ),
         Fault(
             "damage-blob",
@@ -82,6 +88,7 @@ CATALOG: dict[str, Fault] = {
             _ALL,  # less the damaged blob's tier (the driver drops it)
             None,
             1,
+            degrades=True,
         ),
         Fault(
             "damage-s3-blob",
@@ -97,6 +104,7 @@ CATALOG: dict[str, Fault] = {
             _ALL,
             None,
             1,
+            degrades=True,
         ),
         Fault(
             "fill-memory",
@@ -129,6 +137,7 @@ CATALOG: dict[str, Fault] = {
             _ALL,  # less the damaged blob's tier (the driver drops it)
             None,
             1,
+            degrades=True,
         ),
         Fault(
             "world-size",
@@ -221,6 +230,7 @@ CATALOG: dict[str, Fault] = {
             TIERS,
             "issue #21: SIGTERM does not flush what only memory holds to durable storage",
             1,
+            degrades=True,
         ),
     ]
 }

@@ -36,6 +36,7 @@ def _restart(
         fault.survivors if survivors is None else survivors,
         ep.describe(soak.settings.peer_timeout),
         floor,
+        degrade=fault.degrades,
     )
 
 

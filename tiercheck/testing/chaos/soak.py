@@ -279,11 +279,17 @@ class Soak:
             time.sleep(TICK)
 
     def restart(
-        self, survivors: Sequence[str], after: str, floor: tuple[int, str] | None = None
+        self,
+        survivors: Sequence[str],
+        after: str,
+        floor: tuple[int, str] | None = None,
+        *,
+        degrade: bool = False,
     ) -> int | None:
         """Start the job again; check its restore against the tiers that survived (and
         ``floor``: a version known whole elsewhere, and where); return the version it restored
-        (``None``: fresh)."""
+        (``None``: fresh). ``degrade``: the fault destroyed copies in memory, so what memory
+        held before it binds no later restore (only what the job commits from now on)."""
         self.oracle.lose(set(TIERS) - set(survivors))
         t0 = time.monotonic()
         self.launch()
@@ -299,6 +305,8 @@ class Soak:
         restores = restores_of(got)
         bound = max(filter(None, [self.oracle.bound(survivors), floor]), default=None)
         version = self.oracle.check_restore(restores, survivors, after, floor)
+        if degrade:
+            self.oracle.lose(["local", "peer"])
         self.release()
         sources = ",".join(str(r.source) for r in restores)
         self.log(
