@@ -211,7 +211,8 @@ CATALOG: dict[str, Fault] = {
             "pause-long",
             "SIGSTOP one rank for 1.5-3 x peer_timeout, then SIGCONT",
             None,
-            _CHANNEL_BROKEN,
+            _CHANNEL_BROKEN + " (in the tiers whose commit round the pause caught: most "
+            "seeds); meanwhile memory tiers keep every uncommitted version until memory is full",
             1,
         ),
         Fault(
