@@ -163,6 +163,16 @@ if importlib.util.find_spec("tiercheck.demo") is not None:
         )
     )
 
+# `tiercheck chaos`: the seeded chaos soak (tiercheck/testing/chaos/), imported only when it runs;
+# it needs the test and s3 extras (moto, boto3, s3fs).
+COMMANDS.append(
+    ExternalCommand(
+        "chaos",
+        "a seeded chaos soak: a real multi-process job, faults, an oracle (test extras)",
+        "tiercheck.testing.chaos:main",
+    )
+)
+
 
 class _BadArguments(UsageError):
     """What argparse found wrong with the arguments, and the parser (or subparser) that did."""

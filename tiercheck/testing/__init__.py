@@ -9,6 +9,9 @@
 * :mod:`tiercheck.testing.faults` -- tiers that fail or "die" at a chosen operation.
 * :class:`LocalGroup` -- several ranks of one job in one process (threads), for fast tests of
   multi-rank behaviour without ``torch.distributed`` (:mod:`tiercheck.testing.coordinators`).
+* :mod:`tiercheck.testing.chaos` -- a seeded chaos soak: a real multi-process job, faults from a
+  catalog, an oracle after every recovery (``python -m tiercheck.testing.chaos``, or
+  ``tiercheck chaos``). It needs the ``test`` and ``s3`` extras; nothing here imports it.
 """
 
 from __future__ import annotations
