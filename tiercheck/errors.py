@@ -12,6 +12,7 @@ __all__ = [
     "BaseMismatch",
     "BlobNotFound",
     "ChecksumMismatch",
+    "CommitUncertain",
     "ConfigError",
     "FormatError",
     "InvalidKey",
@@ -122,6 +123,15 @@ class TierNotTargeted(TiercheckError, LookupError):
 
 class TierWriteFailed(TiercheckError, RuntimeError):
     """A version could not be committed in a tier (the cause is chained)."""
+
+
+class CommitUncertain(TierWriteFailed):
+    """This rank cannot tell whether a version is committed in a tier: it said yes, then lost
+    the round's last exchange (another rank paused, died or was cut off). The others may have
+    heard every yes and committed it; nothing this rank holds of it is deleted until retention
+    would drop it anyway, and a restore uses it wherever every rank has its blobs. The handle's
+    state is ``"uncertain"``; no rank's handle says ``"committed"`` for a version that is not.
+    """
 
 
 class StateChanged(TiercheckError, RuntimeError):

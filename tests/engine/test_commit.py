@@ -21,14 +21,16 @@ import pytest
 
 from tests.tiers.dict_tier import DictTier
 from tiercheck.consistency.commit import CommitRecord
+from tiercheck.consistency.coordinator import ChannelDown
 from tiercheck.consistency.keys import blob_key, commit_key
 from tiercheck.consistency.manifest import Written
+from tiercheck.consistency.protocol import Step
 from tiercheck.engine.claim import Claim
-from tiercheck.engine.collectives import Channels
+from tiercheck.engine.collectives import Channels, OutOfStep, step
 from tiercheck.engine.commit import CommitRounds
 from tiercheck.engine.jobs import InFlight, Job, OwnBlob
 from tiercheck.engine.results import CheckpointerStats, SaveHandle, SaveStats
-from tiercheck.errors import StateChanged, TierWriteFailed
+from tiercheck.errors import CommitUncertain, PeerUnavailable, StateChanged, TierWriteFailed
 from tiercheck.testing import LocalGroup
 from tiercheck.tiers.wrapper import DelegatingTier
 from tiercheck.topology import Topology
@@ -313,3 +315,112 @@ def test_a_delta_whose_base_vanished_on_one_rank_fails_everywhere_and_the_next_s
         assert 1 not in pipe.committed
         assert 2 not in pipe.committed
     assert pipes[0].tier.written == []
+
+
+@pytest.mark.parametrize(
+    ("durable", "lost_at", "loser"),
+    [
+        (False, Step.VOTE, 0),
+        (False, Step.VOTE, 1),
+        (True, Step.VOTE, 0),
+        (True, Step.ACK, 1),
+        (True, Step.ACK, 0),
+    ],
+    ids=["memory-vote-r0", "memory-vote-r1", "durable-vote-r0", "durable-ack-r1", "durable-ack-r0"],
+)
+def test_a_rank_that_loses_the_last_exchange_is_uncertain_never_contradicting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool, lost_at: Step, loser: int
+) -> None:
+    """The exchange of version 2 completes everywhere but its answer never reaches ``loser``
+    (the other rank paused, or the connection broke after the last message got through one
+    way): the others decide on every word; ``loser`` cannot know, so its handle says
+    "uncertain" and its blob is kept -- except rank 0 after the ACK, which knows whether the
+    COMMIT record it wrote landed. No handle says committed for a version that is not, or
+    failed for one that is."""
+    world = _World(tmp_path, durable=durable)
+    ranks: dict[int, int] = {}  # id(channels) -> rank
+    troubles: list[tuple[int, str]] = []
+
+    def setup(pipe: _Pipe) -> None:
+        ranks[id(pipe.channels)] = pipe.rank
+
+        def trouble(what: str, exc: BaseException) -> None:
+            troubles.append((pipe.rank, what))
+
+        pipe.peer_trouble = trouble  # type: ignore[method-assign]
+
+    world.setup = setup
+
+    async def lossy(channels: Channels, which: Step, message: Any, **kw: Any) -> Any:
+        got = await step(channels, which, message, **kw)
+        if which is lost_at and kw["tag"] == 2 and ranks[id(channels)] == loser:
+            raise PeerUnavailable("the answer of the exchange was lost")
+        return got
+
+    monkeypatch.setattr("tiercheck.engine.commit.step", lossy)
+    pipes, jobs = world.run([_ok(1, 2, 3), _ok(1, 2, 3)])
+    # Rank 0 knows whether its COMMIT record landed; after rank 0 lost the vote's answer,
+    # rank 1 finds rank 0 past the round at the ACK and reads the tier: no record.
+    rank0_knows = durable and lost_at is Step.ACK and loser == 0
+    rank1_reads = durable and lost_at is Step.VOTE and loser == 0
+    for pipe, mine in zip(pipes, jobs, strict=True):
+        assert {1, 3} <= pipe.committed
+        state = mine[1].handle.stats.tiers[TIER].state
+        if pipe.rank == loser and not rank0_knows:
+            # (The pipeline makes the handle's state "uncertain" of this error.)
+            assert isinstance(pipe.failed[2], CommitUncertain)
+            assert "may or may not be committed" in str(pipe.failed[2])
+            assert 2 not in pipe.committed
+            assert 2 in pipe.unsure, "its blob must stay: the others may have committed it"
+            with pytest.raises(TierWriteFailed):
+                mine[1].handle.result(TIER, timeout=1)
+        elif rank1_reads:
+            assert "its COMMIT record was not written" in str(pipe.failed[2])
+            assert not isinstance(pipe.failed[2], CommitUncertain)
+            assert 2 not in pipe.committed
+            assert 2 not in pipe.unsure
+        else:
+            assert state == "committed", (pipe.rank, pipe.failed)
+            assert 2 in pipe.committed
+            assert 2 not in pipe.unsure
+    if rank0_knows:
+        assert troubles == [(0, "telling the others whether version 2 committed")]
+    elif rank1_reads:
+        assert troubles == [
+            (0, "committing version 2"),
+            (1, "learning whether version 2 committed"),
+        ]
+    else:
+        assert troubles == [(loser, "committing version 2")]
+    assert sorted(world.records()) == ([1, 3] if rank1_reads else [1, 2, 3] if durable else [])
+
+
+@pytest.mark.parametrize("how", ["out-of-step", "channel-down"])
+def test_a_vote_nobody_used_fails_the_round_for_certain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """An exchange whose ranks stood apart was used by nobody, and a vote on a channel that did
+    not reconnect in time was never sent: the round fails outright, and its blob need not be
+    kept for the others."""
+    world = _World(tmp_path, durable=False)
+
+    def setup(pipe: _Pipe) -> None:
+        pipe.peer_trouble = lambda what, exc: None  # type: ignore[method-assign]
+
+    world.setup = setup
+
+    async def apart(channels: Channels, which: Step, message: Any, **kw: Any) -> Any:
+        if kw["tag"] == 2 and how == "channel-down":
+            raise ChannelDown("channel 'dict' is broken")
+        got = await step(channels, which, message, **kw)
+        if kw["tag"] == 2:
+            raise OutOfStep("apart", [("vote", 2), ("vote", 3)])
+        return got
+
+    monkeypatch.setattr("tiercheck.engine.commit.step", apart)
+    pipes, _ = world.run([_ok(1, 2, 3), _ok(1, 2, 3)])
+    for pipe in pipes:
+        assert pipe.committed == {1, 3}
+        assert isinstance(pipe.failed[2], TierWriteFailed)
+        assert not isinstance(pipe.failed[2], CommitUncertain)
+        assert 2 not in pipe.unsure

@@ -181,6 +181,8 @@ def test_the_oracle_catches_ranks_whose_handles_disagree(reference: Reference) -
     oracle.see(0, {"e": "commit", "tier": "local", "v": 9})
     oracle.see(1, {"e": "fail", "tier": "local", "v": 8, "error": "x"})  # another version
     oracle.see(1, {"e": "commit", "tier": "peer", "v": 9})
+    # A rank that lost the round's last exchange is uncertain: that agrees with anything.
+    oracle.see(2, {"e": "uncertain", "tier": "local", "v": 9, "error": "lost the exchange"})
     oracle.check_agreement()
     oracle.see(1, {"e": "fail", "tier": "local", "v": 9, "error": "timed out"})
     with pytest.raises(Finding) as caught:

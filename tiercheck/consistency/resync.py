@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PHASES", "Resync", "resync", "unsure_kept"]
+__all__ = ["PHASES", "Resync", "position_key", "resync", "unsure_kept"]
 
 #: The steps of a commit round, in the order a round takes them.
 PHASES: dict[str, int] = {"vote": 0, "ack": 1}
@@ -48,8 +48,9 @@ class Resync:
     furthest: tuple[int, int]
 
 
-def _key(position: tuple[str, int | None]) -> tuple[int, int]:
-    """A position as ``(version, phase)``; anything that is no commit step sorts first."""
+def position_key(position: tuple[str, int | None]) -> tuple[int, int]:
+    """A position as ``(version, phase)``, in the order the rounds take them; anything that
+    is no commit step sorts first."""
     step, tag = position
     if tag is None or step not in PHASES:
         return (-1, -1)
@@ -63,8 +64,8 @@ def resync(mine: tuple[str, int], positions: Sequence[tuple[str, int | None]]) -
     Behind the furthest position: fail this round and skip every round below the furthest
     version. At it: exchange again. (Ahead of it cannot be: ``mine`` is among ``positions``.)
     """
-    furthest = max((_key(p) for p in positions), default=(-1, -1))
-    here = _key(mine)
+    furthest = max((position_key(p) for p in positions), default=(-1, -1))
+    here = position_key(mine)
     if here < furthest:
         return Resync(True, furthest[0], furthest)
     return Resync(False, -1, furthest)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from tiercheck.consistency.coordinator import ChannelDown
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import (
     AckReason,
@@ -33,10 +34,10 @@ from tiercheck.consistency.protocol import (
     commit_record,
     round_failures,
 )
-from tiercheck.consistency.resync import resync
+from tiercheck.consistency.resync import PHASES, position_key, resync
 from tiercheck.engine.collectives import OutOfStep, step
 from tiercheck.engine.jobs import Job, LaneResult
-from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
+from tiercheck.errors import CommitUncertain, PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import SupportsPrepare
 
 if TYPE_CHECKING:
@@ -79,13 +80,7 @@ class CommitRounds:
             except PeerUnavailable as exc:  # expected when a rank dies: one line, no traceback
                 peers_gone = True
                 pipe.peer_trouble(f"committing version {job.version}", exc)
-                pipe.fail(
-                    job,
-                    TierWriteFailed(
-                        f"version {job.version} could not be committed in the "
-                        f"{tier.name!r} tier: {exc}"
-                    ),
-                )
+                pipe.fail(job, _lost_round(job.version, tier.name, exc, job.version in pipe.unsure))
             except Exception as exc:
                 logger.exception(
                     "tiercheck: committing version %s in %r failed", job.version, tier.name
@@ -159,7 +154,15 @@ class CommitRounds:
             # below the floor is never exchanged: nobody can commit it.
             pipe.unsure.add(job.version)
         # Phase 2, vote: every rank's word on this version in this tier.
-        everyone = await self.exchange(Step.VOTE, mine, job.version)
+        try:
+            everyone = await self.exchange(Step.VOTE, mine, job.version)
+        except (OutOfStep, ChannelDown):
+            # Out of step: every rank that met in it saw the ranks apart, so nobody used the
+            # exchange (this rank's earlier tries at it were out of step too: one that failed
+            # otherwise ends the round as uncertain). Down: this rank's vote was never sent.
+            # Either way nobody can have committed the version.
+            pipe.unsure.discard(job.version)
+            raise
         # Phase 3, decide: unanimous, and (in a durable tier) the COMMIT record landed.
         failed = round_failures(everyone)
         why: AckReason = ""
@@ -189,6 +192,11 @@ class CommitRounds:
                 error = TierWriteFailed(
                     f"version {job.version} is a delta on base {written.base}, which is not "
                     f"committed in the {name!r} tier"
+                )
+            elif why == "error":
+                error = TierWriteFailed(
+                    f"version {job.version} is not committed in the {name!r} tier: its COMMIT "
+                    "record was not written (rank 0's log says why)"
                 )
             else:
                 error = TierWriteFailed(
@@ -294,13 +302,54 @@ class CommitRounds:
             except Exception:
                 logger.exception("tiercheck: writing the COMMIT record of %s failed", version)
                 ok, why = False, "error"
-        acks = await self.exchange(Step.ACK, CommitAck(ok, why), version)
+        try:
+            acks = await self.exchange(Step.ACK, CommitAck(ok, why), version)
+        except OutOfStep as exc:
+            if pipe.rank != 0 and position_key(exc.positions[0]) > (version, PHASES["ack"]):
+                # Rank 0 is past this round, its record written or not for good: the tier
+                # says which (a record there commits the version, for every rank).
+                pipe.peer_trouble(f"learning whether version {version} committed", exc)
+                try:
+                    landed = await tier.exists(commit_key(version))
+                except Exception as unread:
+                    logger.warning(
+                        "tiercheck: cannot tell whether version %s committed in %r: %r",
+                        version,
+                        tier.name,
+                        unread,
+                    )
+                    raise exc from unread  # uncertain here
+                acks = [CommitAck(landed, "" if landed else "error")]
+            elif pipe.rank != 0:
+                raise  # rank 0 may yet write the record: the round is uncertain here
+            else:
+                pipe.peer_trouble(f"telling the others whether version {version} committed", exc)
+                acks = [CommitAck(ok, why)]
+        except PeerUnavailable as exc:
+            if pipe.rank != 0:
+                raise  # rank 0 may have written the record: the round is uncertain here
+            # The record decides, and rank 0 knows whether it landed; the others learn it
+            # from the tier (Retention adopts the versions whose record they find).
+            pipe.peer_trouble(f"telling the others whether version {version} committed", exc)
+            acks = [CommitAck(ok, why)]
         ack = acks[0]  # rank 0's is the one that counts
         if ack.ok:
             return [], ""
         if ack.why == "superseded":
             pipe.claim.mark_superseded()
         return [0], ack.why
+
+
+def _lost_round(version: int, tier: str, exc: PeerUnavailable, unsure: bool) -> TierWriteFailed:
+    """The error of a round that lost its peers: uncertain where this rank said yes and the
+    others may have heard every yes (``unsure``), else a failure."""
+    if unsure:
+        return CommitUncertain(
+            f"version {version} may or may not be committed in the {tier!r} tier: this rank "
+            f"voted yes, then lost the round's last exchange ({exc}); the other ranks may have "
+            "committed it, so its blob is kept and a restore uses it if every rank has it"
+        )
+    return TierWriteFailed(f"version {version} could not be committed in the {tier!r} tier: {exc}")
 
 
 def _where(positions: list[tuple[str, int | None]]) -> str:

@@ -42,7 +42,10 @@ def check_timeout(timeout: object) -> float | None:
 class TierSaveStats:
     """How one version fared in one tier."""
 
-    state: Literal["pending", "committed", "failed", "skipped"] = "pending"
+    #: ``"uncertain"``: this rank lost the last exchange of the version's commit round after
+    #: voting yes, so the other ranks may have committed it (see
+    #: :class:`~tiercheck.errors.CommitUncertain`); ``"failed"``: it is certainly not committed.
+    state: Literal["pending", "committed", "failed", "uncertain", "skipped"] = "pending"
     #: Bytes written to the tier for this rank.
     bytes: int = 0
     #: Seconds from the start of ``save`` until committed (or failed).

@@ -43,7 +43,7 @@ from tiercheck.engine.stored import (
     location,
     writes_commit_records,
 )
-from tiercheck.errors import TierFull, TierWriteFailed
+from tiercheck.errors import CommitUncertain, TierFull, TierWriteFailed
 from tiercheck.tiers.base import Reservation, SupportsReserve, Tier
 
 __all__ = [
@@ -326,7 +326,7 @@ class TierPipeline(Retention):
         stats = job.handle.stats.tiers[self.name]
         skipped = stats.state == "skipped"  # counted in tier_skips already
         if stats.state == "pending":
-            stats.state = "failed"
+            stats.state = "uncertain" if isinstance(error, CommitUncertain) else "failed"
             stats.error = str(error)
             stats.seconds = time.perf_counter() - job.started
         if job.kind != "skipped" and not skipped:

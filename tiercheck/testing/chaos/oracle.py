@@ -64,7 +64,7 @@ class Oracle:
     def see(self, rank: int, event: dict[str, Any]) -> None:
         """Take one event of a rank into account (commits; saves that blocked too long)."""
         kind = event["e"]
-        if kind in ("commit", "fail"):
+        if kind in ("commit", "fail", "uncertain"):
             self._agree(rank, event)
         if kind == "commit":
             tier, version = event["tier"], int(event["v"])
@@ -87,14 +87,18 @@ class Oracle:
 
     def _agree(self, rank: int, event: dict[str, Any]) -> None:
         said = self.outcomes.setdefault((event["tier"], int(event["v"])), {})
-        said[rank] = event["e"] if event["e"] == "commit" else f"fail ({event.get('error')})"
+        said[rank] = (
+            event["e"] if event["e"] == "commit" else f"{event['e']} ({event.get('error')})"
+        )
 
     def check_agreement(self) -> None:
         """A version is committed in a tier for every rank or for none: the handles of ranks
         that live on must agree (checked while no rank was killed: a rank killed in the middle
-        of a round may have heard the outcome its survivors did not)."""
+        of a round may have heard the outcome its survivors did not). A rank that lost the
+        round's last exchange says ``uncertain``, which agrees with either."""
         for (tier, version), said in sorted(self.outcomes.items()):
-            if len({word.split()[0] for word in said.values()}) > 1:
+            words = {word.split()[0] for word in said.values()} - {"uncertain"}
+            if len(words) > 1:
                 raise Finding(
                     "split-decision",
                     f"the ranks' handles disagree on version {version} in the {tier} tier: "

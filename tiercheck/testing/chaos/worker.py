@@ -99,9 +99,10 @@ class Pending:
                 state = handle.stats.tiers[tier].state
                 if handle.committed(tier):
                     self.events("commit", tier=tier, v=handle.version)
-                elif state in ("failed", "skipped"):
+                elif state in ("failed", "skipped", "uncertain"):
                     error = handle.stats.tiers[tier].error
-                    self.events("fail", tier=tier, v=handle.version, state=state, error=error)
+                    kind = "uncertain" if state == "uncertain" else "fail"
+                    self.events(kind, tier=tier, v=handle.version, state=state, error=error)
                 else:
                     continue
                 open_tiers.discard(tier)
