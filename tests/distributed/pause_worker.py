@@ -48,9 +48,11 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     log = logging.FileHandler(args.out / f"log-r{rank}.txt")
-    log.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.setFormatter(logging.Formatter("%(relativeCreated)d %(levelname)s %(message)s"))
     logging.getLogger("tiercheck").addHandler(log)
-    logging.getLogger("tiercheck").setLevel(logging.INFO)
+    logging.getLogger("tiercheck").setLevel(
+        logging.DEBUG if os.environ.get("PAUSE_DEBUG") else logging.INFO
+    )
     events = (args.out / f"events-r{rank}.jsonl").open("a", encoding="utf-8")
 
     def say(event: str, **fields: Any) -> None:

@@ -7,7 +7,8 @@ for :data:`PAUSE_S` seconds and continues it with SIGCONT. Rank 0's rounds of th
 out meanwhile, and gloo closes their channels' connections for good.
 
 Before the fix no later version committed in any tier until the job ended. Now: both channels
-reconnect, the version that straddled the pause fails alone, and every later version commits
+reconnect, the version that straddled the pause fails alone (uncertain on rank 0, which said
+yes and could not hear whether rank 1 did), and every later version commits
 in every tier it goes to; rank 0 warned that the tiers fell behind (and that they recovered),
 ``health()`` said so at the next save and says all is well at the end; a fresh job restores the
 newest version bit-exact, from memory and from durable storage alone.
@@ -131,13 +132,20 @@ def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(
             assert set(after) <= set(local), (rank, local)
             assert {v for v in bases if v < PAUSE_AT} <= set(durable), (rank, durable)
             assert {v for v in bases if v in after} <= set(durable), (rank, durable)
-            assert outcomes[PAUSE_AT]["local"] == "failed", outcomes[PAUSE_AT]
+            # Rank 0 said yes and timed out waiting for rank 1: it cannot tell whether rank 1
+            # heard it and committed (it did not: it never voted). Rank 1 says failed where it
+            # met rank 0 past the round, uncertain where its vote went into the connection
+            # rank 0 had closed. No rank says committed.
+            expected = {"uncertain"} if rank == 0 else {"failed", "uncertain"}
+            assert outcomes[PAUSE_AT]["local"] in expected, (rank, outcomes[PAUSE_AT])
             # Training never waited on the pause in save: no save took anywhere near the
             # peer_timeout that a save waiting on a dead exchange would.
             took = max(e["took"] for e in events if e["e"] == "saved")
             assert took < PEER_TIMEOUT_S / 2, (rank, took)
             # All is well at the end.
-            assert all(not h["behind"] for h in end["health"].values()), end["health"]
+            assert all(not h["behind"] for h in end["health"].values()), json.dumps(
+                {"health": end["health"], "outcomes": outcomes}
+            )
             assert end["health"]["local"]["newest"] == STEPS - 1
             assert end["health"]["persistent"]["newest"] == max(bases)
 

@@ -14,12 +14,14 @@ on a dead rank never keeps the process alive at exit.
 A channel whose exchange failed is **broken** until it reconnects: gloo closes its connections
 when a collective times out, so the channel's group can never exchange again. The distributed
 coordinator then connects the channel anew -- a fresh gloo group under a new *epoch*, agreed
-through the job's key-value store -- at the next call that needs it; a rank that paused for longer
-than the timeout rejoins that way. A failed reconnection makes the channel fail at once for a
-while (half the timeout) before the next try, so a rank that is gone for good costs each tier
-about two timeouts, not one per save. What a reconnection cannot tell is where the exchanges
-stand: some ranks may have completed the exchange that failed on others. The callers tag their
-exchanges and resynchronize (:mod:`tiercheck.engine.collectives`,
+through the job's key-value store -- on a thread of its own that tries again and again, each try
+bounded by the timeout, until every rank has joined one epoch; a rank that paused for longer
+than the timeout rejoins that way as soon as it sees its own exchange fail. Meanwhile every call
+on the channel fails at once, so a rank that is gone for good costs a save nothing. (Tries that
+waited only when a call came could miss each other for as long as the saves went on: each rank
+gave up an epoch while the other was between calls.) What a reconnection cannot tell is where
+the exchanges stand: some ranks may have completed the exchange that failed on others. The
+callers tag their exchanges and resynchronize (:mod:`tiercheck.engine.collectives`,
 :mod:`tiercheck.consistency.resync`).
 """
 
@@ -36,9 +38,14 @@ from typing import Any
 
 from tiercheck.errors import ConfigError, PeerUnavailable
 
-__all__ = ["Coordinator", "SoloCoordinator", "TorchCoordinator"]
+__all__ = ["ChannelDown", "Coordinator", "SoloCoordinator", "TorchCoordinator"]
 
 logger = logging.getLogger("tiercheck")
+
+
+class ChannelDown(PeerUnavailable):
+    """A call on a broken channel that did not reconnect in time: nothing of it was sent, so
+    no other rank can have used it."""
 
 
 class Coordinator(ABC):
@@ -79,7 +86,7 @@ class TorchCoordinator(Coordinator):
     Must be constructed on every rank, in the same order relative to other group creations,
     after ``torch.distributed`` is initialized (creating a group is itself a collective).
 
-    A channel whose exchange failed is connected anew by the next call on it (see the module
+    A channel whose exchange failed is connected anew on a thread of its own (see the module
     docstring): a fresh gloo group, made outside ``torch.distributed``'s own registry (so
     nothing the training does with its groups is disturbed), under a key-value store prefix
     that names the channel and its epoch. Every rank that saw a failure moves the channel to
@@ -118,8 +125,13 @@ class TorchCoordinator(Coordinator):
         self._broken: dict[str, str] = {}
         #: The epoch of each channel's current group (0: the group made here).
         self._epochs = dict.fromkeys(names, 0)
-        #: Until when (monotonic) a channel whose reconnection failed fails at once.
-        self._quiet_until: dict[str, float] = {}
+        #: The channels whose reconnection thread runs.
+        self._reconnecting: set[str] = set()
+        #: Set while the channel has a group (cleared when it breaks, set when it rejoins).
+        self._joined = {name: threading.Event() for name in names}
+        for event in self._joined.values():
+            event.set()
+        self._closing = threading.Event()
         # One token per coordinator, the same on every rank: the store keys of this job's
         # reconnections never meet those of another incarnation sharing the store.
         token = torch.frombuffer(bytearray(os.urandom(8)), dtype=torch.uint8)
@@ -137,6 +149,21 @@ class TorchCoordinator(Coordinator):
                 "channel whose exchange fails will not reconnect",
                 exc,
             )
+        # Where the store is a TCPStore (torchrun's, a tcp:// init), each channel talks to it
+        # through a client connection of its own: one client serves one request at a time, so
+        # a reconnection waiting in the store would hold up every other channel's (and the
+        # peer tier's messages) -- enough to make the ranks miss each other for good. The
+        # same on every rank (it depends on the store's kind only).
+        self._server: tuple[str, int] | None = None
+        self._stores: dict[str, Any] = {}
+        if self._store is not None:
+            from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+            underlying = self._store
+            while isinstance(underlying, PrefixStore):
+                underlying = underlying.underlying_store
+            if isinstance(underlying, TCPStore):
+                self._server = (underlying.host, underlying.port)
 
     def all_gather(self, channel: str, payload: bytes) -> list[bytes]:
         """All-gather ``payload`` on the channel's own gloo group (sizes first, then bytes);
@@ -147,10 +174,16 @@ class TorchCoordinator(Coordinator):
             raise ConfigError(
                 f"unknown coordination channel {channel!r}; known: {sorted(self._groups)}"
             )
+        # A broken channel: wait for the reconnection (a round that waits meets the returning
+        # rank at once); without it within the timeout, nothing of this call was sent.
+        if self._groups[channel] is None and (
+            self._store is None or not self._joined[channel].wait(self.timeout)
+        ):
+            raise self._not_yet(channel)
         with self._locks[channel]:
             group = self._groups[channel]
             if group is None:
-                group = self._reconnect(channel)
+                raise self._not_yet(channel)
             try:
                 size = torch.tensor([len(payload)], dtype=torch.int64)
                 sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
@@ -166,7 +199,9 @@ class TorchCoordinator(Coordinator):
                 # gloo closed the group's connections: this group is done with. The next call
                 # connects anew (where the store allows it).
                 self._groups[channel] = None
+                self._joined[channel].clear()
                 self._next_epoch(channel, self._epochs[channel])
+                self._start_reconnecting(channel)
                 raise PeerUnavailable(
                     f"exchange on channel {channel!r} failed or timed out after {self.timeout}s "
                     f"(rank {self.rank} of {self.world_size}): {exc}"
@@ -182,13 +217,30 @@ class TorchCoordinator(Coordinator):
     def _epoch_key(self, channel: str) -> str:
         return f"{self._prefix}/{channel}/epoch"
 
+    def _store_of(self, channel: str) -> Any:
+        """The store client ``channel`` reconnects through (see ``__init__``)."""
+        from torch._C._distributed_c10d import TCPStore
+
+        if self._server is None:
+            return self._store
+        if channel not in self._stores:
+            host, port = self._server
+            self._stores[channel] = TCPStore(
+                host,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.timeout),
+                wait_for_workers=False,
+            )
+        return self._stores[channel]
+
     def _next_epoch(self, channel: str, failed: int) -> None:
         """Move the channel past epoch ``failed`` in the store, unless a rank did already."""
         if self._store is None:
             return
         try:
             # An absent key is epoch 0; compare-and-set moves it once however many ranks fail.
-            self._store.compare_set(
+            self._store_of(channel).compare_set(
                 self._epoch_key(channel), str(failed) if failed else "", str(failed + 1)
             )
         except Exception as exc:
@@ -196,48 +248,99 @@ class TorchCoordinator(Coordinator):
                 "tiercheck: cannot move channel %r to a new epoch in the store: %r", channel, exc
             )
 
-    def _reconnect(self, channel: str) -> Any:
-        """A new gloo group for ``channel`` at the epoch the store names (every rank that
-        saw the failure joins the same one); :class:`PeerUnavailable` when it cannot be made."""
-        from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo
-
+    def _not_yet(self, channel: str) -> ChannelDown:
+        """The error of a call on ``channel`` while it is broken (nothing was sent)."""
         why = self._broken.get(channel, "an earlier exchange failed")
         if self._store is None:
-            raise PeerUnavailable(
+            return ChannelDown(
                 f"channel {channel!r} is broken since an earlier exchange failed ({why}) and "
                 f"cannot reconnect without the job's key-value store; rank {self.rank} does not "
                 "use it again"
             )
-        left = self._quiet_until.get(channel, 0.0) - time.monotonic()
-        if left > 0:
-            raise PeerUnavailable(
-                f"channel {channel!r} is broken ({why}); rank {self.rank} tries to reconnect it "
-                f"in {left:.1f}s"
-            )
-        epoch = self._epochs[channel]
+        return ChannelDown(
+            f"channel {channel!r} is broken ({why}); rank {self.rank} could not reconnect it "
+            f"within {self.timeout}s and keeps trying (every rank joins once its own exchange "
+            "on it fails)"
+        )
+
+    def _start_reconnecting(self, channel: str) -> None:
+        """Reconnect ``channel`` on a thread of its own (one per channel at a time)."""
+        if self._store is None or channel in self._reconnecting or self._closing.is_set():
+            return
+        self._reconnecting.add(channel)
+        threading.Thread(
+            target=self._reconnect_until_joined,
+            args=(channel,),
+            name=f"tiercheck-reconnect-{channel}",
+            daemon=True,  # a try waiting on a rank that is gone never keeps the process alive
+        ).start()
+
+    def _reconnect_until_joined(self, channel: str) -> None:
+        """Try epoch after epoch until every rank joins one, or the coordinator closes."""
         try:
+            while not self._closing.is_set():
+                began = time.monotonic()
+                group = self._try_epoch(channel)
+                if group is not None:
+                    with self._locks[channel]:
+                        if self._closing.is_set() or channel not in self._groups:
+                            return
+                        self._groups[channel] = group
+                        self._joined[channel].set()
+                    return
+                # A try that failed fast (the store is gone, a stale address refused) would
+                # spin: wait a little, far less than the others' tries last.
+                quick = self.timeout / 4 - (time.monotonic() - began)
+                if quick > 0:
+                    self._closing.wait(quick)
+        except Exception:  # never silently: a reconnection that stops for good says why
+            logger.exception("tiercheck: reconnecting channel %r stopped", channel)
+        finally:
+            self._reconnecting.discard(channel)
+
+    def _try_epoch(self, channel: str) -> Any:
+        """One try: a new gloo group for ``channel`` at the epoch the store names (every rank
+        that saw the failure joins the same one), or ``None`` when the others did not all come
+        within the timeout (the epoch is then given up, so that nobody joins it again).
+
+        The ranks first meet in the store (each adds itself to the epoch's count; the last
+        one to come says so), and only then make the group, each with a whole timeout for it:
+        made straight away, a rank that joined late in another's try would fail with it at the
+        end of that try, and with tries of the same length the two could keep missing each
+        other at the same offset.
+        """
+        from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo
+
+        epoch = self._epochs[channel]
+        timeout = datetime.timedelta(seconds=self.timeout)
+        stage = "meeting"
+        try:
+            store = self._store_of(channel)
             key = self._epoch_key(channel)
-            if self._store.check([key]):
-                epoch = max(epoch, int(self._store.get(key).decode() or 0))
+            if store.check([key]):
+                epoch = max(epoch, int(store.get(key).decode() or 0))
+            base = f"{self._prefix}/{channel}/{epoch}"
+            if store.add(f"{base}/join/arrived", 1) >= self.world_size:
+                store.set(f"{base}/join/all", b"1")
+            try:
+                store.wait([f"{base}/join/all"], timeout)
+            except Exception:
+                store.add(f"{base}/join/arrived", -1)  # gone: a late rank waits on
+                raise
+            stage = "connecting"
             group = ProcessGroupGloo(
-                PrefixStore(f"{self._prefix}/{channel}/{epoch}/", self._store),
-                self.rank,
-                self.world_size,
-                datetime.timedelta(seconds=self.timeout),
+                PrefixStore(f"{base}/", store), self.rank, self.world_size, timeout
             )
         except Exception as exc:
-            # The others did not all come (a rank is still paused, or gone): give this epoch
-            # up, so that nobody joins it again, and stay quiet for a while.
+            # The others did not all come (a rank is still paused, or gone).
             self._next_epoch(channel, epoch)
             self._epochs[channel] = epoch
-            self._quiet_until[channel] = time.monotonic() + self.timeout / 2
-            self._broken[channel] = f"reconnecting failed: {type(exc).__name__}: {exc}"[:300]
-            raise PeerUnavailable(
-                f"channel {channel!r} could not reconnect within {self.timeout}s (epoch "
-                f"{epoch}, rank {self.rank} of {self.world_size}): {exc}"
-            ) from exc
+            self._broken[channel] = f"reconnecting failed ({stage}): {type(exc).__name__}: {exc}"[
+                :300
+            ]
+            logger.debug("tiercheck: channel %r, epoch %s, %s: %r", channel, epoch, stage, exc)
+            return None
         self._epochs[channel] = epoch
-        self._groups[channel] = group
         return group
 
     @property
@@ -256,6 +359,7 @@ class TorchCoordinator(Coordinator):
         """
         import torch.distributed as dist
 
+        self._closing.set()  # reconnections stop after their current try
         busy = []
         for name in list(self._groups):
             lock = self._locks[name]

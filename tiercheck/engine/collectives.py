@@ -26,7 +26,12 @@ from typing import Protocol, TypeVar
 import msgpack
 
 from tiercheck._threads import DaemonExecutor
-from tiercheck.consistency.coordinator import Coordinator, SoloCoordinator, TorchCoordinator
+from tiercheck.consistency.coordinator import (
+    ChannelDown,
+    Coordinator,
+    SoloCoordinator,
+    TorchCoordinator,
+)
 from tiercheck.consistency.protocol import STEP_MESSAGES, Message, SessionToken, Step
 from tiercheck.errors import PeerUnavailable
 
@@ -98,6 +103,8 @@ async def step(
         gathered = await loop.run_in_executor(
             side.channels[channel], coordinator.all_gather, channel, packed
         )
+    except ChannelDown as exc:
+        raise ChannelDown(f"step {which.value!r} on channel {channel!r}: {exc}") from exc
     except PeerUnavailable as exc:
         raise PeerUnavailable(f"step {which.value!r} on channel {channel!r}: {exc}") from exc
     except Exception as exc:
