@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -357,3 +358,42 @@ async def test_stop_serving_with_the_store_gone_reports_and_never_raises(
     assert len(ours) == 1, [r.getMessage() for r in ours]
     assert "not stopped cleanly" in ours[0].getMessage()
     assert ours[0].exc_info is None
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_a_transfer_its_sender_gave_up_is_skipped_and_the_pair_keeps_working(
+    peer_job: dict[str, Any], tmp_path: Path, op: str
+) -> None:
+    """A holder back from a pause finds requests waiting whose senders gave up long ago.
+    Serving one would start a gloo transfer nobody takes part in: it waits out the timeout
+    and gloo closes the pair for good, so no transfer between the two ranks would ever work
+    again. The sender gives its request up in the store, once, before the holder can take
+    it; the holder skips it, and the next transfers work at once."""
+    import msgpack
+
+    from tiercheck.tiers.peer.wire import claim_key
+
+    tier = await TestPeerTier().make_tier.__func__(  # type: ignore[attr-defined]
+        SimpleNamespace(job=peer_job), tmp_path
+    )
+    assert isinstance(tier, PeerTier)
+    await tier.put("before", b"kept")
+    # A request of rank 0 that rank 0 gave up before the holder took it (as _reply does on
+    # a timeout): numbered, given up, then found by the holder.
+    store = tier._store_here()
+    seq = int(store.add("seq/1", 1))
+    given_up = store.compare_set(claim_key(0, 1, seq), "", "cancelled")
+    assert given_up == b"cancelled"
+    message: dict[str, Any] = {"op": op, "key": "stale", "chunk": 1 << 20}
+    if op == "put":
+        message["sizes"] = [4]
+    message.update(src=0, seq=seq, ns=tier.namespace)
+    store.set(f"req/1/{seq}", msgpack.packb(message, use_bin_type=True))
+    await tier.put("after", b"new")
+    assert await tier.get("after") == b"new"
+    assert await tier.get("before") == b"kept"
+    assert not await tier.exists("stale")
+    # Had the holder served it, its transfer would have held the holder for the group's
+    # 60 s timeout: the put above would have had no answer within the tier's and failed.
+    assert not tier.is_down(1)
+    await tier.aclose()

@@ -16,7 +16,7 @@ import msgpack
 from tiercheck._threads import DaemonExecutor
 from tiercheck.errors import BlobNotFound, StorageError, TiercheckError, TierFull
 from tiercheck.tiers.peer.link import _Link
-from tiercheck.tiers.peer.wire import as_tensor, chunk_size, chunk_tag, pieces
+from tiercheck.tiers.peer.wire import as_tensor, chunk_size, chunk_tag, claim_key, pieces
 
 T = TypeVar("T")
 
@@ -64,11 +64,21 @@ class _Requester(_Link):
         try:
             store.wait([key], datetime.timedelta(seconds=self.timeout))
         except dist.DistError as exc:
-            raise self._went_down(
-                dst, f"no answer within {self.timeout:.0f}s, its node may be gone ({exc})"
-            ) from exc
+            if step != "ready" or not self._served(store, dst, seq):
+                raise self._went_down(
+                    dst, f"no answer within {self.timeout:.0f}s, its node may be gone ({exc})"
+                ) from exc
+            # The holder took the request just now: it answers and moves the data.
+            try:
+                store.wait([key], datetime.timedelta(seconds=self.timeout))
+            except dist.DistError as again:
+                raise self._went_down(
+                    dst, f"no answer within {2 * self.timeout:.0f}s after taking the request"
+                ) from again
         reply: dict[str, Any] = msgpack.unpackb(store.get(key), raw=False)
         store.delete_key(key)
+        if step == "ready":
+            store.delete_key(claim_key(self.topology.rank, dst, seq))
         if not reply.get("ok", False):
             kind = reply.get("error_type", "")
             text = f"rank {dst}: {reply.get('error', 'unknown error')}"
@@ -78,6 +88,19 @@ class _Requester(_Link):
                 raise TierFull(text)
             raise StorageError(text)
         return reply
+
+    def _served(self, store: Any, dst: int, seq: int) -> bool:
+        """Whether holder ``dst`` took request ``seq`` after all; else it never will (this
+        rank gives it up, in the store, before the holder can take it).
+
+        A holder that answers "ready" then moves the data with gloo; if this rank had given
+        up by then, that transfer would wait for the timeout and gloo would close the pair
+        for good -- no transfer between the two ranks would work again (a holder back from
+        a pause finds such requests waiting).
+        """
+        return bool(
+            store.compare_set(claim_key(self.topology.rank, dst, seq), "", "cancelled") == b"served"
+        )
 
     def _call(self, dst: int, message: dict[str, Any]) -> dict[str, Any]:
         seq = self._send_request(dst, message)

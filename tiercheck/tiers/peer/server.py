@@ -21,7 +21,7 @@ from tiercheck.errors import BlobNotFound, ConfigError, TiercheckError, TierFull
 from tiercheck.tiers.base import check_range
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.peer.link import _Link
-from tiercheck.tiers.peer.wire import IDLE_WAIT, as_tensor, chunk_size, chunk_tag, pieces
+from tiercheck.tiers.peer.wire import IDLE_WAIT, as_tensor, chunk_size, chunk_tag, claim_key, pieces
 
 logger = logging.getLogger("tiercheck")
 
@@ -149,6 +149,18 @@ class _Holding(_Link):
             self._server_loop.run_until_complete(self._server_loop.shutdown_default_executor())
             self._server_loop.close()
 
+    def _take(self, store: Any, message: dict[str, Any]) -> bool:
+        """Take a request that moves data, unless its sender gave it up (it waited longer than
+        the timeout: this rank was paused, or slow); a data transfer nobody waits for would
+        make gloo close the pair between the two ranks for good."""
+        src, seq = int(message["src"]), int(message["seq"])
+        key = claim_key(src, self.topology.rank, seq)
+        if store.compare_set(key, "", "served") == b"served":
+            return True
+        store.delete_key(key)
+        logger.info("tiercheck: rank %s gave up request %s before it was taken; skipped", src, seq)
+        return False
+
     def _answer(self, store: Any, message: dict[str, Any], step: str, **fields: Any) -> None:
         src, seq = message["src"], message["seq"]
         body = {"ok": True, **fields}
@@ -221,6 +233,8 @@ class _Holding(_Link):
 
         run = self._server_loop.run_until_complete
         sizes: list[int] = message["sizes"]
+        if not self._take(store, message):
+            return
         try:
             reservation = run(self._holder.reserve(self._held_key(message), sum(sizes)))
         except (TiercheckError, OSError) as exc:
@@ -265,6 +279,8 @@ class _Holding(_Link):
         run = self._server_loop.run_until_complete
         key = self._held_key(message)
         byte_range = message.get("range")
+        if not self._take(store, message):
+            return
         try:
             if byte_range is None:
                 data = memoryview(run(self._holder.get(key))).cast("B")

@@ -79,3 +79,9 @@ def chunk_size(total: int, preferred: int) -> int:
 def as_tensor(view: memoryview) -> torch.Tensor:
     """A uint8 tensor over ``view`` (which must be writable: torch refuses read-only memory)."""
     return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def claim_key(src: int, holder: int, seq: int) -> str:
+    """The store key that decides, once, whether ``holder`` serves request ``seq`` of rank
+    ``src`` ("served") or ``src`` gave it up ("cancelled"): a compare-and-set from empty."""
+    return f"claim/{src}/{holder}/{seq}"
