@@ -151,6 +151,11 @@ def train(args: argparse.Namespace, events: Events) -> int:
         base_every=args.base_every,
         peer_timeout=args.peer_timeout,
         close_timeout=args.close_timeout,
+        # A durable tier unreachable at opening is tried again with a backoff capped here:
+        # with the default cap (60 s) a long outage could put the next try past the K saves
+        # within which the oracle wants commits back.
+        durable_retry_delay=0.5,
+        durable_retry_max=2.0,
     )
     started = time.monotonic()
     try:
