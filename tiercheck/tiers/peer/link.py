@@ -3,10 +3,19 @@
 A holder that fails an exchange is marked down for ``retry_after`` seconds; operations towards
 it then fail at once with :class:`~tiercheck.errors.PeerUnavailable` (see
 :mod:`tiercheck.tiers.peer`).
+
+Data moves over gloo. A transfer that fails or times out (a rank paused in the middle of one)
+makes gloo close the connection between the two ranks for good, so no later transfer between
+them could work. Each pair of ranks therefore has an *epoch* in the store, 0 to begin with:
+transfers of epoch 0 use the tier's group; a failed transfer moves the pair to the next epoch
+(compare-and-set: once however many see it), and transfers of a later epoch use a gloo group
+of just the two ranks, made for that epoch through the store by both of them after the holder
+said "ready". Every request names the epoch it was made in.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -27,11 +36,15 @@ class _Link:
 
     topology: Topology
     retry_after: float
+    timeout: float
     _store: Any
     _group: Any
     _local: threading.local
     _down_lock: threading.Lock
     _down_until: dict[int, float]
+    #: Groups of two for transfers with a peer after epoch 0: peer -> (epoch, group).
+    _pairs: dict[int, tuple[int, Any]]
+    _pair_locks: dict[int, threading.Lock]
 
     def mark_down(self, rank: int, reason: str = "") -> None:
         """Treat holder ``rank`` as unreachable for ``retry_after`` seconds (fail fast).
@@ -90,3 +103,69 @@ class _Link:
             raise self._went_down(
                 peer, f"moving data between ranks {self.topology.rank} and {peer} failed: {exc}"
             ) from exc
+
+    # --- transfers: epochs and groups of two ---------------------------------------------------
+
+    def _pair_key(self, peer: int) -> str:
+        low, high = sorted((self.topology.rank, peer))
+        return f"pair/{low}-{high}"
+
+    def _pair_epoch(self, peer: int) -> int:
+        """The epoch transfers with ``peer`` use now (``add`` of 0 reads it, 0 when unset)."""
+        return int(self._store_here().add(f"{self._pair_key(peer)}/epoch", 0))
+
+    def _pair_broke(self, peer: int, epoch: int) -> None:
+        """A transfer with ``peer`` at ``epoch`` failed: gloo may have closed the connection
+        for good, so the pair moves to the next epoch (once, however many saw it) and this
+        side drops its group of that epoch."""
+        try:
+            self._store_here().compare_set(
+                f"{self._pair_key(peer)}/epoch", str(epoch), str(epoch + 1)
+            )
+        except Exception as exc:  # the store is gone too: the next request fails on it
+            logger.warning("tiercheck: cannot move the pair with rank %s on: %r", peer, exc)
+        with self._pair_lock(peer):
+            if self._pairs.get(peer, (None, None))[0] == epoch:
+                del self._pairs[peer]
+
+    def _pair_lock(self, peer: int) -> threading.Lock:
+        with self._down_lock:
+            return self._pair_locks.setdefault(peer, threading.Lock())
+
+    def _transfer_group(self, peer: int, epoch: int) -> tuple[Any, int]:
+        """The group a transfer with ``peer`` at ``epoch`` uses, and ``peer``'s rank in it:
+        the tier's group at epoch 0, else the pair's group of that epoch (made here, with the
+        other side making it at the same time, when this side has none yet)."""
+        if epoch == 0:
+            return self._group, peer
+        other = 1 if self.topology.rank < peer else 0
+        with self._pair_lock(peer):
+            held = self._pairs.get(peer)
+            if held is not None and held[0] == epoch:
+                return held[1], other
+            from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo
+
+            group = ProcessGroupGloo(
+                PrefixStore(f"{self._pair_key(peer)}/{epoch}/", self._store_here()),
+                1 - other,
+                2,
+                datetime.timedelta(seconds=self.timeout),
+            )
+            self._pairs[peer] = (epoch, group)
+            return group, other
+
+    def _isend(self, group: Any, peer: int, tensor: Any, tag: int) -> Any:
+        """Start sending ``tensor`` to ``peer`` (its rank in ``group``) on ``group``."""
+        import torch.distributed as dist
+
+        if group is self._group:
+            return dist.isend(tensor, peer, group=group, tag=tag)
+        return group.send([tensor], peer, tag)
+
+    def _irecv(self, group: Any, peer: int, tensor: Any, tag: int) -> Any:
+        """Start receiving ``tensor`` from ``peer`` (its rank in ``group``) on ``group``."""
+        import torch.distributed as dist
+
+        if group is self._group:
+            return dist.irecv(tensor, peer, group=group, tag=tag)
+        return group.recv([tensor], peer, tag)

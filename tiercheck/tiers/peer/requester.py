@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from tiercheck._threads import DaemonExecutor
-from tiercheck.errors import BlobNotFound, StorageError, TiercheckError, TierFull
+from tiercheck.errors import BlobNotFound, PeerUnavailable, StorageError, TiercheckError, TierFull
 from tiercheck.tiers.peer.link import _Link
 from tiercheck.tiers.peer.wire import as_tensor, chunk_size, chunk_tag, claim_key, pieces
 
@@ -107,19 +107,24 @@ class _Requester(_Link):
         return self._reply(dst, seq, "done")
 
     def _put_sync(self, dst: int, key: str, views: Sequence[memoryview]) -> None:
-        import torch.distributed as dist
-
         sizes = [v.nbytes for v in views]
         chunk = chunk_size(sum(sizes), self.chunk_bytes)
-        message = {"op": "put", "key": key, "sizes": sizes, "chunk": chunk}
+        epoch = self._pair_epoch(dst)
+        message = {"op": "put", "key": key, "sizes": sizes, "chunk": chunk, "epoch": epoch}
         seq = self._send_request(dst, message)
         self._reply(dst, seq, "ready")
-        works = []
-        for i, piece in enumerate(pieces(views, chunk)):
-            tag = chunk_tag(seq, "put", i)
-            works.append(dist.isend(as_tensor(piece), dst, group=self._group, tag=tag))
-        self._wait_all(works, dst)
-        self._reply(dst, seq, "done")
+        try:
+            group, peer = self._transfer_group(dst, epoch)
+            works = [
+                self._isend(group, peer, as_tensor(piece), chunk_tag(seq, "put", i))
+                for i, piece in enumerate(pieces(views, chunk))
+            ]
+            self._wait_all(works, dst)
+            self._reply(dst, seq, "done")
+        except (PeerUnavailable, RuntimeError, OSError):
+            # The data may be stuck between the two: the pair's connection is done with.
+            self._pair_broke(dst, epoch)
+            raise
 
     def _get_sync(
         self,
@@ -130,7 +135,13 @@ class _Requester(_Link):
     ) -> memoryview:
         """The blob under ``key`` from ``dst``: all of it, or ``byte_range`` (clipped); from
         rank ``owner``'s replicas where given (else the requesting rank's own)."""
-        message: dict[str, Any] = {"op": "get", "key": key, "chunk": self.chunk_bytes}
+        epoch = self._pair_epoch(dst)
+        message: dict[str, Any] = {
+            "op": "get",
+            "key": key,
+            "chunk": self.chunk_bytes,
+            "epoch": epoch,
+        }
         if byte_range is not None:
             message["range"] = list(byte_range)
         if owner is not None:
@@ -141,20 +152,23 @@ class _Requester(_Link):
         if byte_range is not None and not reply.get("ranged", False):
             # Receive what is coming all the same (an unmatched send would hang the holder),
             # but never pass a whole blob off as a part of it.
-            self._receive(dst, seq, size)
+            self._receive(dst, seq, size, epoch)
             raise StorageError(
                 f"rank {dst} does not serve ranged reads (an older tiercheck?); read all of "
                 f"{key!r} instead"
             )
-        return self._receive(dst, seq, size)
+        return self._receive(dst, seq, size, epoch)
 
-    def _receive(self, dst: int, seq: int, size: int) -> memoryview:
-        import torch.distributed as dist
-
+    def _receive(self, dst: int, seq: int, size: int, epoch: int) -> memoryview:
         out = memoryview(bytearray(size))
-        works = [
-            dist.irecv(as_tensor(piece), dst, group=self._group, tag=chunk_tag(seq, "get", i))
-            for i, piece in enumerate(pieces([out], chunk_size(size, self.chunk_bytes)))
-        ]
-        self._wait_all(works, dst)
+        try:
+            group, peer = self._transfer_group(dst, epoch)
+            works = [
+                self._irecv(group, peer, as_tensor(piece), chunk_tag(seq, "get", i))
+                for i, piece in enumerate(pieces([out], chunk_size(size, self.chunk_bytes)))
+            ]
+            self._wait_all(works, dst)
+        except (PeerUnavailable, RuntimeError, OSError):
+            self._pair_broke(dst, epoch)
+            raise
         return out

@@ -229,7 +229,6 @@ class _Holding(_Link):
             self._refuse(store, message, "done", exc)
 
     def _serve_put(self, store: Any, message: dict[str, Any]) -> None:
-        import torch.distributed as dist
 
         run = self._server_loop.run_until_complete
         sizes: list[int] = message["sizes"]
@@ -247,12 +246,18 @@ class _Holding(_Link):
             for size in sizes:  # the sender's parts, laid end to end in the reservation
                 parts.append(buffer[offset : offset + size])
                 offset += size
-            # Cut exactly as the sender did: its chunk size travels with the request.
-            works = [
-                dist.irecv(as_tensor(piece), src, group=self._group, tag=chunk_tag(seq, "put", i))
-                for i, piece in enumerate(pieces(parts, int(message["chunk"])))
-            ]
-            self._wait_all(works, src)
+            epoch = int(message.get("epoch", 0))
+            try:
+                group, peer = self._transfer_group(src, epoch)
+                # Cut exactly as the sender did: its chunk size travels with the request.
+                works = [
+                    self._irecv(group, peer, as_tensor(piece), chunk_tag(seq, "put", i))
+                    for i, piece in enumerate(pieces(parts, int(message["chunk"])))
+                ]
+                self._wait_all(works, src)
+            except Exception:
+                self._pair_broke(src, epoch)
+                raise
             run(reservation.commit())
         except BaseException as exc:
             run(reservation.abort())
@@ -274,7 +279,6 @@ class _Holding(_Link):
             logger.warning("tiercheck: preparing replica memory failed: %r", exc)
 
     def _serve_get(self, store: Any, message: dict[str, Any]) -> None:
-        import torch.distributed as dist
 
         run = self._server_loop.run_until_complete
         key = self._held_key(message)
@@ -298,8 +302,14 @@ class _Holding(_Link):
         self._answer(store, message, "ready", size=data.nbytes, ranged=byte_range is not None)
         src, seq = int(message["src"]), int(message["seq"])
         chunk = chunk_size(data.nbytes, int(message["chunk"]))
-        works = [
-            dist.isend(as_tensor(piece), src, group=self._group, tag=chunk_tag(seq, "get", i))
-            for i, piece in enumerate(pieces([data], chunk))
-        ]
-        self._wait_all(works, src)
+        epoch = int(message.get("epoch", 0))
+        try:
+            group, peer = self._transfer_group(src, epoch)
+            works = [
+                self._isend(group, peer, as_tensor(piece), chunk_tag(seq, "get", i))
+                for i, piece in enumerate(pieces([data], chunk))
+            ]
+            self._wait_all(works, src)
+        except Exception:
+            self._pair_broke(src, epoch)
+            raise

@@ -134,6 +134,8 @@ class PeerTier(_Requester, _Holding, Tier):
         self._local = threading.local()
         self._down_lock = threading.Lock()
         self._down_until: dict[int, float] = {}
+        self._pairs: dict[int, tuple[int, Any]] = {}
+        self._pair_locks: dict[int, threading.Lock] = {}
         self._threads = DaemonExecutor(_MAX_THREADS, f"tiercheck-peer-r{topology.rank}")
         self._stop = threading.Event()
         self._stopped: bool | None = None  # how stop_serving ended, once it ran

@@ -1,0 +1,95 @@
+"""One rank of two for the peer tier's pair-epoch test (``tests/tiers/test_peer_pair.py``).
+
+Run as ``python peer_pair_worker.py RANK PORT ROOT``. Rank 1 holds rank 0's replicas until
+``ROOT/stop`` exists. Rank 0 stores a blob, then makes one transfer fail the way a pause in the
+middle of it does -- the holder said "ready" and waits for data that never comes, until gloo
+times out and closes the connection between the two ranks -- and then stores and reads blobs
+again. It prints one JSON line: what each step gave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tiercheck.tiers.peer import PeerTier
+from tiercheck.topology import Topology
+
+TIMEOUT_S = 1.5
+
+
+class _Nothing:
+    """A transfer that never started (the sender paused before it)."""
+
+    def wait(self) -> None:
+        return None
+
+
+async def requester(tier: PeerTier) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    await tier.put("a", b"first")
+    out["epoch_before"] = tier._pair_epoch(1)
+    real = tier._isend
+    tier._isend = lambda *args: _Nothing()  # type: ignore[method-assign]
+    try:
+        await tier.put("lost", b"x" * 1000)
+        out["lost"] = "stored"
+    except Exception as exc:
+        out["lost"] = type(exc).__name__
+    tier._isend = real  # type: ignore[method-assign]
+    out["epoch_after"] = tier._pair_epoch(1)
+    # The next transfers work (after the holder counts as down for retry_after at most).
+    deadline = time.monotonic() + 30
+    errors = []
+    while True:
+        try:
+            await tier.put("b", b"second")
+            break
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.3)
+    out["errors_before_b"] = errors
+    out["a"] = bytes(await tier.get("a")).decode()
+    out["b"] = bytes(await tier.get("b")).decode()
+    out["exists_lost"] = await tier.exists("lost")
+    return out
+
+
+def main() -> None:
+    rank, port, root = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
+    tier = PeerTier(
+        topology=Topology(rank, 2, 1),
+        holder_root=root / f"holder{rank}",
+        session="pair",
+        timeout=TIMEOUT_S,
+        retry_after=0.2,
+    )
+    if rank == 0:
+        result = asyncio.run(requester(tier))
+        print(json.dumps(result), flush=True)
+        (root / "stop").touch()
+    else:
+        while not (root / "stop").exists():
+            time.sleep(0.05)
+    asyncio.run(tier.aclose())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
