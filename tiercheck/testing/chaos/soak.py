@@ -49,8 +49,12 @@ class Settings:
     peer_timeout: float = 3.0
     close_timeout: float = 5.0
     step_seconds: float = 0.05
-    #: Saves within which commits must resume in every tier after a transient fault.
+    #: Saves within which commits must resume in every tier after a transient fault...
     resume_within: int = 24
+    #: ...and at least this many seconds: a durable tier's storage calls back off when they
+    #: fail (up to 1.5 s each by RetryPolicy's defaults) and a commit takes several, so at
+    #: 20 saves a second K saves alone would be shorter than one call's retries.
+    resume_seconds: float = 6.0
     stall_limit: float = 10.0
     #: Seconds without a save by every rank (no rank stopped) that count as a hang.
     hang_s: float = 60.0
@@ -320,14 +324,16 @@ class Soak:
     def expect_resume(self, what: str) -> None:
         """After a transient fault: every tier commits a version newer than any it had
         committed when the fault ended, before the job saved :attr:`Settings.resume_within`
-        more. (A tier that lags -- it commits the oldest versions it queued first -- passes as
-        long as it commits; one that stopped does not.)"""
+        more (and :attr:`Settings.resume_seconds` passed). (A tier that lags -- it commits the
+        oldest versions it queued first -- passes as long as it commits; one that stopped does
+        not.)"""
         inc = self.job
         self.tick()
         after = inc.max_step()
         newest = dict(self.oracle.known)
         since = len(self.oracle.commits)
         limit = after + self.settings.resume_within
+        not_before = time.monotonic() + self.settings.resume_seconds
         while True:
             self.tick()
             self.oracle.check_agreement()
@@ -338,13 +344,14 @@ class Soak:
                     f"(the fault ended at v{after})"
                 )
                 return
-            if inc.min_step() >= limit:
+            if inc.min_step() >= limit and time.monotonic() >= not_before:
                 stuck = {t: newest[t] for t in TIERS if t not in done}
                 raise Finding(
                     "no-resume",
                     f"after {what}, which ended at version {after}, no tier of {sorted(stuck)} "
                     f"committed a version newer than it had by then ({stuck}) before every rank "
-                    f"saved version {limit} (K = {self.settings.resume_within} saves)",
+                    f"saved version {limit} (K = {self.settings.resume_within} saves) and "
+                    f"{self.settings.resume_seconds:.0f} s passed",
                 )
             time.sleep(TICK)
 
