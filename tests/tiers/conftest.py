@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tiercheck.testing.chaos.s3 import S3_ENV
+
 
 @dataclass(frozen=True)
 class S3Server:
@@ -39,16 +41,9 @@ def s3_server() -> Iterator[S3Server]:
     boto3 = pytest.importorskip("boto3", reason="boto3 (a moto dependency) is not installed")
 
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_SESSION_TOKEN": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            # No instance-metadata lookups and no reading of the developer's AWS config.
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": "/dev/null",
-            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-        }.items():
+        # Dummy credentials, no instance-metadata lookups, no reading of the developer's AWS
+        # config: the same environment the chaos soak gives its processes.
+        for name, value in S3_ENV.items():
             mp.setenv(name, value)
         # werkzeug logs every request at INFO; the server is an implementation detail here.
         werkzeug_log = logging.getLogger("werkzeug")
