@@ -168,7 +168,10 @@ CATALOG: dict[str, Fault] = {
             "s3-hang",
             "the S3 server stops answering for 2-8 s (SIGSTOP), then answers again",
             None,
-            None,
+            "issue #21 (open), found by this soak (seed 3102): drawn right after a restart, "
+            "before the first save, it stalls training -- the first save after a restore "
+            "settles the timeline in durable storage on the save's own path, and waits out "
+            "the hung calls",
             1,
         ),
         Fault(
@@ -212,7 +215,9 @@ CATALOG: dict[str, Fault] = {
             "the S3 endpoint refuses connections; SIGKILL every rank; relaunch during the outage "
             "(memory holds the newest versions); the endpoint is back 10 s later",
             _ALL,
-            None,
+            "issue #21 (open), found by this soak (seed 3101): after a wipe-live on a node, "
+            "that node's memory holds new versions but no identity record (only an opening "
+            "writes it), so the restart refuses to trust it while the store is down",
             1,
         ),
         Fault(
