@@ -459,3 +459,37 @@ def test_after_an_outage_the_tier_catches_up_with_the_newest_version(
     assert back is not None
     assert (back.version, back.source_tier) == (expected[-1][0], "persistent")
     assert_state_equal(back.state, state_of(back.version))
+
+
+def test_memory_removed_under_the_live_job_is_trusted_again_by_a_restart_during_an_outage(
+    flaky_s3: FlakyS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator (or a cleanup job) removes the node's memory folder while the job trains:
+    the job writes on and commits resume -- and its identity record, which only an opening
+    wrote, was gone with the folder. A restart while durable storage is down then could not
+    tell the node's memory is this run's, and refused to start (found by the chaos soak,
+    seed 3101). The job writes the record again; the restart opens on memory and restores the
+    newest version the job committed there after the removal."""
+    node = tmp_path / "node"
+    with opened(flaky_s3, node) as ckpt:
+        for v in range(4):
+            ckpt.save(v, state_of(v))
+        ckpt.wait()
+        shutil.rmtree(node)  # the whole node folder: blobs, manifest, locks, identity
+        with caplog.at_level(logging.WARNING, logger="tiercheck"):
+            for v in range(4, 10):
+                ckpt.save(v, state_of(v))
+                ckpt.wait()
+        assert ckpt.wait()["local"] == 9
+    assert "identity record" in caplog.text and "writing it again" in caplog.text
+    flaky_s3.stop()
+    ckpt = opened(flaky_s3, node)
+    try:
+        ckpt.open()
+        assert set(ckpt.stats.unreachable) == {"persistent"}
+        restored = ckpt.restore()
+        assert restored is not None
+        assert (restored.version, restored.source_tier) == (9, "local")
+        assert_state_equal(restored.state, state_of(9))
+    finally:
+        ckpt.close()

@@ -20,6 +20,7 @@ from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
 from tiercheck.consistency.protocol import ClaimOutcome, OpenFacts, Outcome, Step
 from tiercheck.consistency.worlds import Spans, span_after, spans_of, world_of
+from tiercheck.defaults import NodeRoot
 from tiercheck.engine.collectives import Channels, step
 from tiercheck.engine.judgement import judge_opening
 from tiercheck.engine.options import Options
@@ -355,6 +356,24 @@ class Claim:
                 cfg.durable_retry_delay,
                 cfg.durable_retry_max,
             )
+
+    async def keep_identity(self) -> None:
+        """Write the node's identity record again where it went missing under the live job
+        (its memory folder removed by an operator or a cleanup job; the job writes on and
+        commits resume): without it, a restart while durable storage is down could not tell
+        that the node's memory holds this run's versions, and would refuse it. Each node's
+        first rank, once the job is open; never where a newer opening took the job over."""
+        if self.topo.local_rank != 0 or not self.opened_at or self.superseded:
+            return
+        path = NodeRoot(self.options.job.node_root).identity
+        if await asyncio.to_thread(path.exists):
+            return
+        logger.warning(
+            "tiercheck: the node's identity record %s is gone (was the node's memory folder "
+            "removed under the live job?); writing it again",
+            path,
+        )
+        await self._write_identity()
 
     async def _write_identity(self) -> None:
         durable = self.durable

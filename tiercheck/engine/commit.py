@@ -107,6 +107,13 @@ class CommitRounds:
                     logger.exception("tiercheck: retention in the %r tier failed", tier.name)
                 else:
                     pipe.peers_back()
+                if not pipe.durable:
+                    # The node's memory folder may have been removed under the job: its
+                    # identity record is what lets a later opening trust what it holds now.
+                    try:
+                        await pipe.claim.keep_identity()
+                    except Exception:
+                        logger.exception("tiercheck: keeping the node's identity record failed")
                 # Retention may have left the versions of whole saves behind in every tier:
                 # their records need not stay in the manifest's log (versions in flight do).
                 pipe.journal.compact(pipe.inflight.oldest_version(default=job.version + 1))

@@ -47,6 +47,12 @@ class Fault:
 
 
 _ALL = TIERS
+_FIRST_SAVE = (
+    "issue #21 (open), found by this soak (seeds 3102, 3103): drawn right after a restart, "
+    "before the first save, it stalls training -- the first save after a restore settles the "
+    "timeline in durable storage on the save's own path, and waits out the failing or hung "
+    "calls (their retries, or the client's timeouts)"
+)
 CATALOG: dict[str, Fault] = {
     f.name: f
     for f in [
@@ -154,24 +160,21 @@ CATALOG: dict[str, Fault] = {
             "s3-blip",
             "the S3 endpoint refuses connections for 0.2-1 s (its proxy killed), then is back",
             None,
-            None,
+            _FIRST_SAVE,
             2,
         ),
         Fault(
             "s3-down",
             "the S3 endpoint refuses connections for 2-8 s (its proxy killed), then is back",
             None,
-            None,
+            _FIRST_SAVE,
             1,
         ),
         Fault(
             "s3-hang",
             "the S3 server stops answering for 2-8 s (SIGSTOP), then answers again",
             None,
-            "issue #21 (open), found by this soak (seed 3102): drawn right after a restart, "
-            "before the first save, it stalls training -- the first save after a restore "
-            "settles the timeline in durable storage on the save's own path, and waits out "
-            "the hung calls",
+            _FIRST_SAVE,
             1,
         ),
         Fault(
@@ -215,9 +218,7 @@ CATALOG: dict[str, Fault] = {
             "the S3 endpoint refuses connections; SIGKILL every rank; relaunch during the outage "
             "(memory holds the newest versions); the endpoint is back 10 s later",
             _ALL,
-            "issue #21 (open), found by this soak (seed 3101): after a wipe-live on a node, "
-            "that node's memory holds new versions but no identity record (only an opening "
-            "writes it), so the restart refuses to trust it while the store is down",
+            None,
             1,
         ),
         Fault(
