@@ -16,11 +16,12 @@ when a collective times out, so the channel's group can never exchange again. Th
 coordinator then connects the channel anew -- a fresh gloo group under a new *epoch*, agreed
 through the job's key-value store -- on a thread of its own that tries again and again, each try
 bounded by the timeout, until every rank has joined one epoch; a rank that paused for longer
-than the timeout rejoins that way as soon as it sees its own exchange fail. Meanwhile every call
-on the channel fails at once, so a rank that is gone for good costs a save nothing. (Tries that
-waited only when a call came could miss each other for as long as the saves went on: each rank
-gave up an epoch while the other was between calls.) What a reconnection cannot tell is where
-the exchanges stand: some ranks may have completed the exchange that failed on others. The
+than the timeout rejoins that way as soon as it sees its own exchange fail. Meanwhile a call on
+the channel waits for the reconnection, at most the timeout, and then fails without having sent
+anything (:class:`ChannelDown`); calls come from the tiers' round workers, never from training.
+(Tries made only when a call came could miss each other for as long as the saves went on: each
+rank gave up an epoch while the other was between calls.) What a reconnection cannot tell is
+where the exchanges stand: some ranks may have completed the exchange that failed on others. The
 callers tag their exchanges and resynchronize (:mod:`tiercheck.engine.collectives`,
 :mod:`tiercheck.consistency.resync`).
 """
