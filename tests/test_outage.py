@@ -481,7 +481,8 @@ def test_memory_removed_under_the_live_job_is_trusted_again_by_a_restart_during_
                 ckpt.save(v, state_of(v))
                 ckpt.wait()
         assert ckpt.wait()["local"] == 9
-    assert "identity record" in caplog.text and "writing it again" in caplog.text
+    assert "identity record" in caplog.text
+    assert "writing it again" in caplog.text
     flaky_s3.stop()
     ckpt = opened(flaky_s3, node)
     try:
