@@ -51,7 +51,15 @@ from tiercheck.guard import (
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.storage import is_transient
 
-__all__ = ["Claim", "Stale", "gather_facts", "passes", "read_job_facts", "stale_message"]
+__all__ = [
+    "Claim",
+    "Stale",
+    "gather_facts",
+    "keep_identity",
+    "passes",
+    "read_job_facts",
+    "stale_message",
+]
 
 logger = logging.getLogger("tiercheck")
 
@@ -263,7 +271,7 @@ class Claim:
         self.stored_world = new
         self.revision += 1
         if self.topo.local_rank == 0:
-            await self._write_identity()
+            await self.record_identity()
         return await self.sync_job_record()
 
     async def sync_job_record(self) -> str | None:
@@ -334,7 +342,7 @@ class Claim:
         if topo.local_rank == 0 and (
             me.identity is None or topo.node_index in stale or topo.node_index in self._adopted
         ):
-            await self._write_identity()
+            await self.record_identity()
 
     def _warn_degraded(self, everyone: Sequence[OpenFacts]) -> None:
         """The job opens on its memory: one WARNING naming the tiers and why."""
@@ -357,25 +365,9 @@ class Claim:
                 cfg.durable_retry_max,
             )
 
-    async def keep_identity(self) -> None:
-        """Write the node's identity record again where it went missing under the live job
-        (its memory folder removed by an operator or a cleanup job; the job writes on and
-        commits resume): without it, a restart while durable storage is down could not tell
-        that the node's memory holds this run's versions, and would refuse it. Each node's
-        first rank, once the job is open; never where a newer opening took the job over."""
-        if self.topo.local_rank != 0 or not self.opened_at or self.superseded:
-            return
-        path = NodeRoot(self.options.job.node_root).identity
-        if await asyncio.to_thread(path.exists):
-            return
-        logger.warning(
-            "tiercheck: the node's identity record %s is gone (was the node's memory folder "
-            "removed under the live job?); writing it again",
-            path,
-        )
-        await self._write_identity()
-
-    async def _write_identity(self) -> None:
+    async def record_identity(self) -> None:
+        """Write this node's identity record (the job, its incarnation, its worlds) as this
+        opening knows them."""
         durable = self.durable
         identity = NodeIdentity(
             job_id=self.job_id,
@@ -495,3 +487,22 @@ class Claim:
                 tier.name,
             )
             raise
+
+
+async def keep_identity(claim: Claim) -> None:
+    """Write the node's identity record again where it went missing under the live job (its
+    memory folder removed by an operator or a cleanup job; the job writes on and commits
+    resume): without it, a restart while durable storage is down could not tell that the
+    node's memory holds this run's versions, and would refuse it. Each node's first rank, once
+    the job is open; never where a newer opening took the job over."""
+    if claim.topo.local_rank != 0 or not claim.opened_at or claim.superseded:
+        return
+    path = NodeRoot(claim.options.job.node_root).identity
+    if await asyncio.to_thread(path.exists):
+        return
+    logger.warning(
+        "tiercheck: the node's identity record %s is gone (was the node's memory folder "
+        "removed under the live job?); writing it again",
+        path,
+    )
+    await claim.record_identity()

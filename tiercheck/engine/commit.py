@@ -35,6 +35,7 @@ from tiercheck.consistency.protocol import (
     round_failures,
 )
 from tiercheck.consistency.resync import PHASES, position_key, resync
+from tiercheck.engine.claim import keep_identity
 from tiercheck.engine.collectives import OutOfStep, step
 from tiercheck.engine.jobs import Job, LaneResult
 from tiercheck.errors import CommitUncertain, PeerUnavailable, Superseded, TierWriteFailed
@@ -111,7 +112,7 @@ class CommitRounds:
                     # The node's memory folder may have been removed under the job: its
                     # identity record is what lets a later opening trust what it holds now.
                     try:
-                        await pipe.claim.keep_identity()
+                        await keep_identity(pipe.claim)
                     except Exception:
                         logger.exception("tiercheck: keeping the node's identity record failed")
                 # Retention may have left the versions of whole saves behind in every tier:
