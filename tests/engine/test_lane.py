@@ -49,11 +49,18 @@ class _Pipe:
         self.durable = durable
         self.claim = claim
         self.blocked: str | None = None
+        self.timeline_ready = asyncio.Event()
+        self.timeline_ready.set()
         #: What the tier commits and holds for this rank (none of these tests commits).
         self.committed: set[int] = set()
         self.own: dict[int, Any] = {}
         self.skipped: list[tuple[int, BaseException]] = []
         self.recorded: list[int] = []
+
+    def refusal(self) -> TierWriteFailed:
+        return TierWriteFailed(
+            f"the {self.name!r} tier takes no new versions for now: {self.blocked}"
+        )
 
     def skip(self, job: Job, exc: BaseException) -> None:
         self.skipped.append((job.version, exc))
@@ -259,6 +266,41 @@ async def test_a_blocked_tier_skips_the_version(tmp_path: Path) -> None:
     assert isinstance(why, TierWriteFailed)
     assert "takes no new versions for now: it holds another timeline's versions" in str(why)
     assert lane.queue.empty()
+
+
+async def test_a_tier_whose_timeline_is_being_settled_holds_versions_until_it_is(
+    tmp_path: Path,
+) -> None:
+    """After a restore the timeline is settled in the background (tiercheck.engine.timeline):
+    meanwhile versions wait in the lane -- neither written nor dropped; once it is settled they
+    are written, or, where the settling failed and blocked the tier, skipped with the reason."""
+    for outcome in ("settled", "blocked"):
+        tier = DictTier()
+        pipe = _Pipe(tier, _claim(tmp_path), durable=True)
+        pipe.blocked = "not settled yet"
+        pipe.timeline_ready.clear()
+        lane = Lane(cast(Any, pipe))
+        worker = asyncio.create_task(lane.run())
+        versions = [_Version(v, tier.name) for v in (1, 2)]
+        assert all(v.offer(lane) for v in versions)  # a blocked tier would refuse at once
+        await asyncio.sleep(0.05)
+        assert not tier.blobs
+        assert not pipe.skipped
+        assert not any(v.job.results[tier.name].done() for v in versions)
+        pipe.blocked = None if outcome == "settled" else "the versions could not be set aside"
+        pipe.timeline_ready.set()
+        lane.queue.put_nowait(None)
+        await asyncio.wait_for(worker, 10)
+        if outcome == "settled":
+            assert _versions_in(tier) == [1, 2]
+            assert not pipe.skipped
+        else:
+            assert not tier.blobs
+            assert [v for v, _ in pipe.skipped] == [1, 2]
+            assert all("could not be set aside" in str(e) for _, e in pipe.skipped)
+        for v in versions:
+            v.let_go()
+            assert v.released
 
 
 async def test_a_memory_tier_writes_an_overlapped_snapshot_only_once_confirmed(

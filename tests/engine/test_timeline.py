@@ -258,3 +258,73 @@ def test_a_death_at_any_write_of_the_first_save_after_going_back_loses_nothing(
         assert torch.equal(final.state["w"], new(final.version)["w"])
         for v in durably:
             assert v <= got.version or _whole_somewhere(durable, v), (k, v)
+
+
+def test_a_restart_whose_durable_storage_hangs_at_its_first_save_trains_on(
+    tmp_path: Path,
+) -> None:
+    """A restart from the newest version (nothing durable to set aside): the first save's
+    settling of the timeline in durable storage runs in the background, so a store that hangs
+    right then stalls no save -- memory commits go on -- and the versions reach it, whole,
+    once it answers again (chaos soak seeds 3102, 3103)."""
+    import asyncio
+    import threading
+
+    from tiercheck import SyncCheckpointer
+    from tiercheck.tiers import DelegatingTier, LocalTier, PersistentTier
+
+    class Hanging(DelegatingTier):
+        """Every operation waits while :attr:`answering` is clear (at most a minute: a save
+        that waited for it fails the test instead of hanging it)."""
+
+        def __init__(self, inner: PersistentTier) -> None:
+            super().__init__(inner)
+            self.answering = threading.Event()
+            self.answering.set()
+            self.hung = threading.Event()
+
+        async def before(self, op: str, key: str) -> None:
+            if not self.answering.is_set():
+                self.hung.set()
+                await asyncio.to_thread(self.answering.wait, 60)
+
+    def opened(root: Path, store: Hanging) -> SyncCheckpointer:
+        return SyncCheckpointer(
+            "job",
+            local_root=root / "node",
+            tiers=[LocalTier(root / "node" / "blobs"), store],
+            persist="all",
+            base_every=2,
+            keep={"local": 3, "persistent": 10},
+            threads=1,
+        )
+
+    uri = (tmp_path / "durable" / "job").as_uri()
+    with opened(tmp_path, Hanging(PersistentTier(uri))) as ckpt:
+        for v in range(4):
+            ckpt.save(v, state_of(v))
+        ckpt.wait()
+    store = Hanging(PersistentTier(uri))
+    with opened(tmp_path, store) as ckpt:
+        got = ckpt.restore()
+        assert got is not None
+        assert got.version == 3
+        store.answering.clear()  # the store hangs from here on
+        handles = []
+        for v in (4, 5, 6):
+            # Each save returns and commits in memory while the store does not answer.
+            handle = ckpt.save(v, state_of(v))
+            handle.result("local", timeout=60)
+            handles.append(handle)
+        assert store.hung.is_set()
+        assert not any(h.tier_future("persistent").done() for h in handles)  # type: ignore[union-attr]
+        store.answering.set()
+        ckpt.wait()
+        # The versions that waited meanwhile reach the store (the newest whole ones first,
+        # within tier_queue), the newest of them included.
+        assert handles[-1].committed("persistent")
+    with opened(tmp_path / "elsewhere", Hanging(PersistentTier(uri))) as fresh:
+        final = fresh.restore()
+    assert final is not None
+    assert final.version == 6
+    assert torch.equal(final.state["w"], state_of(6)["w"])

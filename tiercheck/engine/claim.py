@@ -256,7 +256,7 @@ class Claim:
             return True
         return any(first >= first_version for first, _ in self.worlds)
 
-    async def record_world(self, first_version: int) -> str | None:
+    async def record_world(self, first_version: int, *, channel: str = "control") -> str | None:
         """Collective: versions from ``first_version`` on are this world's.
 
         Every rank updates what it knows the same way; each node's first rank records it in
@@ -272,18 +272,18 @@ class Claim:
         self.revision += 1
         if self.topo.local_rank == 0:
             await self.record_identity()
-        return await self.sync_job_record()
+        return await self.sync_job_record(channel=channel)
 
-    async def sync_job_record(self) -> str | None:
-        """Collective: rank 0 writes the job record with what every rank knows; returns why
-        it could not (every rank alike), else ``None``."""
+    async def sync_job_record(self, *, channel: str = "control") -> str | None:
+        """Collective (on ``channel``): rank 0 writes the job record with what every rank
+        knows; returns why it could not (every rank alike), else ``None``."""
         error = None
         if self.rank == 0 and self.durable and not self.superseded:
             try:
                 await self.write_job_record()
             except (TiercheckError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        said = await step(self.channels, Step.JOB_RECORD, Outcome(error))
+        said = await step(self.channels, Step.JOB_RECORD, Outcome(error), channel=channel)
         failed = [e.error for e in said if e.error is not None]
         return failed[0] if failed else None
 

@@ -41,7 +41,7 @@ from tiercheck.engine.schedule import Schedule
 from tiercheck.engine.shutdown import Shutdown
 from tiercheck.engine.stage import Stager
 from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
-from tiercheck.engine.timeline import Timeline
+from tiercheck.engine.timeline import TIMELINE_CHANNEL, Timeline
 from tiercheck.errors import ConfigError, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
@@ -86,7 +86,9 @@ class Engine:
         self.schedule = Schedule(config, self.stats, self.claim, self.pipes)
         self.stager = Stager(config, self.pipes)
         self.encoder = Encoder(config, self.journal, self.cpu, self.pipes, self.schedule)
-        self.timeline = Timeline(config, self.claim, self.channels, self.pipes)
+        self.timeline = Timeline(
+            config, self.claim, self.channels, self.pipes, self.schedule.lose_base
+        )
         #: Gets back the durable tiers the opening could not reach.
         self.rejoin = Rejoin(config, self.claim, self.channels, self.pipes, self.timeline)
         reader = Reader(config, self.stats, self.claim, self.cpu, self.pipes)
@@ -143,10 +145,11 @@ class Engine:
             world_size=self.topo.world_size,
             # The flush on SIGTERM's channel exists whether or not this rank handles SIGTERM:
             # creating groups is a collective, the same on every rank whatever its options.
-            names=["control", PREEMPT_CHANNEL, *cfg.tier_names],
+            names=["control", PREEMPT_CHANNEL, TIMELINE_CHANNEL, *cfg.tier_names],
             timeout=cfg.coordination.peer_timeout,
         )
         channels.add(PREEMPT_CHANNEL)
+        channels.add(TIMELINE_CHANNEL)
         # One token per opening of the job (its session), agreed by all ranks: keeps a
         # restarted job from reading the key-value store entries of the one that died.
         session = await channels.agree_session(os.urandom(8).hex())
@@ -241,7 +244,8 @@ class Engine:
         await self.rejoin.settle()
         # After a restore, the first save settles where the run goes on from (versions that
         # left the timeline set aside, the world-size history) before anything of this version
-        # is written anywhere -- and only once the save is known to be allowed at all.
+        # is written anywhere -- and only once the save is known to be allowed at all. The
+        # durable tiers' part runs in the background; their lanes wait for it.
         await self.timeline.settle(version)
         plan = await schedule.plan(version, on_host=flat.on_host, pinned=self.stager.pool.pin)
         if plan.kind == "skipped":
@@ -322,6 +326,7 @@ class Engine:
         on a fresh start; see :meth:`Restorer.agree`. The saves in flight finish first."""
         self._check_open()
         await self.wait()
+        await self.timeline.quiesce()
         return await self.restorer.agree(version)
 
     async def restore_read(

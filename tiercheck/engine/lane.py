@@ -53,14 +53,8 @@ class Lane:
         (the tier is blocked, or ``tier_queue`` versions behind and it is not among the newest
         whole ones: :func:`~tiercheck.engine.plan.make_room`)."""
         tier_queue = self.pipe.options.tiers.tier_queue
-        if self.pipe.blocked is not None:
-            self.pipe.skip(
-                job,
-                TierWriteFailed(
-                    f"the {self.pipe.name!r} tier takes no new versions for now: "
-                    f"{self.pipe.blocked}"
-                ),
-            )
+        if self.pipe.blocked is not None and self.pipe.timeline_ready.is_set():
+            self.pipe.skip(job, self.pipe.refusal())
             return False
         if queue_full(self.queue.qsize(), tier_queue):
             return self._keep(make_room, f"it is {tier_queue} versions behind", (job, parts, meta))
@@ -124,6 +118,14 @@ class Lane:
             key = blob_key(job.version, pipe.rank, kind)
             self.writing = job.version
             try:
+                if not pipe.timeline_ready.is_set():
+                    # After a restore, the timeline is settled in the background before
+                    # anything of the run's new versions is written here (see
+                    # tiercheck.engine.timeline); whether the tier takes them is known then.
+                    await pipe.timeline_ready.wait()
+                if pipe.blocked is not None:
+                    self.pipe.skip(job, self.pipe.refusal())
+                    continue
                 if not pipe.durable:
                     # A memory tier has no COMMIT record: a blob there is restorable, so one
                     # of a torn snapshot must never get there.

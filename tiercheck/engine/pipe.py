@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tiercheck.engine.journal import Journal
     from tiercheck.engine.options import Options
     from tiercheck.engine.results import CheckpointerStats
+    from tiercheck.errors import TierWriteFailed
     from tiercheck.tiers.base import Tier
 
 __all__ = ["Pipe"]
@@ -42,12 +43,18 @@ class Pipe(Protocol):
     durable: bool
     #: Why the tier takes no new versions for now, or ``None``.
     blocked: str | None
+    #: Clear while the timeline is being settled for the tier: nothing is written meanwhile.
+    timeline_ready: asyncio.Event
     own: dict[int, OwnBlob]
     committed: set[int]
     #: Versions whose round failed here on a peer error after this rank voted yes.
     unsure: set[int]
     reserve_size: int
     idle: asyncio.Event
+
+    def refusal(self) -> TierWriteFailed:
+        """Why a version is not taken while the tier is blocked."""
+        ...
 
     def skip(self, job: Job, exc: BaseException) -> None:
         """``job`` is not written to this tier (``exc`` says why)."""

@@ -306,7 +306,9 @@ class Preemption:
                 memory |= {v for v in pipe.committed if v in pipe.own and v <= top}
                 continue
             durable[name] = max(pipe.committed, default=-1)
-            if pipe.blocked is not None:
+            if not pipe.timeline_ready.is_set():
+                blocked[name] = "its timeline is being settled after a restore"
+            elif pipe.blocked is not None:
                 blocked[name] = pipe.blocked
             elif pipe.unlisted:
                 blocked[name] = "this rank could not list it: its newest version is unknown"

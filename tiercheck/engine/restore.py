@@ -233,7 +233,13 @@ def restore_outcome(
         rejected={v: tuple(lines) for v, lines in rejected.items()},
         tiers=tuple(adoptions),
         restart_from=chosen,
-        continuation=Continuation(chosen, reason),
+        continuation=Continuation(
+            chosen,
+            reason,
+            newer_durable=any(
+                t.durable and (t.unlisted or any(v > chosen for v in t.listed)) for t in tiers
+            ),
+        ),
     )
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tiercheck.engine.rejoin import Rejoin
     from tiercheck.engine.stage import Stager
     from tiercheck.engine.tier import TierPipeline
+    from tiercheck.engine.timeline import Timeline
     from tiercheck.tiers.base import Tier
 
 __all__ = ["Closable", "Shutdown"]
@@ -59,6 +60,7 @@ class Closable(Protocol):
     stager: Stager
     preemption: Preemption
     rejoin: Rejoin
+    timeline: Timeline
     save_lock: asyncio.Lock
     opened: bool
     open_started: float | None
@@ -95,6 +97,10 @@ class Shutdown:
         # A flush on SIGTERM in progress ends first (within its grace); none starts from now.
         await self.engine.preemption.finished()
         self.engine.rejoin.stop()
+        if how != "collective":
+            # The timeline's settling in the background stops here; the tiers it was still
+            # settling take no version of this run (only the normal end waits for it).
+            await self.engine.timeline.stop()
         # The close decides every overlapped save: the caller confirmed what it could before
         # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
         self.engine.stager.abandon(
@@ -149,6 +155,7 @@ class Shutdown:
         except Exception:
             logger.exception("tiercheck: finishing the saves in flight failed")
             saved = False
+        await self.engine.timeline.stop()  # waiting only for a retry, if anything
         self.engine.mark_closed()
         await self._end_workers(cancel=False)
         collective = self.engine.channels.coordinator.world_size > 1

@@ -99,6 +99,10 @@ class TierPipeline(Retention):
         self._on_base_lost = on_base_lost
         #: Why the tier takes no new versions for now (see :meth:`block`), or ``None``.
         self.blocked: str | None = None
+        #: Clear while the timeline is being settled for the tier in the background (after a
+        #: restore): versions wait in the lane, and whether the tier takes them is known then.
+        self.timeline_ready = asyncio.Event()
+        self.timeline_ready.set()
         #: Whole abandoned sets in the tier (durable tiers), by tag.
         self.abandoned: dict[str, SetInfo] = {}
         #: Set while the round worker has nothing left to do (retention included).
@@ -184,6 +188,12 @@ class TierPipeline(Retention):
         self.blocked = reason
         if announced:
             self.skip_logged.add(TierWriteFailed.__name__)
+
+    def refusal(self) -> TierWriteFailed:
+        """Why a version is not taken while the tier is blocked (see :meth:`block`)."""
+        return TierWriteFailed(
+            f"the {self.name!r} tier takes no new versions for now: {self.blocked}"
+        )
 
     def unblock(self, *, announced: bool = False) -> None:
         """Take versions again; the next save is a base (the tier holds none of the run's

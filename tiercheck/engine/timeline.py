@@ -28,9 +28,11 @@ left there.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,12 +56,15 @@ from tiercheck.tiers.base import copy_blob
 if TYPE_CHECKING:
     from tiercheck.engine.tier import TierPipeline
 
-__all__ = ["RETRY_EVERY", "Continuation", "Timeline"]
+__all__ = ["RETRY_EVERY", "TIMELINE_CHANNEL", "Continuation", "Timeline"]
 
 logger = logging.getLogger("tiercheck")
 
 #: A durable tier whose settling failed is tried again every this many saves.
 RETRY_EVERY = 10
+
+#: The channel the background worker's exchanges run on (nothing else uses it).
+TIMELINE_CHANNEL = "timeline"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +75,15 @@ class Continuation:
     version: int
     #: Why the versions after it leave the timeline (logged, and kept in the ``SET`` record).
     reason: str
+    #: Whether a durable tier holds committed versions after it, or may (one could not be
+    #: listed): the run goes back from them, and its first save waits until they are set
+    #: aside (:meth:`Timeline.settle`).
+    newer_durable: bool = False
 
 
 class Timeline:
-    """Settles, before the first save after a restore, the timeline the run continues."""
+    """Settles, after a restore, the timeline the run continues: the memory tiers at the first
+    save, the durable ones in the background (see the module docstring)."""
 
     def __init__(
         self,
@@ -81,6 +91,7 @@ class Timeline:
         claim: Claim,
         channels: Channels,
         pipes: Mapping[str, TierPipeline],
+        lose_base: Callable[[], None],
     ) -> None:
         self.topo = options.job.topology
         self.rank = self.topo.rank
@@ -88,16 +99,25 @@ class Timeline:
         self.claim = claim
         self.channels = channels
         self.pipes = pipes
+        self._lose_base = lose_base
         self._pending: Continuation | None = None
         # What could not be settled yet: per durable tier, the continuation still owed there;
         # and whether the world-size record is still owed (it needs every durable tier).
         self._owed: dict[str, Continuation] = {}
         self._world_owed: int | None = None
-        self._saves_since_failure = 0
         # Whether this opening saved anything yet (its first save may owe the history).
         self._saved = False
         # Tiers claimed again after an outage, not unblocked yet (see rejoined).
         self._rejoined: set[str] = set()
+        # The background worker settling what is owed, while there is any; whether it is in
+        # an attempt now (its exchanges under way); saves since it was started, and the
+        # signal of a retry (every RETRY_EVERY of them).
+        self._worker: asyncio.Task[None] | None = None
+        self._attempting = False
+        self._attempt_over = asyncio.Event()
+        self._attempt_over.set()
+        self._since_start = 0
+        self._retry_due = asyncio.Event()
 
     def continue_from(self, continuation: Continuation) -> None:
         """A restore chose where the run goes on from; settled at the next save."""
@@ -110,10 +130,17 @@ class Timeline:
         save. ``None`` when no continuation is pending."""
         return None if self._pending is None else self._pending.version
 
+    @property
+    def settling(self) -> bool:
+        """Whether the background worker is settling the timeline in a tier right now."""
+        return self._attempting
+
     async def settle(self, version: int) -> None:
         """At the start of the save of ``version`` (every rank, in the same order): settle a
-        pending continuation, or retry what could not be settled before. Never raises for a
-        tier's failure: that tier takes no new versions until a retry succeeds."""
+        pending continuation (the memory tiers now, the durable ones in the background, before
+        anything of this run's versions is written there), or signal a retry of what could
+        not be settled before. Never raises for a tier's failure: that tier takes no new
+        versions until a retry succeeds."""
         first_save, self._saved = not self._saved, True
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -121,32 +148,26 @@ class Timeline:
             # covers every version after the (older or equal) version restored now.
             self._owed.clear()
             self._world_owed = None
-            await self._settle(pending, list(self.pipes.values()))
+            await self._settle(pending)
             return
         if first_save and self._world_owed is None and self.claim.needs_world_record(version):
             # A run that restored nothing (or never asked) on a job with a world-size history:
             # its versions are this world's from the first one on, whatever the history said
             # of versions that were never stored or were lost with a node's memory.
-            await self._record_world(version)
-            self._unblock_settled()
+            self._world_owed = version
+            self._start()
+            await self._attempt_over.wait()  # see _settle
             return
-        if not self._owed and self._world_owed is None:
+        if self._worker is None:
+            if self._owed.keys() - self.claim.pending or self._world_owed is not None:
+                self._start()  # owed still, after a restore stopped the worker (see quiesce)
             return
-        self._saves_since_failure += 1
-        if self._saves_since_failure % RETRY_EVERY:
-            return
-        owed = dict(self._owed)
-        self._owed.clear()
-        for name, continuation in sorted(owed.items()):
-            if name in self.claim.pending:
-                self._owed[name] = continuation  # settled once it is claimed (rejoined)
-                continue
-            await self._set_aside_or_block(self.pipes[name], continuation)
-        if self._world_owed is not None:
-            await self._record_world(self._world_owed)
-        self._unblock_settled()
+        self._since_start += 1
+        if self._since_start % RETRY_EVERY == 0:
+            self._hold()
+            self._retry_due.set()
 
-    async def _settle(self, c: Continuation, pipes: list[TierPipeline]) -> None:
+    async def _settle(self, c: Continuation) -> None:
         first = c.version + 1
         logger.info(
             "tiercheck: job %r goes on from version %s; versions from %s on leave its "
@@ -156,27 +177,132 @@ class Timeline:
             first,
             c.reason,
         )
-        for pipe in pipes:
-            if pipe.durable and pipe.name in self.claim.pending:
-                # Unreachable since the job opened: nothing is written there before it is
-                # claimed, and then this comes first (rejoined).
+        for pipe in self.pipes.values():
+            if pipe.durable:
+                # Unreachable since the job opened (pending): nothing is written there before
+                # it is claimed, and then this comes first (rejoined). Else the worker's.
                 self._owed[pipe.name] = c
-            elif pipe.durable:
-                await self._set_aside_or_block(pipe, c)
             else:
                 await pipe.truncate_from(first, f"abandoned: {c.reason}")
-        claim = self.claim
-        if claim.needs_world_record(first):
-            await self._record_world(first)
+        if self.claim.needs_world_record(first):
+            self._world_owed = first
+        self._start()
+        if c.newer_durable or self._world_owed is not None:
+            # Committed versions after the restored one are durable (the run went back on
+            # purpose, or may have): once this save returns they must be off the timeline, or
+            # a crash now would bring the abandoned timeline back. Likewise the world-size
+            # history: no version of this world may be stored before it says so. The save
+            # waits for the first attempt then; a restart from the newest version on as many
+            # ranks has nothing to set aside there and never waits.
+            await self._attempt_over.wait()
+
+    # --- the background worker ----------------------------------------------------------------
+
+    def _targets(self) -> list[TierPipeline]:
+        """The tiers that wait for the worker's next attempt: the durable tiers it settles
+        (every one, while the world-size record is owed)."""
+        return [
+            p
+            for p in self.pipes.values()
+            if p.durable
+            and p.name not in self.claim.pending
+            and (p.name in self._owed or self._world_owed is not None)
+        ]
+
+    def _hold(self) -> None:
+        """The targets of the next attempt take no version until it is over; a blocked one
+        gets a base first (it holds no base of the run's deltas)."""
+        targets = self._targets()
+        if any(p.blocked is not None for p in targets):
+            self._lose_base()
+        for pipe in targets:
+            pipe.timeline_ready.clear()
+
+    def _release(self) -> None:
+        for pipe in self.pipes.values():
+            pipe.timeline_ready.set()
+
+    def _start(self) -> None:
+        """Start the worker (every rank at the same save): its first attempt now."""
+        if not self._targets() and self._world_owed is None:
+            self._unblock_settled()
+            return
+        self._hold()
+        self._since_start = 0
+        self._retry_due.clear()
+        self._attempting = True
+        self._attempt_over.clear()
+        self._worker = asyncio.create_task(self._work())
+
+    async def _work(self) -> None:
+        """Attempt what is owed; while anything still is, again at each retry signal. Its
+        exchanges run on their own channel, so that nothing on the save's path waits for them
+        (an outage of durable storage right after a restart stalls no save)."""
+        try:
+            while True:
+                try:
+                    await self._attempt()
+                finally:
+                    self._attempting = False
+                    self._attempt_over.set()
+                    self._release()
+                if not self._owed.keys() - self.claim.pending and self._world_owed is None:
+                    return
+                await self._retry_due.wait()
+                self._retry_due.clear()
+                self._attempting = True
+                self._attempt_over.clear()
+        finally:
+            self._attempting = False
+            self._attempt_over.set()
+            self._worker = None
+
+    async def _attempt(self) -> None:
+        # A tier pending now is settled once it is claimed (rejoined), not here.
+        todo = [(n, c) for n, c in sorted(self._owed.items()) if n not in self.claim.pending]
+        for name, continuation in todo:
+            if await self._set_aside_or_block(self.pipes[name], continuation, TIMELINE_CHANNEL):
+                self._owed.pop(name, None)
+        if self._world_owed is not None:
+            await self._record_world(self._world_owed)
         self._unblock_settled()
 
-    async def _set_aside_or_block(self, pipe: TierPipeline, c: Continuation) -> None:
+    async def quiesce(self) -> None:
+        """Before a restore (which reads the tiers and may set a new continuation): let an
+        attempt under way end, then stop the worker; what is still owed stays owed."""
+        await self._attempt_over.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop the worker (closing). Cancelled in an attempt, each version is still whole
+        where it was or in its abandoned set (the steps are ordered for a death at any point);
+        the tiers it was settling take no version of this run."""
+        worker = self._worker
+        if worker is None:
+            return
+        cut = self._attempting
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+        if cut:
+            for pipe in self.pipes.values():
+                if pipe.durable and (pipe.name in self._owed or self._world_owed is not None):
+                    pipe.block("the checkpointer stopped settling the timeline after a restore")
+        self._release()
+
+    # --- attempts -----------------------------------------------------------------------------
+
+    async def _set_aside_or_block(
+        self, pipe: TierPipeline, c: Continuation, channel: str = "control"
+    ) -> bool:
+        """Set the versions after ``c.version`` aside in ``pipe``'s tier; ``False`` (and the
+        tier blocked, ``c`` owed there) when that failed."""
         try:
-            await self._set_aside(pipe, c)
+            return await self._set_aside(pipe, c, channel)
         except Exception as exc:
             # An exchange with the other ranks failed (a rank is gone or silent): where the
             # protocol stopped, each version is still whole where it was or in its set.
-            self._failed(
+            return not self._failed(
                 pipe,
                 c,
                 [f"{type(exc).__name__}: {exc}"],
@@ -186,14 +312,13 @@ class Timeline:
 
     async def _record_world(self, first: int) -> None:
         try:
-            error = await self.claim.record_world(first)
+            error = await self.claim.record_world(first, channel=TIMELINE_CHANNEL)
         except Exception as exc:  # an exchange with the other ranks failed
             error = f"{type(exc).__name__}: {exc}"
         if error is None:
             self._world_owed = None
             return
         self._world_owed = first
-        self._saves_since_failure = 0
         for pipe in self.pipes.values():
             if pipe.durable:
                 pipe.block(
@@ -227,7 +352,7 @@ class Timeline:
             await self._set_aside_or_block(self.pipes[name], owed)
         self._unblock_settled()
 
-    async def _set_aside(self, pipe: TierPipeline, c: Continuation) -> None:
+    async def _set_aside(self, pipe: TierPipeline, c: Continuation, channel: str) -> bool:
         """Collective, in one durable tier: set the committed versions after ``c.version``
         aside as a whole abandoned set, then remove them (and uncommitted pieces) from the
         run's timeline. On any rank's failure nothing is removed and the tier is blocked."""
@@ -249,11 +374,13 @@ class Timeline:
                 committed = sorted(v for v in await commit_versions(tier) if v >= first)
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        listed = await step(channels, Step.SET_ASIDE_LIST, SetAsideListing(committed, error))
+        listed = await step(
+            channels, Step.SET_ASIDE_LIST, SetAsideListing(committed, error), channel=channel
+        )
         committed = list(listed[0].committed)
         errors = [e.error for e in listed]
         if self._failed(pipe, c, errors, "listing it", "nothing was removed"):
-            return
+            return False
         tag = set_tag(first, channels.session)
         info = SetInfo(first, frozenset(committed), frozenset())
         if committed:
@@ -266,10 +393,10 @@ class Timeline:
                         await copy_blob(tier, key, abandoned_key(tag, key))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            copied = await step(channels, Step.SET_ASIDE_COPY, Outcome(error))
+            copied = await step(channels, Step.SET_ASIDE_COPY, Outcome(error), channel=channel)
             errors = [e.error for e in copied]
             if self._failed(pipe, c, errors, "copying blobs", "nothing was removed"):
-                return
+                return False
             # 2. Rank 0 completes the set (COMMIT records, then SET) and only then takes the
             #    versions off the timeline by removing their COMMIT records.
             error = None
@@ -284,13 +411,16 @@ class Timeline:
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
             completed = await step(
-                channels, Step.SET_ASIDE_COMPLETE, SetAsideCompletion(error, needs, held)
+                channels,
+                Step.SET_ASIDE_COMPLETE,
+                SetAsideCompletion(error, needs, held),
+                channel=channel,
             )
             info = SetInfo(first, frozenset(completed[0].held), frozenset(completed[0].needs))
             errors = [e.error for e in completed]
             kept = f"each of versions {committed} is whole where it was or in abandoned/{tag}/"
             if self._failed(pipe, c, errors, "completing the set", kept):
-                return
+                return False
             logger.warning(
                 "tiercheck: versions %s of job %r left its timeline (%s); they are kept in the %r "
                 "tier under abandoned/%s/ (`tiercheck ls` lists them) until the run has %s "
@@ -306,6 +436,7 @@ class Timeline:
         # 3. Every rank removes its blobs after the restored version: copies of them are in
         #    the set, or they never committed.
         await pipe.truncate_from(first, f"abandoned: {c.reason}")
+        return True
 
     async def _complete_set(
         self, pipe: TierPipeline, tag: str, c: Continuation, committed: list[int]
@@ -355,7 +486,6 @@ class Timeline:
             return False
         rank, error = failed[0]
         self._owed[pipe.name] = c
-        self._saves_since_failure = 0
         reason = (
             f"the versions after {c.version} could not be set aside in it ({step}: rank {rank}: "
             f"{error}); {kept}, and the tier takes no new versions until they are set aside "
