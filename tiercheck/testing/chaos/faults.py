@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from tiercheck.testing.chaos.catalog import CATALOG, TIERS, Episode
 from tiercheck.testing.chaos.cluster import stored_blobs, wipe
@@ -94,11 +95,22 @@ def cluster_lost(soak: Soak, ep: Episode, sig: int = signal.SIGKILL) -> None:
     _restart(soak, ep)
 
 
+def _blobs_under(root: Path) -> list[Path]:
+    """The blob files under a node's memory (``v*/r*``, no temporary ``#`` ones). ``os.walk``
+    passes over a folder that a live job removes while it is listed (``Path.rglob`` raises
+    ``FileNotFoundError`` there: soak seed 4102)."""
+    found: list[Path] = []
+    for folder, _, files in os.walk(root):
+        if Path(folder).name.startswith("v"):
+            found.extend(Path(folder) / f for f in files if f.startswith("r") and "#" not in f)
+    return found
+
+
 def _damage(soak: Soak, ep: Episode) -> str | None:
     """Cut or flip a bit in one of the newest blobs of a node; the blob's tier (``None``: none
     was found)."""
     root = soak.spec.node_root(ep.node % soak.settings.nodes)
-    blobs = sorted(p for p in root.rglob("v*/r*") if p.is_file() and "#" not in p.name)
+    blobs = sorted(_blobs_under(root))
     newest = sorted({p.parent.name for p in blobs})[-2:]
     candidates = [p for p in blobs if p.parent.name in newest]
     if not candidates:
