@@ -86,9 +86,7 @@ class Engine:
         self.schedule = Schedule(config, self.stats, self.claim, self.pipes)
         self.stager = Stager(config, self.pipes)
         self.encoder = Encoder(config, self.journal, self.cpu, self.pipes, self.schedule)
-        self.timeline = Timeline(
-            config, self.claim, self.channels, self.pipes, self.schedule.lose_base
-        )
+        self.timeline = Timeline(config, self.claim, self.channels, self.pipes)
         #: Gets back the durable tiers the opening could not reach.
         self.rejoin = Rejoin(config, self.claim, self.channels, self.pipes, self.timeline)
         reader = Reader(config, self.stats, self.claim, self.cpu, self.pipes)
@@ -244,8 +242,7 @@ class Engine:
         await self.rejoin.settle()
         # After a restore, the first save settles where the run goes on from (versions that
         # left the timeline set aside, the world-size history) before anything of this version
-        # is written anywhere -- and only once the save is known to be allowed at all. The
-        # durable tiers' part runs in the background; their lanes wait for it.
+        # is written anywhere -- and only once the save is known to be allowed at all.
         await self.timeline.settle(version)
         plan = await schedule.plan(version, on_host=flat.on_host, pinned=self.stager.pool.pin)
         if plan.kind == "skipped":

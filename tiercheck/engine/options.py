@@ -60,8 +60,9 @@ StalePolicy = Literal["error", "discard", "adopt"]
 PerRankPolicy = Literal["refuse", "wrap"]
 VersionSelector = Literal["all", "base"] | Callable[[int], bool]
 #: Coordination channels that are not a tier's (each tier's rounds run on one named after it):
-#: the opening's, restores' and closes' exchanges, and the flush on SIGTERM's.
-RESERVED_CHANNELS = ("control", "preempt")
+#: the opening's, restores' and closes' exchanges, the flush on SIGTERM's, and the settling of the
+#: timeline after a restore (tiercheck.engine.timeline).
+RESERVED_CHANNELS = ("control", "preempt", "timeline")
 #: How a checkpointer closes: ``"collective"`` -- the normal end, every save finished and the
 #: ranks leaving the store and each other in order; ``"bounded"`` -- leaving on an exception,
 #: pending saves get at most ``close_timeout`` seconds, no agreement with other ranks;

@@ -195,6 +195,10 @@ class TierPipeline(Retention):
             f"the {self.name!r} tier takes no new versions for now: {self.blocked}"
         )
 
+    def rebase(self) -> None:
+        """The run's next save is a base (this tier holds no base of its current deltas)."""
+        self._on_base_lost()
+
     def unblock(self, *, announced: bool = False) -> None:
         """Take versions again; the next save is a base (the tier holds none of the run's
         current deltas' base). ``announced``: said at WARNING already (a tier claimed again

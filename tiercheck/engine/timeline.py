@@ -18,12 +18,22 @@ of the first save, before anything of it is written) is the job made to continue
    history says saves from here on, is recorded -- after step 1, so that no version the history
    would misdescribe is left on the timeline at any moment.
 
+The memory tiers' part runs on the save's path (local work). The durable tiers' part runs on a
+background task (:meth:`Timeline._work`), its exchanges on a channel of its own
+(:data:`TIMELINE_CHANNEL`): until an attempt is over, each durable tier it settles holds the
+new versions (:attr:`TierPipeline.timeline_ready <tiercheck.engine.tier.TierPipeline>` clear),
+so a store that hangs or refuses right after a restart stalls no save. The save waits for the
+first attempt only where it must: a durable tier holds (or may hold) committed versions after
+the restored one (:attr:`Continuation.newer_durable`: once the save returns they are off the
+timeline, or a crash would bring the abandoned timeline back), or the world-size record is owed
+(no version of this world is stored before the history says so).
+
 A durable tier where either step fails (an outage) takes no new versions (each is skipped for
-it, with the reason) until a retry succeeds; the retry runs every :data:`RETRY_EVERY` saves. A
-durable tier the job could not reach when it opened is owed its part without trying, and
-settles it as soon as it is claimed (:meth:`Timeline.rejoined`, see
-:mod:`tiercheck.engine.rejoin`). A version is never written over blobs that another timeline
-left there.
+it, with the reason) until a retry succeeds; a retry is signalled every :data:`RETRY_EVERY`
+saves after the first, at the same save on every rank. A durable tier the job could not reach
+when it opened is owed its part without trying, and settles it as soon as it is claimed
+(:meth:`Timeline.rejoined`, see :mod:`tiercheck.engine.rejoin`). A version is never written
+over blobs that another timeline left there.
 """
 
 from __future__ import annotations
@@ -31,27 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tiercheck.consistency.abandoned import (
-    AbandonedSet,
-    SetInfo,
-    abandoned_key,
-    set_record_key,
-    set_tag,
-)
-from tiercheck.consistency.commit import CommitRecord
-from tiercheck.consistency.keys import commit_key
-from tiercheck.consistency.protocol import Outcome, SetAsideCompletion, SetAsideListing, Step
 from tiercheck.engine.claim import Claim
-from tiercheck.engine.collectives import Channels, step
-from tiercheck.engine.options import Options
-from tiercheck.engine.tier import commit_versions
-from tiercheck.errors import BlobNotFound, FormatError
-from tiercheck.tiers.base import copy_blob
+from tiercheck.engine.collectives import Channels
+from tiercheck.engine.options import RESERVED_CHANNELS, Options
+from tiercheck.engine.setaside import Continuation, SetAsideFailed, set_aside
 
 if TYPE_CHECKING:
     from tiercheck.engine.tier import TierPipeline
@@ -64,21 +60,7 @@ logger = logging.getLogger("tiercheck")
 RETRY_EVERY = 10
 
 #: The channel the background worker's exchanges run on (nothing else uses it).
-TIMELINE_CHANNEL = "timeline"
-
-
-@dataclass(frozen=True, slots=True)
-class Continuation:
-    """What a restore leaves for the first save after it: the run goes on from ``version``."""
-
-    #: The restored version; ``-1`` when nothing whole was stored (the run starts over).
-    version: int
-    #: Why the versions after it leave the timeline (logged, and kept in the ``SET`` record).
-    reason: str
-    #: Whether a durable tier holds committed versions after it, or may (one could not be
-    #: listed): the run goes back from them, and its first save waits until they are set
-    #: aside (:meth:`Timeline.settle`).
-    newer_durable: bool = False
+TIMELINE_CHANNEL = RESERVED_CHANNELS[2]
 
 
 class Timeline:
@@ -91,7 +73,6 @@ class Timeline:
         claim: Claim,
         channels: Channels,
         pipes: Mapping[str, TierPipeline],
-        lose_base: Callable[[], None],
     ) -> None:
         self.topo = options.job.topology
         self.rank = self.topo.rank
@@ -99,7 +80,6 @@ class Timeline:
         self.claim = claim
         self.channels = channels
         self.pipes = pipes
-        self._lose_base = lose_base
         self._pending: Continuation | None = None
         # What could not be settled yet: per durable tier, the continuation still owed there;
         # and whether the world-size record is still owed (it needs every durable tier).
@@ -129,11 +109,6 @@ class Timeline:
         timeline (the restored one; ``-1``: none): newer ones still stored leave it at the next
         save. ``None`` when no continuation is pending."""
         return None if self._pending is None else self._pending.version
-
-    @property
-    def settling(self) -> bool:
-        """Whether the background worker is settling the timeline in a tier right now."""
-        return self._attempting
 
     async def settle(self, version: int) -> None:
         """At the start of the save of ``version`` (every rank, in the same order): settle a
@@ -214,7 +189,7 @@ class Timeline:
         gets a base first (it holds no base of the run's deltas)."""
         targets = self._targets()
         if any(p.blocked is not None for p in targets):
-            self._lose_base()
+            targets[0].rebase()
         for pipe in targets:
             pipe.timeline_ready.clear()
 
@@ -298,17 +273,19 @@ class Timeline:
         """Set the versions after ``c.version`` aside in ``pipe``'s tier; ``False`` (and the
         tier blocked, ``c`` owed there) when that failed."""
         try:
-            return await self._set_aside(pipe, c, channel)
+            failed = await set_aside(pipe, c, self.claim, self.channels, channel)
         except Exception as exc:
             # An exchange with the other ranks failed (a rank is gone or silent): where the
             # protocol stopped, each version is still whole where it was or in its set.
-            return not self._failed(
-                pipe,
-                c,
-                [f"{type(exc).__name__}: {exc}"],
+            failed = SetAsideFailed(
                 "agreeing with the other ranks",
                 "each version is whole where it was or in its abandoned set",
+                [f"{type(exc).__name__}: {exc}"],
             )
+        if failed is None:
+            return True
+        self._failed(pipe, c, failed)
+        return False
 
     async def _record_world(self, first: int) -> None:
         try:
@@ -352,145 +329,13 @@ class Timeline:
             await self._set_aside_or_block(self.pipes[name], owed)
         self._unblock_settled()
 
-    async def _set_aside(self, pipe: TierPipeline, c: Continuation, channel: str) -> bool:
-        """Collective, in one durable tier: set the committed versions after ``c.version``
-        aside as a whole abandoned set, then remove them (and uncommitted pieces) from the
-        run's timeline. On any rank's failure nothing is removed and the tier is blocked."""
-        tier, claim, channels = pipe.tier, self.claim, self.channels
-        first = c.version + 1
-        if pipe.unlisted and not claim.superseded:
-            # Its listing failed (at opening, or when it was claimed after an outage): try
-            # again, or what this rank holds there is not known.
-            await pipe.load()
-        mine = pipe.keys_from(first)
-        committed: list[int] = []
-        error: str | None = None
-        if claim.superseded:
-            error = "a newer opening of the job owns the tier"
-        elif pipe.unlisted:
-            error = "this rank cannot list the tier"
-        elif self.rank == 0:
-            try:
-                committed = sorted(v for v in await commit_versions(tier) if v >= first)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        listed = await step(
-            channels, Step.SET_ASIDE_LIST, SetAsideListing(committed, error), channel=channel
-        )
-        committed = list(listed[0].committed)
-        errors = [e.error for e in listed]
-        if self._failed(pipe, c, errors, "listing it", "nothing was removed"):
-            return False
-        tag = set_tag(first, channels.session)
-        info = SetInfo(first, frozenset(committed), frozenset())
-        if committed:
-            # 1. Every rank copies its blobs of the committed versions into the set.
-            error = None
-            try:
-                for version in committed:
-                    for key in mine.get(version, ()):
-                        await claim.check(tier)
-                        await copy_blob(tier, key, abandoned_key(tag, key))
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            copied = await step(channels, Step.SET_ASIDE_COPY, Outcome(error), channel=channel)
-            errors = [e.error for e in copied]
-            if self._failed(pipe, c, errors, "copying blobs", "nothing was removed"):
-                return False
-            # 2. Rank 0 completes the set (COMMIT records, then SET) and only then takes the
-            #    versions off the timeline by removing their COMMIT records.
-            error = None
-            needs: list[int] = []
-            held: list[int] = list(committed)
-            if self.rank == 0:
-                try:
-                    held, needs = await self._complete_set(pipe, tag, c, committed)
-                    for version in committed:
-                        await claim.check(tier)
-                        await tier.delete(commit_key(version))
-                except Exception as exc:
-                    error = f"{type(exc).__name__}: {exc}"
-            completed = await step(
-                channels,
-                Step.SET_ASIDE_COMPLETE,
-                SetAsideCompletion(error, needs, held),
-                channel=channel,
-            )
-            info = SetInfo(first, frozenset(completed[0].held), frozenset(completed[0].needs))
-            errors = [e.error for e in completed]
-            kept = f"each of versions {committed} is whole where it was or in abandoned/{tag}/"
-            if self._failed(pipe, c, errors, "completing the set", kept):
-                return False
-            logger.warning(
-                "tiercheck: versions %s of job %r left its timeline (%s); they are kept in the %r "
-                "tier under abandoned/%s/ (`tiercheck ls` lists them) until the run has %s "
-                "committed versions of its own there, or `tiercheck gc --abandoned`",
-                committed,
-                self.job_id,
-                c.reason,
-                pipe.name,
-                tag,
-                pipe.policy.keep,
-            )
-            pipe.note_abandoned(tag, info)
-        # 3. Every rank removes its blobs after the restored version: copies of them are in
-        #    the set, or they never committed.
-        await pipe.truncate_from(first, f"abandoned: {c.reason}")
-        return True
-
-    async def _complete_set(
-        self, pipe: TierPipeline, tag: str, c: Continuation, committed: list[int]
-    ) -> tuple[list[int], list[int]]:
-        """Rank 0: the ``COMMIT`` records into the set, then its ``SET`` record (merged with one
-        an earlier, interrupted attempt of this opening wrote). Returns the versions the set
-        holds and those outside it that its deltas are encoded against (retention keeps them
-        while the set stays)."""
-        tier, claim = pipe.tier, self.claim
-        for version in committed:
-            await claim.check(tier)
-            await copy_blob(tier, commit_key(version), abandoned_key(tag, commit_key(version)))
-        versions = set(committed)
-        try:
-            earlier = AbandonedSet.from_bytes(bytes(await tier.get(set_record_key(tag))))
-            versions.update(earlier.versions)
-        except (BlobNotFound, FormatError):
-            pass  # the first attempt (or an unreadable one, replaced)
-        record = AbandonedSet(
-            job_id=self.job_id,
-            restored=c.version,
-            versions=tuple(sorted(versions)),
-            session=self.channels.session,
-            time=time.time(),
-            reason=c.reason,
-        )
-        needs: set[int] = set()
-        for version in versions:
-            commit = CommitRecord.from_bytes(
-                bytes(await tier.get(abandoned_key(tag, commit_key(version))))
-            )
-            needs.update(e.base for e in commit.entries if e.base is not None)
-        await claim.check(tier)
-        await tier.put(set_record_key(tag), record.to_bytes())
-        return sorted(versions), sorted(needs - versions)
-
-    def _failed(
-        self,
-        pipe: TierPipeline,
-        c: Continuation,
-        errors: list[str | None],
-        step: str,
-        kept: str,
-    ) -> bool:
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if not failed:
-            return False
-        rank, error = failed[0]
+    def _failed(self, pipe: TierPipeline, c: Continuation, failed: SetAsideFailed) -> None:
+        rank, error = failed.first()
         self._owed[pipe.name] = c
         reason = (
-            f"the versions after {c.version} could not be set aside in it ({step}: rank {rank}: "
-            f"{error}); {kept}, and the tier takes no new versions until they are set aside "
-            f"(retried every {RETRY_EVERY} saves)"
+            f"the versions after {c.version} could not be set aside in it ({failed.step}: rank "
+            f"{rank}: {error}); {failed.kept}, and the tier takes no new versions until they are "
+            f"set aside (retried every {RETRY_EVERY} saves)"
         )
         logger.error("tiercheck: the %r tier of job %r: %s", pipe.name, self.job_id, reason)
         pipe.block(reason)
-        return True

@@ -47,12 +47,6 @@ class Fault:
 
 
 _ALL = TIERS
-_FIRST_SAVE = (
-    "issue #21 (open), found by this soak (seeds 3102, 3103): drawn right after a restart, "
-    "before the first save, it stalls training -- the first save after a restore settles the "
-    "timeline in durable storage on the save's own path, and waits out the failing or hung "
-    "calls (their retries, or the client's timeouts)"
-)
 CATALOG: dict[str, Fault] = {
     f.name: f
     for f in [
@@ -160,21 +154,21 @@ CATALOG: dict[str, Fault] = {
             "s3-blip",
             "the S3 endpoint refuses connections for 0.2-1 s (its proxy killed), then is back",
             None,
-            _FIRST_SAVE,
+            None,
             2,
         ),
         Fault(
             "s3-down",
             "the S3 endpoint refuses connections for 2-8 s (its proxy killed), then is back",
             None,
-            _FIRST_SAVE,
+            None,
             1,
         ),
         Fault(
             "s3-hang",
             "the S3 server stops answering for 2-8 s (SIGSTOP), then answers again",
             None,
-            _FIRST_SAVE,
+            None,
             1,
         ),
         Fault(
