@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,14 +24,13 @@ pytestmark = pytest.mark.multiprocess
 WORKER = Path(__file__).with_name("peer_pair_worker.py")
 
 
-def test_after_a_transfer_failed_midway_the_pair_moves_to_a_new_epoch_and_works(
-    tmp_path: Path,
-) -> None:
+def _run(tmp_path: Path, mode: str) -> dict[str, Any]:
+    """Both ranks of the worker in ``mode``; rank 0's JSON line."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(port), str(tmp_path)],
+            [sys.executable, str(WORKER), str(rank), str(port), str(tmp_path), mode],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -46,7 +46,14 @@ def test_after_a_transfer_failed_midway_the_pair_moves_to_a_new_epoch_and_works(
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
-    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(outs[0][0].strip().splitlines()[-1])
+    return result
+
+
+def test_after_a_transfer_failed_midway_the_pair_moves_to_a_new_epoch_and_works(
+    tmp_path: Path,
+) -> None:
+    result = _run(tmp_path, "lost")
     # The transfer the sender never made fails (the holder refuses it once its wait timed out),
     # and moves the pair on from epoch 0.
     assert result["lost"] != "stored", result
@@ -58,3 +65,24 @@ def test_after_a_transfer_failed_midway_the_pair_moves_to_a_new_epoch_and_works(
     assert result["a"] == "first"
     assert result["b"] == "second"
     assert result["exists_lost"] is False
+
+
+def test_a_side_that_makes_the_pairs_group_after_the_other_gave_up_fails_soon_and_recovers(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 makes the pair's group of an epoch and gives up (rank 1 is not there); rank 1
+    makes it only then, and finds an address nobody listens on. Before, gloo kept it
+    connecting for its own connect timeout (ten seconds and more) -- on a holder's server
+    thread, every request to that rank waited behind it, and the pair went from one broken
+    epoch to the next (chaos soak seed 4101). Now each side waits at most twice the tier's
+    timeout (1.5 s here), an epoch is never made twice, and the next transfer works."""
+    result = _run(tmp_path, "late")
+    assert result["made"] == "PeerUnavailable", result
+    assert result["rank1"]["made"] == "PeerUnavailable", result
+    # A bound on a hang, not a speed figure: 2 x 1.5 s, with room for a loaded machine; the
+    # gloo connect timeout it replaces is 10 s and more.
+    assert result["seconds"] < 6.0, result
+    assert result["rank1"]["seconds"] < 6.0, result
+    assert result["again"] == "PeerUnavailable", result
+    assert result["rank1"]["again"] == "PeerUnavailable", result
+    assert result["then"] == "third", json.dumps(result)

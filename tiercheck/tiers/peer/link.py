@@ -15,6 +15,7 @@ said "ready". Every request names the epoch it was made in.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import threading
@@ -45,6 +46,9 @@ class _Link:
     #: Groups of two for transfers with a peer after epoch 0: peer -> (epoch, group).
     _pairs: dict[int, tuple[int, Any]]
     _pair_locks: dict[int, threading.Lock]
+    #: A pair's group being made: peer -> (epoch, its future); the newest epoch tried.
+    _building: dict[int, tuple[int, concurrent.futures.Future[Any]]]
+    _tried: dict[int, int]
 
     def mark_down(self, rank: int, reason: str = "") -> None:
         """Treat holder ``rank`` as unreachable for ``retry_after`` seconds (fail fast).
@@ -135,7 +139,16 @@ class _Link:
     def _transfer_group(self, peer: int, epoch: int) -> tuple[Any, int]:
         """The group a transfer with ``peer`` at ``epoch`` uses, and ``peer``'s rank in it:
         the tier's group at epoch 0, else the pair's group of that epoch (made here, with the
-        other side making it at the same time, when this side has none yet)."""
+        other side making it at the same time, when this side has none yet).
+
+        Making a pair's group is a rendezvous of the two sides, and a side that gave up on it
+        leaves the other connecting to an address nobody listens on (for the gloo connect
+        timeout, ten seconds and more, while it may hold the holder's server thread: chaos
+        soak seed 4101). So a group is made on a thread of its own and waited for at most
+        twice ``timeout``: past that the epoch counts as broken (the caller moves the pair on)
+        and whatever that thread makes later is dropped. Each side tries each epoch once: an
+        epoch older than one tried already is refused, never made a second time over the same
+        keys in the store."""
         if epoch == 0:
             return self._group, peer
         other = 1 if self.topology.rank < peer else 0
@@ -143,16 +156,57 @@ class _Link:
             held = self._pairs.get(peer)
             if held is not None and held[0] == epoch:
                 return held[1], other
+            building = self._building.get(peer)
+            if building is None or building[0] != epoch:
+                if epoch <= self._tried.get(peer, 0):
+                    raise self._went_down(
+                        peer, f"the pair's epoch {epoch} is over (epoch {self._tried[peer]} tried)"
+                    )
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                threading.Thread(
+                    target=self._make_pair_group,
+                    args=(peer, epoch, 1 - other, future),
+                    name=f"tiercheck-peer-pair-{peer}-{epoch}",
+                    daemon=True,
+                ).start()
+                building = self._building[peer] = (epoch, future)
+                self._tried[peer] = epoch
+        try:
+            group = building[1].result(timeout=2 * self.timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise self._went_down(
+                peer, f"the pair's group of epoch {epoch} was not made within {2 * self.timeout}s"
+            ) from exc
+        except Exception as exc:
+            raise self._went_down(peer, f"making the pair's group of epoch {epoch}: {exc}") from exc
+        with self._pair_lock(peer):
+            if self._building.get(peer, (None, None))[0] == epoch:
+                del self._building[peer]
+            held = self._pairs.get(peer)
+            if held is None or held[0] < epoch:
+                self._pairs[peer] = (epoch, group)
+        return group, other
+
+    def _make_pair_group(
+        self, peer: int, epoch: int, me: int, future: concurrent.futures.Future[Any]
+    ) -> None:
+        """Make the pair's gloo group of ``epoch`` (``me``: this side's rank in it) into
+        ``future``; on its own store connection, whose waits are bounded by the tier's."""
+        try:
             from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo
 
+            store = self._store.clone()
+            store.set_timeout(datetime.timedelta(seconds=2 * self.timeout))
             group = ProcessGroupGloo(
-                PrefixStore(f"{self._pair_key(peer)}/{epoch}/", self._store_here()),
-                1 - other,
+                PrefixStore(f"{self._pair_key(peer)}/{epoch}/", store),
+                me,
                 2,
                 datetime.timedelta(seconds=self.timeout),
             )
-            self._pairs[peer] = (epoch, group)
-            return group, other
+        except Exception as exc:
+            future.set_exception(exc)
+            return
+        future.set_result(group)
 
     def _isend(self, group: Any, peer: int, tensor: Any, tag: int) -> Any:
         """Start sending ``tensor`` to ``peer`` (its rank in ``group``) on ``group``."""

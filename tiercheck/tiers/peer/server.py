@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 
 from tiercheck._threads import DaemonExecutor
-from tiercheck.errors import BlobNotFound, ConfigError, TiercheckError, TierFull
+from tiercheck.errors import BlobNotFound, ConfigError, PeerUnavailable, TiercheckError, TierFull
 from tiercheck.tiers.base import check_range
 from tiercheck.tiers.local import LocalTier
 from tiercheck.tiers.peer.link import _Link
@@ -161,6 +161,22 @@ class _Holding(_Link):
         logger.info("tiercheck: rank %s gave up request %s before it was taken; skipped", src, seq)
         return False
 
+    def _outdated(self, store: Any, message: dict[str, Any]) -> bool:
+        """Refuse a request that moves data at an epoch the pair has left (its sender read
+        the epoch before a transfer failed): no group of that epoch is made again (see
+        ``_transfer_group``), and its sender's next request names the new one."""
+        epoch = int(message.get("epoch", 0))
+        now = self._pair_epoch(int(message["src"]))
+        if epoch >= now:
+            return False
+        self._refuse(
+            store,
+            message,
+            "ready",
+            PeerUnavailable(f"the request names the pair's epoch {epoch}, which is over ({now})"),
+        )
+        return True
+
     def _answer(self, store: Any, message: dict[str, Any], step: str, **fields: Any) -> None:
         src, seq = message["src"], message["seq"]
         body = {"ok": True, **fields}
@@ -232,7 +248,7 @@ class _Holding(_Link):
 
         run = self._server_loop.run_until_complete
         sizes: list[int] = message["sizes"]
-        if not self._take(store, message):
+        if not self._take(store, message) or self._outdated(store, message):
             return
         try:
             reservation = run(self._holder.reserve(self._held_key(message), sum(sizes)))
@@ -283,7 +299,7 @@ class _Holding(_Link):
         run = self._server_loop.run_until_complete
         key = self._held_key(message)
         byte_range = message.get("range")
-        if not self._take(store, message):
+        if not self._take(store, message) or self._outdated(store, message):
             return
         try:
             if byte_range is None:

@@ -6,6 +6,7 @@ See :mod:`tiercheck.tiers.peer` for the design (placement, transport, failures, 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -136,6 +137,8 @@ class PeerTier(_Requester, _Holding, Tier):
         self._down_until: dict[int, float] = {}
         self._pairs: dict[int, tuple[int, Any]] = {}
         self._pair_locks: dict[int, threading.Lock] = {}
+        self._building: dict[int, tuple[int, concurrent.futures.Future[Any]]] = {}
+        self._tried: dict[int, int] = {}
         self._threads = DaemonExecutor(_MAX_THREADS, f"tiercheck-peer-r{topology.rank}")
         self._stop = threading.Event()
         self._stopped: bool | None = None  # how stop_serving ended, once it ran
