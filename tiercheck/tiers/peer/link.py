@@ -118,6 +118,15 @@ class _Link:
         """The epoch transfers with ``peer`` use now (``add`` of 0 reads it, 0 when unset)."""
         return int(self._store_here().add(f"{self._pair_key(peer)}/epoch", 0))
 
+    def _epoch_over(self, peer: int, epoch: int) -> str | None:
+        """Why a request from ``peer`` that names ``epoch`` moves no data: the pair has left
+        that epoch (its sender read it before a transfer failed), and no group of it is made
+        again (see :meth:`_transfer_group`); its sender's next request names the new one."""
+        now = self._pair_epoch(peer)
+        if epoch >= now:
+            return None
+        return f"the request names the pair's epoch {epoch}, which is over (it is {now} now)"
+
     def _pair_broke(self, peer: int, epoch: int) -> None:
         """A transfer with ``peer`` at ``epoch`` failed: gloo may have closed the connection
         for good, so the pair moves to the next epoch (once, however many saw it) and this

@@ -162,20 +162,11 @@ class _Holding(_Link):
         return False
 
     def _outdated(self, store: Any, message: dict[str, Any]) -> bool:
-        """Refuse a request that moves data at an epoch the pair has left (its sender read
-        the epoch before a transfer failed): no group of that epoch is made again (see
-        ``_transfer_group``), and its sender's next request names the new one."""
-        epoch = int(message.get("epoch", 0))
-        now = self._pair_epoch(int(message["src"]))
-        if epoch >= now:
-            return False
-        self._refuse(
-            store,
-            message,
-            "ready",
-            PeerUnavailable(f"the request names the pair's epoch {epoch}, which is over ({now})"),
-        )
-        return True
+        """Refuse a data request at an epoch the pair left (see ``_Link._epoch_over``)."""
+        why = self._epoch_over(int(message["src"]), int(message.get("epoch", 0)))
+        if why is not None:
+            self._refuse(store, message, "ready", PeerUnavailable(why))
+        return why is not None
 
     def _answer(self, store: Any, message: dict[str, Any], step: str, **fields: Any) -> None:
         src, seq = message["src"], message["seq"]
