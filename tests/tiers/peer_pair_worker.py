@@ -18,14 +18,15 @@ import asyncio
 import json
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+# Run as a script from this folder, which is first on the path then.
+from two_ranks import peer_tier
+
 from tiercheck.tiers.peer import PeerTier
-from tiercheck.topology import Topology
 
 TIMEOUT_S = 1.5
 
@@ -108,20 +109,7 @@ def late(tier: PeerTier, rank: int, root: Path) -> dict[str, Any]:
 def main() -> None:
     rank, port, root = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     mode = sys.argv[4] if len(sys.argv) > 4 else "lost"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
-    tier = PeerTier(
-        topology=Topology(rank, 2, 1),
-        holder_root=root / f"holder{rank}",
-        session="pair",
-        timeout=TIMEOUT_S,
-        retry_after=0.2,
-    )
+    tier = peer_tier(rank, port, root, session="pair", timeout=TIMEOUT_S, retry_after=0.2)
     if mode == "late":
         result = late(tier, rank, root)
         if rank == 1:

@@ -14,13 +14,12 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
+# Run as a script from this folder, which is first on the path then.
+from two_ranks import peer_tier
 
 from tiercheck.tiers.peer import PeerTier
-from tiercheck.topology import Topology
 
 
 async def traffic(tier: PeerTier, rank: int, root: Path) -> None:
@@ -56,19 +55,7 @@ async def traffic(tier: PeerTier, rank: int, root: Path) -> None:
 def main() -> None:
     rank, port, root = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     timeout = float(sys.argv[4])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
-    tier = PeerTier(
-        topology=Topology(rank, 2, 1),
-        holder_root=root / f"holder{rank}",
-        session="hunt",
-        timeout=timeout,
-    )
+    tier = peer_tier(rank, port, root, session="hunt", timeout=timeout, retry_after=None)
     asyncio.run(traffic(tier, rank, root))
     sys.stdout.flush()
     # The other rank may be gone already: leave without the collective teardown.
