@@ -217,6 +217,11 @@ class Timeline:
             while True:
                 try:
                     await self._attempt()
+                except Exception:
+                    # A bug, not a tier's failure (those block the tier inside): what the
+                    # attempt did not finish stays owed, and its tiers take no version.
+                    logger.exception("tiercheck: settling the timeline after a restore failed")
+                    self._block_owed("settling the timeline after a restore failed (logged)")
                 finally:
                     self._attempting = False
                     self._attempt_over.set()
@@ -260,10 +265,14 @@ class Timeline:
         with contextlib.suppress(asyncio.CancelledError):
             await worker
         if cut:
-            for pipe in self.pipes.values():
-                if pipe.durable and (pipe.name in self._owed or self._world_owed is not None):
-                    pipe.block("the checkpointer stopped settling the timeline after a restore")
+            self._block_owed("the checkpointer stopped settling the timeline after a restore")
         self._release()
+
+    def _block_owed(self, reason: str) -> None:
+        """The durable tiers still owed their part take no version (``reason``)."""
+        for pipe in self.pipes.values():
+            if pipe.durable and (pipe.name in self._owed or self._world_owed is not None):
+                pipe.block(reason)
 
     # --- attempts -----------------------------------------------------------------------------
 
