@@ -164,6 +164,23 @@ def test_the_oracle_catches_a_crash_and_a_stall(reference: Reference) -> None:
     assert caught.value.check == "stalled"
 
 
+def test_a_stall_is_what_a_save_took_less_the_time_its_own_rank_was_stopped(
+    reference: Reference,
+) -> None:
+    """A SIGSTOP that lands inside a save is the fault, not a stall the save caused; time the
+    rank was not stopped still counts, and another rank's stop does not excuse it."""
+    oracle = Oracle(reference, stall_limit=5)
+    oracle.was_stopped(1, 100.0, 108.0)
+    oracle.see(1, {"e": "step", "v": 3, "stall": 8.5, "t": 108.2})  # 8 s of it stopped
+    assert oracle.max_stall == pytest.approx(0.5)
+    with pytest.raises(Finding) as caught:
+        oracle.see(1, {"e": "step", "v": 4, "stall": 14.0, "t": 110.0})  # stopped 8 of 14
+    assert caught.value.check == "stalled"
+    with pytest.raises(Finding) as caught:
+        oracle.see(0, {"e": "step", "v": 3, "stall": 8.5, "t": 108.2})  # rank 0 ran
+    assert caught.value.check == "stalled"
+
+
 def test_commits_resume_only_with_newer_versions_in_the_tier(reference: Reference) -> None:
     oracle = Oracle(reference, stall_limit=5)
     committed(oracle, local=3, peer=3, persistent=0)

@@ -131,7 +131,8 @@ def run(settings: Settings, log: Callable[[str], None] = _say) -> Outcome:
         log(
             f"ok: seed {settings.seed}, {outcome.episodes} episodes, {soak.incarnations} "
             f"launches, {soak.oracle.restores} restores checked, final v{outcome.final}, "
-            f"{outcome.seconds:.0f} s; longest save stall {soak.oracle.max_stall:.2f} s"
+            f"{outcome.seconds:.0f} s; longest save stall {soak.oracle.max_stall:.2f} s "
+            "(a rank's own SIGSTOP not counted)"
         )
     else:
         fault = CATALOG.get(outcome.fault or "")

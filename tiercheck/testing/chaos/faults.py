@@ -276,9 +276,13 @@ def pause(soak: Soak, ep: Episode) -> None:
     seconds = (
         ep.seconds(1.5 * p, 3 * p) if ep.fault == "pause-long" else ep.seconds(0.2 * p, 0.6 * p)
     )
-    r = soak.job.ranks[ep.rank % soak.job.world]
+    rank = ep.rank % soak.job.world
+    r = soak.job.ranks[rank]
+    began = time.time()
     r.send(signal.SIGSTOP)
     soak.wait(seconds)
+    # Said before the SIGCONT: the rank's next event, written after it, finds it known.
+    soak.oracle.was_stopped(rank, began, time.time())
     r.send(signal.SIGCONT)
     soak.expect_resume(ep.describe(p))
 

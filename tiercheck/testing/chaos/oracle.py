@@ -56,7 +56,11 @@ class Oracle:
         #: Every commit report, in order: (tier, version).
         self.commits: list[tuple[str, int]] = []
         self.restores = 0
+        #: The longest a save blocked training, less any time its own rank was stopped
+        #: (SIGSTOP) meanwhile: a pause that lands inside a save is the fault, not a stall.
         self.max_stall = 0.0
+        #: When each rank was stopped by the driver: rank -> [(began, ended)], wall time.
+        self.stopped: dict[int, list[tuple[float, float]]] = {}
         #: What each rank's handle said about a version in a tier, in this incarnation:
         #: (tier, version) -> {rank: "commit" or "fail (why)"}.
         self.outcomes: dict[tuple[str, int], dict[int, str]] = {}
@@ -72,18 +76,28 @@ class Oracle:
             newest = self.known.get(tier)
             self.known[tier] = version if newest is None else max(newest, version)
         elif kind == "step":
-            self.max_stall = max(self.max_stall, float(event["stall"]))
-            if event["stall"] > self.stall_limit:
+            took, ended = float(event["stall"]), float(event.get("t", 0.0))
+            stall = took - self._stopped_within(rank, ended - took, ended)
+            self.max_stall = max(self.max_stall, stall)
+            if stall > self.stall_limit:
                 raise Finding(
                     "stalled",
                     f"rank {rank}'s save of version {event['v']} blocked training for "
-                    f"{event['stall']:.1f} s (limit {self.stall_limit} s)",
+                    f"{stall:.1f} s (limit {self.stall_limit} s)",
                 )
         elif kind == "crashed":
             raise Finding(
                 "killed-by-storage",
                 f"rank {rank} crashed: {event['error']}\n{event.get('tb', '')}",
             )
+
+    def was_stopped(self, rank: int, began: float, ended: float) -> None:
+        """The driver stopped ``rank`` (SIGSTOP) from ``began`` to ``ended`` (wall time)."""
+        self.stopped.setdefault(rank, []).append((began, ended))
+
+    def _stopped_within(self, rank: int, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` during which ``rank`` was stopped."""
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.stopped.get(rank, ()))
 
     def _agree(self, rank: int, event: dict[str, Any]) -> None:
         said = self.outcomes.setdefault((event["tier"], int(event["v"])), {})
