@@ -57,6 +57,10 @@ class _Pipe:
         self.skipped: list[tuple[int, BaseException]] = []
         self.recorded: list[int] = []
 
+    async def takes_new(self) -> bool:
+        await self.timeline_ready.wait()
+        return self.blocked is None
+
     def refusal(self) -> TierWriteFailed:
         return TierWriteFailed(
             f"the {self.name!r} tier takes no new versions for now: {self.blocked}"

@@ -346,14 +346,12 @@ async def _publish_when_confirmed(
     assert job.reserved_in is not None
     try:
         why = await job.unconfirmed()
-        if why is None and not pipe.timeline_ready.is_set():
-            # Nothing of the run's new versions is published before the timeline is settled
-            # for the tier (after a restore: tiercheck.engine.timeline), as in its lane.
-            await pipe.timeline_ready.wait()
+        # As in the tier's lane: nothing is published before the timeline is settled for it.
+        refused = why is None and not await pipe.takes_new()
     except asyncio.CancelledError:  # closing without waiting: nothing is published
         await _abort_reservation(job)
         raise
-    if why is None and pipe.blocked is not None:
+    if refused:
         await _abort_reservation(job)
         pipe.skip(job, pipe.refusal())
     elif why is None:

@@ -118,13 +118,10 @@ class Lane:
             key = blob_key(job.version, pipe.rank, kind)
             self.writing = job.version
             try:
-                if not pipe.timeline_ready.is_set():
-                    # After a restore, the timeline is settled in the background before
-                    # anything of the run's new versions is written here (see
-                    # tiercheck.engine.timeline); whether the tier takes them is known then.
-                    await pipe.timeline_ready.wait()
-                if pipe.blocked is not None:
-                    self.pipe.skip(job, self.pipe.refusal())
+                # After a restore, nothing of the run's new versions is written here before
+                # the timeline is settled for the tier; whether it takes them is known then.
+                if not await pipe.takes_new():
+                    pipe.skip(job, pipe.refusal())
                     continue
                 if not pipe.durable:
                     # A memory tier has no COMMIT record: a blob there is restorable, so one

@@ -52,6 +52,10 @@ class Pipe(Protocol):
     reserve_size: int
     idle: asyncio.Event
 
+    async def takes_new(self) -> bool:
+        """Whether the tier takes a new version now (waits while its timeline settles)."""
+        ...
+
     def refusal(self) -> TierWriteFailed:
         """Why a version is not taken while the tier is blocked."""
         ...

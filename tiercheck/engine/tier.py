@@ -189,6 +189,13 @@ class TierPipeline(Retention):
         if announced:
             self.skip_logged.add(TierWriteFailed.__name__)
 
+    async def takes_new(self) -> bool:
+        """Whether the tier takes a new version now: once the timeline is settled for it
+        (after a restore, see :mod:`tiercheck.engine.timeline`), whether it is not blocked."""
+        if not self.timeline_ready.is_set():
+            await self.timeline_ready.wait()
+        return self.blocked is None
+
     def refusal(self) -> TierWriteFailed:
         """Why a version is not taken while the tier is blocked (see :meth:`block`)."""
         return TierWriteFailed(
