@@ -89,11 +89,10 @@ class Timeline:
         self._saved = False
         # Tiers claimed again after an outage, not unblocked yet (see rejoined).
         self._rejoined: set[str] = set()
-        # The background worker settling what is owed, while there is any; whether it is in
-        # an attempt now (its exchanges under way); saves since it was started, and the
-        # signal of a retry (every RETRY_EVERY of them).
+        # The background worker settling what is owed, while there is any; clear while it is
+        # in an attempt (its exchanges under way); saves since it was started, and the signal
+        # of a retry (every RETRY_EVERY of them).
         self._worker: asyncio.Task[None] | None = None
-        self._attempting = False
         self._attempt_over = asyncio.Event()
         self._attempt_over.set()
         self._since_start = 0
@@ -205,7 +204,6 @@ class Timeline:
         self._hold()
         self._since_start = 0
         self._retry_due.clear()
-        self._attempting = True
         self._attempt_over.clear()
         self._worker = asyncio.create_task(self._work())
 
@@ -223,17 +221,14 @@ class Timeline:
                     logger.exception("tiercheck: settling the timeline after a restore failed")
                     self._block_owed("settling the timeline after a restore failed (logged)")
                 finally:
-                    self._attempting = False
                     self._attempt_over.set()
                     self._release()
                 if not self._owed.keys() - self.claim.pending and self._world_owed is None:
                     return
                 await self._retry_due.wait()
                 self._retry_due.clear()
-                self._attempting = True
                 self._attempt_over.clear()
         finally:
-            self._attempting = False
             self._attempt_over.set()
             self._worker = None
 
@@ -260,7 +255,7 @@ class Timeline:
         worker = self._worker
         if worker is None:
             return
-        cut = self._attempting
+        cut = not self._attempt_over.is_set()
         worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await worker
