@@ -7,7 +7,9 @@ the run goes on, as a store that stops taking writes would.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +17,10 @@ import pytest
 import torch
 
 from tests.test_never_lose import assert_restores, job, save_versions, state_of
-from tiercheck import TierWriteFailed
+from tiercheck import SyncCheckpointer, TierWriteFailed
 from tiercheck.consistency.abandoned import AbandonedSet
 from tiercheck.engine.timeline import RETRY_EVERY
+from tiercheck.tiers import DelegatingTier, LocalTier, PersistentTier
 
 
 def abandoned(root: Path) -> dict[str, AbandonedSet]:
@@ -31,6 +34,36 @@ def abandoned(root: Path) -> dict[str, AbandonedSet]:
 def live(root: Path) -> list[int]:
     """Versions with a COMMIT record on the job's timeline in the durable tier."""
     return sorted(int(p.parent.name[1:]) for p in (root / "durable" / "job").glob("v*/COMMIT"))
+
+
+class Hanging(DelegatingTier):
+    """Every operation waits while :attr:`answering` is clear (at most a minute: a save that
+    waited for it fails the test instead of hanging it)."""
+
+    def __init__(self, inner: PersistentTier) -> None:
+        super().__init__(inner)
+        self.answering = threading.Event()
+        self.answering.set()
+        self.hung = threading.Event()
+
+    async def before(self, op: str, key: str) -> None:
+        if not self.answering.is_set():
+            self.hung.set()
+            await asyncio.to_thread(self.answering.wait, 60)
+
+
+def opened(root: Path, store: Hanging, close_timeout: float = 30.0) -> SyncCheckpointer:
+    """A local and a durable tier, every version persisted."""
+    return SyncCheckpointer(
+        "job",
+        local_root=root / "node",
+        tiers=[LocalTier(root / "node" / "blobs"), store],
+        persist="all",
+        base_every=2,
+        keep={"local": 3, "persistent": 10},
+        threads=1,
+        close_timeout=close_timeout,
+    )
 
 
 def test_going_back_sets_the_newer_versions_aside_at_the_first_save(tmp_path: Path) -> None:
@@ -267,38 +300,6 @@ def test_a_restart_whose_durable_storage_hangs_at_its_first_save_trains_on(
     settling of the timeline in durable storage runs in the background, so a store that hangs
     right then stalls no save -- memory commits go on -- and the versions reach it, whole,
     once it answers again (chaos soak seeds 3102, 3103)."""
-    import asyncio
-    import threading
-
-    from tiercheck import SyncCheckpointer
-    from tiercheck.tiers import DelegatingTier, LocalTier, PersistentTier
-
-    class Hanging(DelegatingTier):
-        """Every operation waits while :attr:`answering` is clear (at most a minute: a save
-        that waited for it fails the test instead of hanging it)."""
-
-        def __init__(self, inner: PersistentTier) -> None:
-            super().__init__(inner)
-            self.answering = threading.Event()
-            self.answering.set()
-            self.hung = threading.Event()
-
-        async def before(self, op: str, key: str) -> None:
-            if not self.answering.is_set():
-                self.hung.set()
-                await asyncio.to_thread(self.answering.wait, 60)
-
-    def opened(root: Path, store: Hanging) -> SyncCheckpointer:
-        return SyncCheckpointer(
-            "job",
-            local_root=root / "node",
-            tiers=[LocalTier(root / "node" / "blobs"), store],
-            persist="all",
-            base_every=2,
-            keep={"local": 3, "persistent": 10},
-            threads=1,
-        )
-
     uri = (tmp_path / "durable" / "job").as_uri()
     with opened(tmp_path, Hanging(PersistentTier(uri))) as ckpt:
         for v in range(4):
@@ -328,3 +329,48 @@ def test_a_restart_whose_durable_storage_hangs_at_its_first_save_trains_on(
     assert final is not None
     assert final.version == 6
     assert torch.equal(final.state["w"], state_of(6)["w"])
+
+
+@pytest.mark.parametrize("answers_after", [0.5, 3.0])
+def test_leaving_on_an_error_while_the_first_save_settles_the_timeline(
+    tmp_path: Path, answers_after: float
+) -> None:
+    """The bounded close of a run leaving on an error lets the timeline's attempt under way
+    end within close_timeout (a slow store): the save waiting on it reaches the store (CI
+    found the close cutting it: test_closing_decides_what_no_fence_confirmed). A store that
+    answers only after close_timeout has its attempt cut: the tier is blocked before it is
+    released, so the save that waited fails there, typed, even though the store answers while
+    the close still flushes -- it is never written where the timeline was not settled -- and
+    every version durable before is still whole."""
+    uri = (tmp_path / "durable" / "job").as_uri()
+    with opened(tmp_path, Hanging(PersistentTier(uri))) as ckpt:
+        for v in range(2):
+            ckpt.save(v, state_of(v))
+    store = Hanging(PersistentTier(uri))
+
+    def leave_while_settling() -> None:
+        with opened(tmp_path, store, close_timeout=2.0) as ckpt:
+            got = ckpt.restore()
+            assert got is not None
+            assert got.version == 1
+            store.answering.clear()
+            handle = ckpt.save(2, state_of(2))
+            handle.result("local", timeout=60)
+            assert store.hung.wait(30)  # the timeline's attempt waits on the store
+            threading.Timer(answers_after, store.answering.set).start()
+            raise RuntimeError(handle)
+
+    with pytest.raises(RuntimeError) as info:
+        leave_while_settling()
+    handle = info.value.args[0]
+    settled = answers_after < 2.0
+    if settled:
+        assert handle.committed("persistent")
+    else:
+        with pytest.raises(TierWriteFailed, match="stopped settling"):
+            handle.result("persistent")
+    with opened(tmp_path / "elsewhere", Hanging(PersistentTier(uri))) as fresh:
+        final = fresh.restore()
+    assert final is not None
+    assert final.version == (2 if settled else 1)
+    assert torch.equal(final.state["w"], state_of(final.version)["w"])

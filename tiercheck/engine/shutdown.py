@@ -98,9 +98,11 @@ class Shutdown:
         await self.engine.preemption.finished()
         self.engine.rejoin.stop()
         if how != "collective":
-            # The timeline's settling in the background stops here; the tiers it was still
-            # settling take no version of this run (only the normal end waits for it).
-            await self.engine.timeline.stop()
+            # The timeline's settling in the background stops here (leaving on an error, once
+            # an attempt under way ends, within close_timeout); the tiers it was still settling
+            # take no version of this run (only the normal end waits for it).
+            bound = self.engine.cfg.coordination.close_timeout if how == "bounded" else 0.0
+            await self.engine.timeline.stop(within=bound if self.engine.opened else 0.0)
         # The close decides every overlapped save: the caller confirmed what it could before
         # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
         self.engine.stager.abandon(

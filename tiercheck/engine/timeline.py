@@ -62,6 +62,8 @@ RETRY_EVERY = 10
 #: The channel the background worker's exchanges run on (nothing else uses it).
 TIMELINE_CHANNEL = RESERVED_CHANNELS[2]
 
+_STOPPED = "the checkpointer stopped settling the timeline after a restore"
+
 
 class Timeline:
     """Settles, after a restore, the timeline the run continues: the memory tiers at the first
@@ -215,6 +217,11 @@ class Timeline:
             while True:
                 try:
                     await self._attempt()
+                except asyncio.CancelledError:
+                    # Stopped in an attempt: blocked before the tiers are released below, or
+                    # a version waiting on them would go in over what was not settled.
+                    self._block_owed(_STOPPED)
+                    raise
                 except Exception:
                     # A bug, not a tier's failure (those block the tier inside): what the
                     # attempt did not finish stays owed, and its tiers take no version.
@@ -248,19 +255,27 @@ class Timeline:
         await self._attempt_over.wait()
         await self.stop()
 
-    async def stop(self) -> None:
-        """Stop the worker (closing). Cancelled in an attempt, each version is still whole
-        where it was or in its abandoned set (the steps are ordered for a death at any point);
-        the tiers it was settling take no version of this run."""
+    async def stop(self, within: float = 0.0) -> None:
+        """Stop the worker (closing), once an attempt under way is over or ``within`` seconds
+        have passed. Cancelled in an attempt, each version is still whole where it was or in
+        its abandoned set (the steps are ordered for a death at any point); the tiers it was
+        settling take no version of this run."""
         worker = self._worker
         if worker is None:
             return
-        cut = not self._attempt_over.is_set()
+        if within > 0 and not self._attempt_over.is_set():
+            # A close bounded in time lets the saves waiting on this attempt reach the tier
+            # when it ends in time (a store that is only slow), instead of failing them.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._attempt_over.wait(), within)
         worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await worker
-        if cut:
-            self._block_owed("the checkpointer stopped settling the timeline after a restore")
+        if not self._attempt_over.is_set():
+            # Cancelled before its first step ran (its own handling above never did).
+            self._block_owed(_STOPPED)
+            self._attempt_over.set()
+            self._worker = None
         self._release()
 
     def _block_owed(self, reason: str) -> None:
