@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from tests.consistency.coordinator_worker import TIMEOUT_S
+from tests.consistency.coordinator_worker import QUEUED, TIMEOUT_S
 from tests.distributed._launch import free_port
 from tiercheck.consistency.coordinator import SoloCoordinator, TorchCoordinator
 
@@ -93,6 +93,48 @@ def test_a_channel_reconnects_after_a_rank_stopped_past_the_timeout(tmp_path: Pa
         recovered = local[-1]["t"] - continued
         print(f"rank {rank} exchanged again {recovered:.1f}s after rank 1 continued")
         assert recovered < 10 * TIMEOUT_S
+
+
+@pytest.mark.multiprocess
+def test_calls_queued_behind_a_rank_that_is_gone_fail_within_one_timeout(tmp_path: Path) -> None:
+    """Two real ranks; rank 1 dies after an exchange, and rank 0 makes QUEUED more calls on the
+    channel, as the commit rounds queued behind it would. The first fails when gloo sees the
+    rank gone; the others wait for a reconnection only until a timeout after the channel broke,
+    so all of them together take about one timeout -- before, each waited a whole one (chaos
+    soak seed 6104: a close held for a minute by twelve queued rounds)."""
+    port = free_port()
+    worker = Path(__file__).with_name("coordinator_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(rank), str(port), str(tmp_path), "gone"],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == 0, errors[0]
+    events = _events(tmp_path, 0)
+    assert events[-1]["e"] == "done", events
+    calls = [e for e in events if e["e"] in ("ok", "failed")]
+    assert calls[0]["e"] == "ok"
+    queued = calls[1:]
+    assert len(queued) == QUEUED
+    assert all(e["e"] == "failed" and e["broken"] for e in queued), queued
+    # The first one fails on the dead rank, the next waits for a reconnection that never comes,
+    # the rest fail at once: well under the QUEUED timeouts the old waits added up to.
+    after_first = sum(e["took"] for e in queued[1:])
+    print(f"{QUEUED - 1} calls after the first failure took {after_first:.2f}s in all")
+    assert after_first < (QUEUED - 1) * TIMEOUT_S / 2, [e["took"] for e in queued]
+    assert any("has not reconnected it" in e["error"] for e in queued[1:]), queued
 
 
 def _events(out: Path, rank: int) -> list[dict[str, Any]]:

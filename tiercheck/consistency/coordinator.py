@@ -17,8 +17,12 @@ coordinator then connects the channel anew -- a fresh gloo group under a new *ep
 through the job's key-value store -- on a thread of its own that tries again and again, each try
 bounded by the timeout, until every rank has joined one epoch; a rank that paused for longer
 than the timeout rejoins that way as soon as it sees its own exchange fail. Meanwhile a call on
-the channel waits for the reconnection, at most the timeout, and then fails without having sent
-anything (:class:`ChannelDown`); calls come from the tiers' round workers, never from training.
+the channel waits for the reconnection until the timeout has passed since the channel broke,
+and then fails without having sent anything (:class:`ChannelDown`); once that much time has
+passed, a call fails at once until the channel is joined again -- so the rounds queued behind a
+rank that is gone fail together within one timeout, not one timeout each (chaos soak seed 6104:
+twelve queued commit rounds held a close for a minute). Calls come from the tiers' round
+workers, never from training.
 (Tries made only when a call came could miss each other for as long as the saves went on: each
 rank gave up an epoch while the other was between calls.) What a reconnection cannot tell is
 where the exchanges stand: some ranks may have completed the exchange that failed on others. The
@@ -47,6 +51,24 @@ logger = logging.getLogger("tiercheck")
 class ChannelDown(PeerUnavailable):
     """A call on a broken channel that did not reconnect in time: nothing of it was sent, so
     no other rank can have used it."""
+
+
+def _channel_down(
+    channel: str, why: str, rank: int, timeout: float, since: float | None
+) -> ChannelDown:
+    """The error of a call on the broken ``channel``: broken ``since`` seconds ago, ``None``
+    when it cannot reconnect at all (no key-value store)."""
+    if since is None:
+        return ChannelDown(
+            f"channel {channel!r} is broken since an earlier exchange failed ({why}) and "
+            f"cannot reconnect without the job's key-value store; rank {rank} does not use it "
+            "again"
+        )
+    return ChannelDown(
+        f"channel {channel!r} is broken ({why}); rank {rank} has not reconnected it in the "
+        f"{since:.0f}s since (timeout {timeout}s) and keeps trying (every rank joins once its "
+        "own exchange on it fails)"
+    )
 
 
 class Coordinator(ABC):
@@ -130,6 +152,8 @@ class TorchCoordinator(Coordinator):
         self._reconnecting: set[str] = set()
         #: Set while the channel has a group (cleared when it breaks, set when it rejoins).
         self._joined = {name: threading.Event() for name in names}
+        #: When each broken channel broke (monotonic): its calls wait until a timeout after.
+        self._broke_at: dict[str, float] = {}
         for event in self._joined.values():
             event.set()
         self._closing = threading.Event()
@@ -176,9 +200,10 @@ class TorchCoordinator(Coordinator):
                 f"unknown coordination channel {channel!r}; known: {sorted(self._groups)}"
             )
         # A broken channel: wait for the reconnection (a round that waits meets the returning
-        # rank at once); without it within the timeout, nothing of this call was sent.
+        # rank at once) until a timeout after it broke; without it, nothing of this call was
+        # sent.
         if self._groups[channel] is None and (
-            self._store is None or not self._joined[channel].wait(self.timeout)
+            self._store is None or not self._joined[channel].wait(self._left(channel))
         ):
             raise self._not_yet(channel)
         with self._locks[channel]:
@@ -201,6 +226,7 @@ class TorchCoordinator(Coordinator):
                 # connects anew (where the store allows it).
                 self._groups[channel] = None
                 self._joined[channel].clear()
+                self._broke_at[channel] = time.monotonic()
                 self._next_epoch(channel, self._epochs[channel])
                 self._start_reconnecting(channel)
                 raise PeerUnavailable(
@@ -214,6 +240,11 @@ class TorchCoordinator(Coordinator):
                     self._epochs[channel],
                 )
         return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
+    def _left(self, channel: str) -> float:
+        """How long a call on the broken ``channel`` still waits for its reconnection."""
+        broke = self._broke_at.get(channel, time.monotonic())
+        return max(0.0, broke + self.timeout - time.monotonic())
 
     def _epoch_key(self, channel: str) -> str:
         return f"{self._prefix}/{channel}/epoch"
@@ -251,18 +282,10 @@ class TorchCoordinator(Coordinator):
 
     def _not_yet(self, channel: str) -> ChannelDown:
         """The error of a call on ``channel`` while it is broken (nothing was sent)."""
+        now = time.monotonic()
+        since = None if self._store is None else now - self._broke_at.get(channel, now)
         why = self._broken.get(channel, "an earlier exchange failed")
-        if self._store is None:
-            return ChannelDown(
-                f"channel {channel!r} is broken since an earlier exchange failed ({why}) and "
-                f"cannot reconnect without the job's key-value store; rank {self.rank} does not "
-                "use it again"
-            )
-        return ChannelDown(
-            f"channel {channel!r} is broken ({why}); rank {self.rank} could not reconnect it "
-            f"within {self.timeout}s and keeps trying (every rank joins once its own exchange "
-            "on it fails)"
-        )
+        return _channel_down(channel, why, self.rank, self.timeout, since)
 
     def _start_reconnecting(self, channel: str) -> None:
         """Reconnect ``channel`` on a thread of its own (one per channel at a time)."""
