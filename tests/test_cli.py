@@ -465,6 +465,34 @@ def test_export_full_puts_a_sharded_version_together(tmp_path: Path, run: Any) -
     _assert_one_line_error(run("export", durable, tmp_path / "x", "--full", "--rank", "0"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_export_dcp_writes_a_folder_dcp_loads_anywhere(tmp_path: Path, run: Any) -> None:
+    """``--format dcp`` of a version sharded over 4 ranks: a DCP folder that DCP alone loads into
+    full tensors of one process, bit for bit; an existing folder is replaced only with
+    --force."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.engine.test_elastic import global_bias, global_weight, save_versions
+
+    save_versions(tmp_path, 4, range(2))
+    durable = tmp_path / "durable" / "job"
+    out = tmp_path / "exported"
+    ran = run("export", durable, out, "--full", "--format", "dcp", "--json")
+    assert ran.code == EXIT_OK, ran.err
+    assert [f["format"] for f in ran.json()["files"]] == ["dcp"]
+    state = {"w": torch.zeros(11, 6), "b": torch.zeros(5, dtype=torch.float64), "step": -1}
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    assert torch.equal(state["w"], global_weight(1))
+    assert torch.equal(state["b"], global_bias(1))
+    assert state["step"] == 1
+    _assert_one_line_error(run("export", durable, out, "--full", "--format", "dcp"))
+    ran = run("export", durable, out, "--full", "--format", "dcp", "--version", "0", "--force")
+    assert ran.code == EXIT_OK, ran.err
+    dcp.load(state, checkpoint_id=out, no_dist=True)
+    assert torch.equal(state["w"], global_weight(0))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_ls_counts_each_version_against_the_world_that_saved_it(tmp_path: Path, run: Any) -> None:
     from tests.engine.test_elastic import go_on, save_versions
 

@@ -195,6 +195,15 @@ def test_the_use_example_runs_and_resumes(tmp_path: Path) -> None:
         assert "newest durable version: 190" in out  # bases every 10 steps are durable
 
 
+def test_the_dcp_example_loads_what_tiercheck_stored(tmp_path: Path) -> None:
+    script, job = _script(tmp_path, "dcp-read", "dcp-demo")
+    try:
+        out = _run([sys.executable, str(script)], tmp_path)
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    assert "bit-exact: True" in out
+
+
 def _script(tmp_path: Path, name: str, job: str) -> tuple[Path, str]:
     """The example ``name`` written to ``tmp_path``, storing under a fresh job name there."""
     code = example(name)

@@ -25,7 +25,17 @@ from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.errors import BlobNotFound, ReshardError
 from tiercheck.statetree import own_copy
 
-__all__ = ["EXPORT_MODE", "ExportResult", "export", "safetensors_payload"]
+__all__ = [
+    "EXPORT_MODE",
+    "ExportFormat",
+    "ExportResult",
+    "export",
+    "safetensors_payload",
+    "whole_state",
+]
+
+#: What :func:`export` writes: ``OUT.pt``, ``OUT.safetensors``, or the DCP folder ``OUT``.
+ExportFormat = Literal["pt", "safetensors", "dcp"]
 
 
 @dataclass
@@ -259,6 +269,27 @@ async def _assembled(
     return Resharded(version, plan.layout, tuple(parts), len(ranks))
 
 
+async def whole_state(
+    opened: OpenLocation,
+    catalog: Catalog,
+    version: int,
+    *,
+    allow_pickle: bool = False,
+    warnings: list[str] | None = None,
+) -> tuple[Any, int]:
+    """The whole state of ``version`` as it was saved, nested, put together from every rank's
+    blob: sharded DTensors as their full tensors (see :func:`_assembled`), each tensor its own
+    storage, bit-exact (decoding checks the digests recorded at save time). Returns it and how
+    many entries it has; what had to be decided (state outside DTensors that differs between
+    ranks) is appended to ``warnings``."""
+    raw = await _assembled(opened, catalog, version, [] if warnings is None else warnings)
+    count = len(raw.layout.specs)
+    state = own_copy(unflatten(raw.layout, raw.tensors(), allow_pickle=allow_pickle))
+    del raw
+    state, _ = _local_shards(state)  # each the full tensor: a mesh of one rank
+    return state, count
+
+
 async def export(
     opened: OpenLocation,
     catalog: Catalog,
@@ -266,14 +297,18 @@ async def export(
     version: int,
     rank: int | None,
     out: Path,
-    formats: Sequence[Literal["pt", "safetensors"]],
+    formats: Sequence[ExportFormat],
+    force: bool = False,
     allow_pickle: bool = False,
     progress: Progress | None = None,
     abandoned: str | None = None,
 ) -> ExportResult:
-    """Decode ``rank``'s blob of ``version`` (with its base) and write it as ``out.pt`` and/or
-    ``out.safetensors``; with ``rank=None``, the whole state put together from every rank's
-    blob (sharded DTensors as full tensors, see :func:`_assembled`).
+    """Decode ``rank``'s blob of ``version`` (with its base) and write it as ``out.pt``,
+    ``out.safetensors`` and/or the DCP checkpoint folder ``out`` (``formats``); with
+    ``rank=None``, the whole state put together from every rank's blob (sharded DTensors as full
+    tensors, see :func:`_assembled`). The DCP folder is written by
+    :func:`tiercheck.dcp.write_dcp` (an existing one is replaced only with ``force``);
+    ``dcp.load(state_dict, checkpoint_id=out)`` reads it into any layout DCP supports.
 
     The ``.pt`` file is ``torch.save`` of the restored state -- nested as it was saved, every
     tensor its own storage -- and so a pickle, as every ``torch.save`` file is; load it with
@@ -294,23 +329,23 @@ async def export(
     files: list[tuple[str, str, int]] = []
     warnings: list[str] = []
     try:
-        raw: RawState | Resharded
         if rank is None:
-            raw = await _assembled(opened, catalog, version, warnings)
+            state, count = await whole_state(
+                opened, catalog, version, allow_pickle=allow_pickle, warnings=warnings
+            )
         else:
             raw = await decode_resolved(opened, catalog, entry.blobs[rank])
-        count = len(raw.layout.specs)
-        state = own_copy(unflatten(raw.layout, raw.tensors(), allow_pickle=allow_pickle))
-        has_dtensors = raw.layout.has_dtensors
-        del raw
-        if rank is None:
-            state, _ = _local_shards(state)  # each the full tensor: a mesh of one rank
-        elif has_dtensors:
-            state, count_shards = _local_shards(state)
-            warnings.append(
-                f"{count_shards} DTensors were exported as rank {rank}'s local shards; their "
-                "layout (global shape, placements, mesh, offsets) is not in the exported files"
-            )
+            count = len(raw.layout.specs)
+            state = own_copy(unflatten(raw.layout, raw.tensors(), allow_pickle=allow_pickle))
+            has_dtensors = raw.layout.has_dtensors
+            del raw
+            if has_dtensors:
+                state, count_shards = _local_shards(state)
+                warnings.append(
+                    f"{count_shards} DTensors were exported as rank {rank}'s local shards; "
+                    "their layout (global shape, placements, mesh, offsets) is not in the "
+                    "exported files"
+                )
         progress.advance()
         await asyncio.to_thread(out.parent.mkdir, parents=True, exist_ok=True)
         if "pt" in formats:
@@ -343,6 +378,12 @@ async def export(
 
             size = await asyncio.to_thread(_write_atomic, path, save_st)
             files.append(("safetensors", str(path), size))
+            progress.advance()
+        if "dcp" in formats:
+            from tiercheck.dcp import write_dcp
+
+            size = await asyncio.to_thread(write_dcp, state, out, force=force)
+            files.append(("dcp", str(out), size))
             progress.advance()
     finally:
         progress.finish()

@@ -1,13 +1,14 @@
-"""``tiercheck export``: a stored version as ``OUT.pt`` and ``OUT.safetensors``."""
+"""``tiercheck export``: a stored version as ``OUT.pt`` and ``OUT.safetensors``, or as the DCP
+checkpoint folder ``OUT``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 from pathlib import Path
-from typing import Literal
 
 from tiercheck.catalog import Catalog, OpenLocation, export
+from tiercheck.catalog.export import ExportFormat
 from tiercheck.cli.args import location_args, locations_of, nonnegative
 from tiercheck.cli.base import EXIT_OK, Console, UsageError, fmt_size, short
 
@@ -20,7 +21,7 @@ def configure_export(p: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="[URL] OUT",
         help="the location (omit with --local-root) and the output path without extension: "
-        "OUT.pt and/or OUT.safetensors are written",
+        "OUT.pt and/or OUT.safetensors are written, or with --format dcp the folder OUT",
     )
     location_args(p, positional=False)
     p.add_argument(
@@ -42,9 +43,11 @@ def configure_export(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--format",
-        choices=("pt", "safetensors", "both"),
+        choices=("pt", "safetensors", "both", "dcp"),
         default="both",
-        help="what to write (default: both)",
+        help="what to write (default: both .pt and .safetensors); dcp: a "
+        "torch.distributed.checkpoint folder, which dcp.load(state_dict, checkpoint_id=OUT) "
+        "reads into any mesh or number of ranks (with --full where the job had several ranks)",
     )
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
     p.add_argument(
@@ -54,7 +57,7 @@ def configure_export(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _export_targets(args: argparse.Namespace) -> tuple[Path, list[Literal["pt", "safetensors"]]]:
+def _export_targets(args: argparse.Namespace) -> tuple[Path, list[ExportFormat]]:
     paths: list[str] = args.paths
     if len(paths) == 2:
         args.url, out = paths
@@ -64,9 +67,7 @@ def _export_targets(args: argparse.Namespace) -> tuple[Path, list[Literal["pt", 
         raise UsageError("export needs a location and an output path: tiercheck export URL OUT")
     else:
         raise UsageError(f"export takes a location and one output path, got {paths}")
-    formats: list[Literal["pt", "safetensors"]] = (
-        ["pt", "safetensors"] if args.format == "both" else [args.format]
-    )
+    formats: list[ExportFormat] = ["pt", "safetensors"] if args.format == "both" else [args.format]
     if "safetensors" in formats and importlib.util.find_spec("safetensors") is None:
         raise UsageError(
             "safetensors is not installed: pip install 'tiercheck[safetensors]', or pass "
@@ -77,7 +78,7 @@ def _export_targets(args: argparse.Namespace) -> tuple[Path, list[Literal["pt", 
         stem = stem.with_suffix("")
     if not args.force:
         for fmt in formats:
-            path = stem.with_name(f"{stem.name}.{fmt}")
+            path = stem if fmt == "dcp" else stem.with_name(f"{stem.name}.{fmt}")
             if path.exists():
                 raise UsageError(f"{path} exists; pass --force to overwrite it")
     return stem, formats
@@ -163,6 +164,7 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
             rank=rank,
             out=stem,
             formats=formats,
+            force=args.force,
             allow_pickle=args.allow_pickle,
             progress=console.progress(),
             abandoned=args.abandoned,
