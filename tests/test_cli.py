@@ -493,6 +493,38 @@ def test_export_dcp_writes_a_folder_dcp_loads_anywhere(tmp_path: Path, run: Any)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+def test_export_hf_of_a_bare_state_dict_says_what_it_left_out(tmp_path: Path, run: Any) -> None:
+    """A state that is a mapping of names to tensors is the model: one safetensors file when
+    it fits, with no index; what is not a tensor, and the missing config, are named."""
+    from safetensors.torch import load_file
+
+    from tests.engine.test_elastic import global_bias, global_weight, save_versions
+    from tiercheck.catalog.hf import hf_model
+    from tiercheck.errors import StateMismatch
+
+    save_versions(tmp_path, 4, range(2))
+    out = tmp_path / "hf"
+    ran = run("export", tmp_path / "durable" / "job", out, "--full", "--format", "hf", "--json")
+    assert ran.code == EXIT_OK, ran.err
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["w"], global_weight(1))
+    assert torch.equal(tensors["b"], global_bias(1))
+    warnings = " ".join(ran.json()["warnings"])
+    assert "step: not a tensor (int); left out" in warnings
+    assert "config.json" in warnings
+    assert out.stat().st_mode & 0o777 == 0o700
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o600
+    _assert_one_line_error(
+        run("export", tmp_path / "durable" / "job", out, "--full", "--format", "hf")
+    )
+    _assert_one_line_error(
+        run("export", tmp_path / "durable" / "job", tmp_path / "x", "--full", "--dtype", "bf16")
+    )
+    with pytest.raises(StateMismatch, match="holds no model"):
+        hf_model({"step": 3, "note": "no tensors"})
+
+
 def test_ls_counts_each_version_against_the_world_that_saved_it(tmp_path: Path, run: Any) -> None:
     from tests.engine.test_elastic import go_on, save_versions
 

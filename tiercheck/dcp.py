@@ -31,7 +31,6 @@ import asyncio
 import concurrent.futures
 import io
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -222,29 +221,11 @@ def dcp_metadata(flat: Mapping[str, Any]) -> Metadata:
     return Metadata(state_dict_metadata=entries)
 
 
-def write_dcp(state: Mapping[str, Any], out: Path, *, force: bool = False) -> int:
-    """Write ``state`` (a whole state, no DTensors) as a DCP checkpoint folder ``out`` in one
-    process; returns its size in bytes. Written beside ``out`` and renamed into place, so a
-    crash leaves no half folder under that name; an existing ``out`` is refused unless
-    ``force`` (then replaced only once the new one is whole)."""
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass force=True (--force) to replace it")
-    temp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    for leftover in (temp, old):  # of an earlier export by a process with this pid, killed
-        if leftover.exists():
-            shutil.rmtree(leftover)
-    try:
-        with warnings.catch_warnings():
-            # One process is what this is: DCP's warning that it assumes one says nothing.
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp_save(dict(state), storage_writer=FileSystemWriter(temp), no_dist=True)
-        if out.exists():
-            out.rename(old)
-        temp.rename(out)
-    finally:
-        if temp.exists():
-            shutil.rmtree(temp)
-    if old.exists():
-        shutil.rmtree(old)
-    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+def write_dcp(state: Mapping[str, Any], folder: Path) -> None:
+    """Write ``state`` (a whole state, no DTensors) as a DCP checkpoint into the empty
+    ``folder``, in this one process (``tiercheck export --format dcp`` writes it beside its
+    final name and renames it into place: :func:`tiercheck.catalog.export.write_folder`)."""
+    with warnings.catch_warnings():
+        # One process is what this is: DCP's warning that it assumes one says nothing.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp_save(dict(state), storage_writer=FileSystemWriter(folder), no_dist=True)

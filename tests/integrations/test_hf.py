@@ -177,6 +177,32 @@ def test_save_total_limit_is_each_tiers_keep(tmp_path: Path) -> None:
     explicit.tiercheck_checkpointer.close()
 
 
+def test_export_hf_is_a_model_folder_from_pretrained_loads(tmp_path: Path) -> None:
+    """A version the Trainer integration saved, exported as a Hugging Face folder in bf16 and
+    in shards small enough to need an index: from_pretrained loads it, with its config, and
+    every weight is the trained one cast to bf16."""
+    from tiercheck.cli import EXIT_OK, main
+
+    trainer, _ = _trainer(tmp_path, max_steps=6)
+    trainer.train()
+    out = tmp_path / "exported"
+    argv = ["export", str(tmp_path / "durable"), str(out), "--format", "hf", "--dtype", "bf16"]
+    assert main([*argv, "--max-shard-size", "4KB"]) == EXIT_OK
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    assert (out / "model.safetensors.index.json").is_file()
+    assert (out / "config.json").is_file()
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.config.n_embd == trainer.model.config.n_embd
+    got = loaded.state_dict()
+    for name, weight in trainer.model.state_dict().items():
+        assert torch.equal(got[name].to(torch.bfloat16), weight.to(torch.bfloat16)), name
+    # Resuming reads a version that carries the config like one that does not.
+    again, start = _trainer(tmp_path, max_steps=9)
+    again.train(resume_from_checkpoint=True)
+    assert start.steps == [6]
+
+
 def test_save_total_limit_bounds_what_is_stored(tmp_path: Path) -> None:
     trainer, _ = _trainer(tmp_path, max_steps=15, save_total_limit=2)
     trainer.train()

@@ -4,8 +4,10 @@ safetensors), laid out for safetensors by :func:`safetensors_payload`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +31,26 @@ __all__ = [
     "EXPORT_MODE",
     "ExportFormat",
     "ExportResult",
+    "HfOptions",
     "export",
     "safetensors_payload",
     "whole_state",
+    "write_folder",
 ]
 
-#: What :func:`export` writes: ``OUT.pt``, ``OUT.safetensors``, or the DCP folder ``OUT``.
-ExportFormat = Literal["pt", "safetensors", "dcp"]
+#: What :func:`export` writes: ``OUT.pt``, ``OUT.safetensors``, or the folder ``OUT`` as a DCP
+#: checkpoint or a Hugging Face model (sharded safetensors).
+ExportFormat = Literal["pt", "safetensors", "dcp", "hf"]
+
+
+@dataclass(frozen=True)
+class HfOptions:
+    """How :func:`export` writes a Hugging Face model folder."""
+
+    #: Floating-point tensors cast to this dtype (``None``: as stored).
+    dtype: torch.dtype | None = None
+    #: The most bytes of tensors in one safetensors file (Hugging Face's default, 5 GB).
+    max_shard: int = 5_000_000_000
 
 
 @dataclass
@@ -203,6 +218,39 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> int:
     return path.stat().st_size
 
 
+def write_folder(path: Path, write: Callable[[Path], None], *, force: bool = False) -> int:
+    """Write a folder of files through a temporary folder beside ``path``, renamed into place
+    once complete (an existing ``path`` only with ``force``, and only then moved away); every
+    file :data:`EXPORT_MODE`, every folder owner-only. Returns the bytes written."""
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force to replace it")
+    temp = path.with_name(f".{path.name}.tiercheck-tmp")
+    old = path.with_name(f".{path.name}.tiercheck-old")
+    for leftover in (temp, old):  # of an export cut short
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    try:
+        os.mkdir(temp, 0o700)
+        os.chmod(temp, 0o700)  # mkdir's mode went through the umask
+        write(temp)
+        size = 0
+        for folder, dirs, names in os.walk(temp):
+            for d in dirs:
+                os.chmod(os.path.join(folder, d), 0o700)
+            for name in names:
+                os.chmod(os.path.join(folder, name), EXPORT_MODE)
+                size += os.path.getsize(os.path.join(folder, name))
+        if path.exists():
+            path.rename(old)
+        temp.rename(path)
+    finally:
+        if temp.exists():
+            shutil.rmtree(temp)
+    if old.exists():
+        shutil.rmtree(old)
+    return size
+
+
 def _local_shards(state: Any) -> tuple[Any, int]:
     """``state`` with every stored DTensor replaced by its local tensor, and how many."""
     count = 0
@@ -299,6 +347,7 @@ async def export(
     out: Path,
     formats: Sequence[ExportFormat],
     force: bool = False,
+    hf: HfOptions | None = None,
     allow_pickle: bool = False,
     progress: Progress | None = None,
     abandoned: str | None = None,
@@ -307,8 +356,11 @@ async def export(
     ``out.safetensors`` and/or the DCP checkpoint folder ``out`` (``formats``); with
     ``rank=None``, the whole state put together from every rank's blob (sharded DTensors as full
     tensors, see :func:`_assembled`). The DCP folder is written by
-    :func:`tiercheck.dcp.write_dcp` (an existing one is replaced only with ``force``);
-    ``dcp.load(state_dict, checkpoint_id=out)`` reads it into any layout DCP supports.
+    :func:`tiercheck.dcp.write_dcp`: ``dcp.load(state_dict, checkpoint_id=out)`` reads it into
+    any layout DCP supports. The Hugging Face folder (:mod:`tiercheck.catalog.hf`, as ``hf``
+    says) holds the model's tensors as sharded safetensors, and its config where the Trainer
+    integration saved it: ``from_pretrained(out)`` loads it. A folder is written by
+    :func:`write_folder` (an existing one is replaced only with ``force``).
 
     The ``.pt`` file is ``torch.save`` of the restored state -- nested as it was saved, every
     tensor its own storage -- and so a pickle, as every ``torch.save`` file is; load it with
@@ -323,6 +375,7 @@ async def export(
     and its tag as ``abandoned`` (recorded in the result and the safetensors metadata).
     """
     progress = progress or NullProgress()
+    hf = hf or HfOptions()
     entry = catalog.versions[version]
     which = "every rank" if rank is None else f"rank {rank}"
     progress.start(1 + len(formats), f"exporting version {version} {which}")
@@ -382,8 +435,19 @@ async def export(
         if "dcp" in formats:
             from tiercheck.dcp import write_dcp
 
-            size = await asyncio.to_thread(write_dcp, state, out, force=force)
+            size = await asyncio.to_thread(
+                write_folder, out, functools.partial(write_dcp, state), force=force
+            )
             files.append(("dcp", str(out), size))
+            progress.advance()
+        if "hf" in formats:
+            from tiercheck.catalog.hf import hf_model, write_hf
+
+            tensors, config, notes = hf_model(state, dtype=hf.dtype)
+            warnings.extend(notes)
+            write = functools.partial(write_hf, tensors, config, max_shard=hf.max_shard)
+            size = await asyncio.to_thread(write_folder, out, write, force=force)
+            files.append(("hf", str(out), size))
             progress.advance()
     finally:
         progress.finish()

@@ -1,14 +1,17 @@
-"""``tiercheck export``: a stored version as ``OUT.pt`` and ``OUT.safetensors``, or as the DCP
-checkpoint folder ``OUT``."""
+"""``tiercheck export``: a stored version as ``OUT.pt`` and ``OUT.safetensors``, or as the folder
+``OUT``: a DCP checkpoint or a Hugging Face model."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 from pathlib import Path
 
+import torch
+
 from tiercheck.catalog import Catalog, OpenLocation, export
-from tiercheck.catalog.export import ExportFormat
+from tiercheck.catalog.export import ExportFormat, HfOptions
 from tiercheck.cli.args import location_args, locations_of, nonnegative
 from tiercheck.cli.base import EXIT_OK, Console, UsageError, fmt_size, short
 
@@ -43,11 +46,26 @@ def configure_export(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--format",
-        choices=("pt", "safetensors", "both", "dcp"),
+        choices=("pt", "safetensors", "both", "dcp", "hf"),
         default="both",
         help="what to write (default: both .pt and .safetensors); dcp: a "
         "torch.distributed.checkpoint folder, which dcp.load(state_dict, checkpoint_id=OUT) "
-        "reads into any mesh or number of ranks (with --full where the job had several ranks)",
+        "reads into any mesh or number of ranks; hf: a Hugging Face model folder (sharded "
+        "safetensors, and config.json where the Trainer integration saved it), which "
+        "from_pretrained(OUT) loads (both with --full where the job had several ranks)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="with --format hf: cast floating-point tensors to this dtype (default: as stored)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=5_000_000_000,
+        metavar="SIZE",
+        help="with --format hf: the most bytes in one safetensors file, e.g. 500MB "
+        "(default: 5GB, as Hugging Face)",
     )
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
     p.add_argument(
@@ -55,6 +73,21 @@ def configure_export(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode states that hold pickled objects (only for checkpoints you trust)",
     )
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
+
+
+def _size(text: str) -> int:
+    """A size in bytes: a number with an optional unit (KB, MB, GB, KiB, MiB)."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive size such as 500MB or 5GB, got {text!r}"
+        )
+    return int(match.group(1)) * _UNITS[unit]
 
 
 def _export_targets(args: argparse.Namespace) -> tuple[Path, list[ExportFormat]]:
@@ -68,7 +101,11 @@ def _export_targets(args: argparse.Namespace) -> tuple[Path, list[ExportFormat]]
     else:
         raise UsageError(f"export takes a location and one output path, got {paths}")
     formats: list[ExportFormat] = ["pt", "safetensors"] if args.format == "both" else [args.format]
-    if "safetensors" in formats and importlib.util.find_spec("safetensors") is None:
+    if args.dtype is not None and formats != ["hf"]:
+        raise UsageError("--dtype is for --format hf")
+    if ("safetensors" in formats or "hf" in formats) and importlib.util.find_spec(
+        "safetensors"
+    ) is None:
         raise UsageError(
             "safetensors is not installed: pip install 'tiercheck[safetensors]', or pass "
             "--format pt"
@@ -78,7 +115,7 @@ def _export_targets(args: argparse.Namespace) -> tuple[Path, list[ExportFormat]]
         stem = stem.with_suffix("")
     if not args.force:
         for fmt in formats:
-            path = stem if fmt == "dcp" else stem.with_name(f"{stem.name}.{fmt}")
+            path = stem if fmt in ("dcp", "hf") else stem.with_name(f"{stem.name}.{fmt}")
             if path.exists():
                 raise UsageError(f"{path} exists; pass --force to overwrite it")
     return stem, formats
@@ -165,6 +202,10 @@ async def run_export(args: argparse.Namespace, console: Console) -> int:
             out=stem,
             formats=formats,
             force=args.force,
+            hf=HfOptions(
+                dtype=None if args.dtype is None else _DTYPES[args.dtype],
+                max_shard=args.max_shard_size,
+            ),
             allow_pickle=args.allow_pickle,
             progress=console.progress(),
             abandoned=args.abandoned,

@@ -64,6 +64,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+from tiercheck.catalog.hf import MODEL_CONFIG_KEY
 from tiercheck.checkpointer import Restored, SaveHandle
 from tiercheck.consistency.keys import MAX_VERSION
 from tiercheck.errors import ConfigError, FormatError
@@ -100,6 +101,14 @@ _STATE_KEYS = ("model", "optimizer", "scheduler", "scaler", "rng", "trainer_stat
 _COVERED_BACKENDS = frozenset({"NO", "MULTI_CPU", "MULTI_GPU"})
 # TrainingArguments.parallel_mode values: one device, DataParallel in one process, DDP.
 _COVERED_MODES = frozenset({"not_parallel", "not_distributed", "distributed"})
+
+
+def _config_json(model: Any) -> str | None:
+    """The model's config as ``save_pretrained`` writes ``config.json``; ``None`` for a model
+    without one (a plain ``torch.nn.Module``)."""
+    to_json = getattr(getattr(model, "config", None), "to_json_string", None)
+    text = to_json() if callable(to_json) else None
+    return text if isinstance(text, str) else None
 
 
 def _launched_world() -> int:
@@ -246,7 +255,7 @@ class TiercheckTrainerMixin:
                     )
                 return parent.train(ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             state = restored.state
-            if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
+            if not isinstance(state, dict) or set(state) - {MODEL_CONFIG_KEY} != set(_STATE_KEYS):
                 raise FormatError(
                     f"version {restored.version} of job {self._tiercheck.job_id!r} was not "
                     "saved by the Trainer integration"
@@ -301,6 +310,9 @@ class TiercheckTrainerMixin:
             # The TrainerState as the JSON text Trainer writes to trainer_state.json.
             "trainer_state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)
             + "\n",
+            # The model's config.json, for `tiercheck export --format hf` (a version saved
+            # before it was kept has none; resuming does not need it).
+            MODEL_CONFIG_KEY: _config_json(self.model),
         }
 
     # --- resuming (called by Trainer.train with the folder made above) ----------------------
