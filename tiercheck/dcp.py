@@ -3,19 +3,23 @@
 :class:`TiercheckStorageReader` is a DCP ``StorageReader`` over one stored version: pass it to
 ``dcp.load(state_dict, storage_reader=...)`` and DCP's own planner loads the version into any
 layout DCP supports -- another mesh, another number of ranks, a plain model in one process
-(``no_dist=True``). :func:`write_dcp` writes a version as a DCP checkpoint folder (``tiercheck
-export URL OUT --format dcp``), which ``dcp.load(..., checkpoint_id=OUT)`` reads with no
-tiercheck installed.
+(``no_dist=True``). :func:`write_dcp` writes a whole state as a DCP checkpoint folder
+(``tiercheck export URL OUT --format dcp``), which ``dcp.load(..., checkpoint_id=OUT)`` reads
+with no tiercheck installed.
 
-How the reader works: the version is put together whole from every rank's blob
-(:func:`tiercheck.catalog.export.whole_state`: sharded DTensors as their full tensors,
-deltas applied, every tensor checked against the digest recorded at save time), and DCP sees
-each tensor as one chunk of its full shape under the key DCP's planner gives it (the state's
-nested keys joined by dots, as ``dcp.save`` flattens a state dict). Each rank that loads puts
-the whole version together once per reader (a reader caches it; :meth:`reset` drops it), so a
-load needs the host memory of the whole state on every rank: fine for the models a job
-restarts elsewhere to inspect or to convert, not yet for reading a few shards of a very large
-one (ranged reads of only the shards a rank needs are not built yet).
+How the reader works: every rank's blob of the version is decoded (deltas applied, every
+tensor checked against the digest recorded at save time), and DCP sees each stored DTensor as
+the chunks the ranks that saved it held -- each local shard at its global offset, a region
+several ranks held (replicated on a mesh dimension) once -- under the key DCP's planner gives
+it (the state's nested keys joined by dots, as ``dcp.save`` flattens a state dict). DCP's
+planner then works out which parts of which chunks each loading rank needs, so any layout DCP
+can load into works, meshes of two dimensions (FSDP + tensor parallel, HSDP) included. A
+tensor outside DTensors is one chunk; where ranks stored different values for it (their RNG
+states, say), rank 0's is read and :attr:`TiercheckStorageReader.warnings` says so. Each rank
+that loads decodes every blob of the version once per reader (a reader caches them;
+:meth:`~TiercheckStorageReader.reset` drops them), so a load needs the host memory of the
+whole state on every loading rank; decoding only the blobs a rank's chunks come from, with
+ranged reads, is not built yet.
 
 Entries that are not tensors (step counters, learning rates, strings) reach DCP the way DCP
 reads them from its own checkpoints: as ``torch.save`` bytes that its planner loads with
@@ -32,9 +36,9 @@ import concurrent.futures
 import io
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -52,11 +56,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tiercheck.catalog.base import LocationError
-from tiercheck.catalog.export import whole_state
 from tiercheck.catalog.locate import OpenLocation, find_locations
-from tiercheck.errors import BlobNotFound
+from tiercheck.catalog.read import decode_resolved
+from tiercheck.codec import DTensorShard, unflatten
+from tiercheck.errors import BlobNotFound, ShardsInconsistent
 
-__all__ = ["TiercheckStorageReader", "dcp_metadata", "write_dcp"]
+__all__ = ["TiercheckStorageReader", "write_dcp"]
 
 
 class TiercheckStorageReader(StorageReader):
@@ -99,7 +104,7 @@ class TiercheckStorageReader(StorageReader):
         #: What had to be decided putting the version together (logged by nobody: for the
         #: caller to look at), e.g. state outside DTensors that differed between ranks.
         self.warnings: list[str] = []
-        self._flat: dict[str, Any] | None = None
+        self._chunks: _Chunks | None = None
 
     # --- StorageReader ------------------------------------------------------------------------
 
@@ -108,12 +113,12 @@ class TiercheckStorageReader(StorageReader):
         names another location; the version is put together again at the next read."""
         if checkpoint_id is not None:
             self.url = os.fspath(checkpoint_id)
-        self._flat = None
+        self._chunks = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's description of the version: each tensor one chunk of its full shape, each
-        other entry bytes."""
-        return dcp_metadata(self._state())
+        """DCP's description of the version: each stored DTensor as the shards its ranks held,
+        each other tensor one chunk of its full shape, each other entry bytes."""
+        return self._version().metadata()
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -129,17 +134,18 @@ class TiercheckStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Copy what ``plan`` asks for out of the version into the planner's tensors."""
-        flat = self._state()
+        """Copy what ``plan`` asks for out of the version's chunks into the planner's
+        tensors."""
+        version = self._version()
         for item in plan.items:
-            value = flat[item.storage_index.fqn]
+            index = item.storage_index
             if item.type == LoadItemType.BYTE_IO:
                 buffer = io.BytesIO()
-                torch.save(value, buffer)
+                torch.save(version.values[index.fqn], buffer)
                 buffer.seek(0)
                 planner.load_bytes(item, buffer)
                 continue
-            source = value
+            source = version.chunk(index.fqn, index.offset)
             for dim, (start, length) in enumerate(
                 zip(item.storage_offsets, item.lengths, strict=True)
             ):
@@ -147,7 +153,7 @@ class TiercheckStorageReader(StorageReader):
             target = planner.resolve_tensor(item).detach()
             if target.size() != source.size():
                 raise ValueError(
-                    f"DCP asked for {tuple(target.size())} of {item.storage_index.fqn!r} at "
+                    f"DCP asked for {tuple(target.size())} of {index.fqn!r} at "
                     f"{tuple(item.storage_offsets)} and got {tuple(source.size())}; the "
                     "planner and the stored version disagree"
                 )
@@ -164,16 +170,15 @@ class TiercheckStorageReader(StorageReader):
 
     # --- the version --------------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        if self._flat is None:
+    def _version(self) -> _Chunks:
+        if self._chunks is None:
             # On a thread with a loop of its own: DCP calls from synchronous code, which may
             # itself run inside an event loop.
             with concurrent.futures.ThreadPoolExecutor(1, "tiercheck-dcp") as pool:
-                state = pool.submit(asyncio.run, self._read()).result()
-            self._flat, _ = flatten_state_dict(state)
-        return self._flat
+                self._chunks = pool.submit(asyncio.run, self._read()).result()
+        return self._chunks
 
-    async def _read(self) -> Any:
+    async def _read(self) -> _Chunks:
         found = await find_locations(
             self.url, job=self.job_id, storage_options=self.storage_options
         )
@@ -198,27 +203,107 @@ class TiercheckStorageReader(StorageReader):
                 )
             else:
                 version = self.version
-            self.warnings = []
-            state, _ = await whole_state(opened, catalog, version, warnings=self.warnings)
+            blobs = catalog.versions[version].blobs
+            chunks = _Chunks()
+            for rank in sorted(blobs):
+                raw = await decode_resolved(opened, catalog, blobs[rank])
+                tree = unflatten(raw.layout, raw.tensors(), allow_pickle=False)
+                del raw
+                flat, _ = flatten_state_dict(tree)
+                chunks.add(rank, flat)
         self.read_version = version
-        return state
+        self.warnings = chunks.warnings
+        return chunks
 
 
-def dcp_metadata(flat: Mapping[str, Any]) -> Metadata:
-    """DCP metadata of a flattened state (keys as ``dcp.save`` flattens them): a tensor is one
-    chunk of its full shape, anything else bytes."""
-    entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            size = value.size()
-            entries[key] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=value.dtype),
-                size=size,
-                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
+class _Chunks:
+    """A version as DCP reads it: per key, the chunks of a tensor or the value of an entry."""
+
+    def __init__(self) -> None:
+        #: Tensors: their dtype, global shape and chunks by offset.
+        self.tensors: dict[str, tuple[torch.dtype, torch.Size, dict[tuple[int, ...], Any]]] = {}
+        #: Entries that are not tensors.
+        self.values: dict[str, Any] = {}
+        self.warnings: list[str] = []
+        # What rank 0 (the lowest rank that has the key) stored outside DTensors.
+        self._plain: dict[str, tuple[int, Any]] = {}
+
+    def add(self, rank: int, flat: Mapping[str, Any]) -> None:
+        """Take one old rank's flattened state."""
+        for key, value in flat.items():
+            if isinstance(value, DTensorShard):
+                self._shard(rank, key, value)
+            elif key in self._plain:
+                first, seen = self._plain[key]
+                if not _same(seen, value):
+                    self.warnings.append(
+                        f"{key}: ranks {first} and {rank} stored different values outside "
+                        f"DTensors; rank {first}'s is read"
+                    )
+            else:
+                self._plain[key] = (rank, value)
+                if isinstance(value, torch.Tensor):
+                    whole = tuple(0 for _ in value.shape)
+                    self.tensors[key] = (value.dtype, value.size(), {whole: value})
+                else:
+                    self.values[key] = value
+
+    def _shard(self, rank: int, key: str, shard: DTensorShard) -> None:
+        shape = torch.Size(shard.shape)
+        dtype = shard.local.dtype
+        entry = self.tensors.setdefault(key, (dtype, shape, {}))
+        if entry[0] != dtype or entry[1] != shape:
+            raise ShardsInconsistent(
+                f"{key}: rank {rank} stored a {dtype}{tuple(shape)} DTensor where another rank "
+                f"stored {entry[0]}{tuple(entry[1])}; the blobs are not of one save"
             )
-        else:
+        if shard.local.numel() == 0:
+            return  # an empty shard (a rank past the end of a dimension) holds nothing
+        # A region several ranks hold (replicated on a mesh dimension) is read once.
+        entry[2].setdefault(tuple(shard.offset), shard.local)
+
+    def metadata(self) -> Metadata:
+        """DCP's metadata of the version."""
+        entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for key, (dtype, shape, chunks) in self.tensors.items():
+            entries[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype),
+                size=shape,
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(offset), sizes=local.size())
+                    for offset, local in sorted(chunks.items())
+                ],
+            )
+        for key in self.values:
             entries[key] = BytesStorageMetadata()
-    return Metadata(state_dict_metadata=entries)
+        return Metadata(state_dict_metadata=entries)
+
+    def chunk(self, key: str, offset: Sequence[int] | None) -> torch.Tensor:
+        """The chunk of tensor ``key`` that starts at ``offset``."""
+        chunks = self.tensors[key][2]
+        found = chunks.get(tuple(offset or ()))
+        if found is None:
+            raise ValueError(
+                f"DCP asked for the chunk of {key!r} at {tuple(offset or ())}; the stored "
+                f"version has chunks at {sorted(chunks)}"
+            )
+        return cast(torch.Tensor, found)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two stored values are equal, bit for bit where they are tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. numpy arrays of several elements
+        return repr(a) == repr(b)
 
 
 def write_dcp(state: Mapping[str, Any], folder: Path) -> None:

@@ -1,0 +1,59 @@
+"""Meshes of two dimensions under real torchrun (CPU/gloo): a job saved by tiercheck on 4 ranks
+loads on 2, and one saved on 2 loads on 4, through DCP's own ``dcp.load`` and planner with
+:class:`tiercheck.dcp.TiercheckStorageReader` -- FSDP2 + tensor parallel on a ``(dp, tp)`` mesh,
+and HSDP on a ``(replicate, shard)`` mesh. The gathered model and optimizer state equal those
+the saving job ended with, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.test_elastic import assert_same
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("mesh2d_worker.py")
+
+
+def torchrun(root: Path, durable: Path, out: Path, ranks: int, *, layout: str, phase: str) -> None:
+    env = {
+        **os.environ,
+        "TIERCHECK_RANKS_PER_NODE": str(ranks),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
+        "--monitor-interval=0.1", str(WORKER), "--root", str(root),
+        "--persistent", durable.as_uri(), "--out", str(out), "--layout", layout,
+        "--phase", phase,
+    ]  # fmt: skip
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+
+
+@pytest.mark.parametrize("layout", ["tp", "hsdp"])
+def test_a_2d_mesh_job_loads_on_another_number_of_ranks_through_dcp(
+    tmp_path: Path, layout: str
+) -> None:
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = shm / f"tiercheck-test-mesh2d-{uuid.uuid4().hex[:12]}"
+    try:
+        for saved, loaded in ((4, 2), (2, 4)):
+            durable, out = tmp_path / f"durable{saved}", tmp_path / f"out{saved}"
+            torchrun(root / f"save{saved}", durable, out, saved, layout=layout, phase="save")
+            torchrun(root / f"load{saved}", durable, out, loaded, layout=layout, phase="load")
+            expected = torch.load(out / "saved.pt", weights_only=True)
+            assert expected["optim"], "the saving job's optimizer has state to compare"
+            assert_same(torch.load(out / "loaded.pt", weights_only=True), expected)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
