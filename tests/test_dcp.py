@@ -144,3 +144,17 @@ def test_what_cannot_be_read_is_a_typed_error_and_nothing_is_touched(tmp_path: P
     )
     assert torch.equal(extra["w"], global_weight(1))
     assert files(tmp_path) == before
+
+
+def test_state_outside_dtensors_that_differs_between_ranks_is_rank_0s(tmp_path: Path) -> None:
+    """Each rank stored its own ``position``: DCP can read one value per key, so it reads rank
+    0's, and the reader's warnings name the key."""
+    save_versions(tmp_path, 2, range(1), own=True)
+    reader = TiercheckStorageReader(tmp_path / "durable", "job")
+    state = {**blank(), "position": torch.zeros(1, dtype=torch.int64)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert state["position"].tolist() == [0]  # rank 0's: rank * 100 + version
+    assert torch.equal(state["w"], global_weight(0))
+    assert [w for w in reader.warnings if "position" in w] == [
+        "position: ranks 0 and 1 stored different values outside DTensors; rank 0's is read"
+    ]
