@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.distributed.test_elastic import assert_same
+from tiercheck.cli import main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -55,5 +56,15 @@ def test_a_2d_mesh_job_loads_on_another_number_of_ranks_through_dcp(
             expected = torch.load(out / "saved.pt", weights_only=True)
             assert expected["optim"], "the saving job's optimizer has state to compare"
             assert_same(torch.load(out / "loaded.pt", weights_only=True), expected)
+            # tiercheck export --full puts the same version together by region, in one process.
+            assert (
+                main(["export", str(durable), str(out / "whole"), "--full", "--format", "pt"]) == 0
+            )
+            whole = torch.load(out / "whole.pt", weights_only=True)["app"]
+            assert_same(whole["model"], expected["model"])
+            names = list(expected["model"])  # the parameters, in the optimizer's order
+            assert_same(
+                {i: whole["optim"]["state"][n] for i, n in enumerate(names)}, expected["optim"]
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)

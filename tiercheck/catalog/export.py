@@ -19,9 +19,9 @@ import torch
 from tiercheck.catalog.base import Location, NullProgress, Progress
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.read import decode_blob, decode_resolved
+from tiercheck.catalog.regions import whole_by_regions
 from tiercheck.catalog.scan import Catalog
-from tiercheck.codec import DTensorShard, RawState, unflatten
-from tiercheck.codec.assembled import Resharded
+from tiercheck.codec import DTensorShard, unflatten
 from tiercheck.codec.replica import resolve_all
 from tiercheck.codec.reshard import assemble, plan_reshard
 from tiercheck.errors import BlobNotFound, ReshardError
@@ -275,13 +275,21 @@ def _local_shards(state: Any) -> tuple[Any, int]:
 
 
 async def _assembled(
-    opened: OpenLocation, catalog: Catalog, version: int, warnings: list[str]
-) -> RawState | Resharded:
-    """The whole state of ``version``: every rank's blob put together as one rank's.
+    opened: OpenLocation,
+    catalog: Catalog,
+    version: int,
+    warnings: list[str],
+    *,
+    allow_pickle: bool,
+) -> tuple[Any, int]:
+    """The whole state of ``version``: every rank's blob put together as one rank's, and how
+    many tensors and values it holds.
 
-    DTensors become their full (unsharded) tensors (:func:`~tiercheck.codec.reshard.plan_reshard`
-    onto a world of one); state outside DTensors must be the same on every rank, or it is
-    rank 0's (and a warning says so).
+    DTensors become their full (unsharded) tensors: by :func:`~tiercheck.codec.reshard.
+    plan_reshard` onto a world of one where it applies (1-D meshes), else by region
+    (:func:`~tiercheck.catalog.regions.whole_by_regions`: meshes of two dimensions, strided
+    placements). State outside DTensors must be the same on every rank, or it is rank 0's (and
+    a warning says so).
     """
     entry = catalog.versions[version]
     ranks = sorted(entry.blobs)
@@ -303,18 +311,31 @@ async def _assembled(
         }
 
     try:
-        plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="refuse")
-        parts = assemble(plan, olds(plan.wanted))
-    except ReshardError as exc:
-        if "per_rank='wrap'" not in str(exc):
+        try:
+            plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="refuse")
+            parts = assemble(plan, olds(plan.wanted))  # compares plain state bit for bit too
+        except ReshardError as exc:
+            if "per_rank='wrap'" not in str(exc):
+                raise
+            plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="wrap")
+            parts = assemble(plan, olds(plan.wanted))
+            warnings.append(
+                "state outside DTensors differs between ranks; rank 0's was exported: "
+                + str(exc).splitlines()[1].strip()
+            )
+    except ReshardError:
+        if not layouts[0].has_dtensors:
             raise
-        warnings.append(
-            "state outside DTensors differs between ranks; rank 0's was exported: "
-            + str(exc).splitlines()[1].strip()
-        )
-        plan = plan_reshard(layouts, new_rank=0, new_world=1, per_rank="wrap")
-        parts = assemble(plan, olds(plan.wanted))
-    return Resharded(version, plan.layout, tuple(parts), len(ranks))
+        # A layout the 1-D reshard does not take (a mesh of two dimensions, strided
+        # placements): put each DTensor together by region instead.
+        trees = [
+            unflatten(
+                r.layout, [tensors[src][i] for src, i in r.sources], allow_pickle=allow_pickle
+            )
+            for r in resolved
+        ]
+        return whole_by_regions(trees, warnings), len(layouts[0].specs)
+    return unflatten(plan.layout, parts, allow_pickle=allow_pickle), len(plan.layout.specs)
 
 
 async def whole_state(
@@ -330,11 +351,9 @@ async def whole_state(
     storage, bit-exact (decoding checks the digests recorded at save time). Returns it and how
     many entries it has; what had to be decided (state outside DTensors that differs between
     ranks) is appended to ``warnings``."""
-    raw = await _assembled(opened, catalog, version, [] if warnings is None else warnings)
-    count = len(raw.layout.specs)
-    state = own_copy(unflatten(raw.layout, raw.tensors(), allow_pickle=allow_pickle))
-    del raw
-    state, _ = _local_shards(state)  # each the full tensor: a mesh of one rank
+    notes = [] if warnings is None else warnings
+    state, count = await _assembled(opened, catalog, version, notes, allow_pickle=allow_pickle)
+    state, _ = _local_shards(own_copy(state))  # each the full tensor: a mesh of one rank
     return state, count
 
 
