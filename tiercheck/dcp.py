@@ -58,6 +58,7 @@ from torch.futures import Future
 from tiercheck.catalog.base import LocationError
 from tiercheck.catalog.locate import OpenLocation, find_locations
 from tiercheck.catalog.read import decode_resolved
+from tiercheck.catalog.regions import same_value
 from tiercheck.codec import DTensorShard, unflatten
 from tiercheck.errors import BlobNotFound, ShardsInconsistent
 
@@ -235,7 +236,7 @@ class _Chunks:
                 self._shard(rank, key, value)
             elif key in self._plain:
                 first, seen = self._plain[key]
-                if not _same(seen, value):
+                if not same_value(seen, value):
                     self.warnings.append(
                         f"{key}: ranks {first} and {rank} stored different values outside "
                         f"DTensors; rank {first}'s is read"
@@ -259,8 +260,14 @@ class _Chunks:
             )
         if shard.local.numel() == 0:
             return  # an empty shard (a rank past the end of a dimension) holds nothing
-        # A region several ranks hold (replicated on a mesh dimension) is read once.
-        entry[2].setdefault(tuple(shard.offset), shard.local)
+        # A region several ranks hold (replicated on a mesh dimension) is read once; they
+        # must agree on it, or the blobs are not of one save.
+        held = entry[2].setdefault(tuple(shard.offset), shard.local)
+        if held is not shard.local and not same_value(held, shard.local):
+            raise ShardsInconsistent(
+                f"{key}: ranks hold the region at {tuple(shard.offset)} with different values "
+                f"(rank {rank} among them); the blobs are not of one save"
+            )
 
     def metadata(self) -> Metadata:
         """DCP's metadata of the version."""
@@ -288,22 +295,6 @@ class _Chunks:
                 f"version has chunks at {sorted(chunks)}"
             )
         return cast(torch.Tensor, found)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two stored values are equal, bit for bit where they are tensors."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # e.g. numpy arrays of several elements
-        return repr(a) == repr(b)
 
 
 def write_dcp(state: Mapping[str, Any], folder: Path) -> None:

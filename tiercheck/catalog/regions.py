@@ -19,7 +19,7 @@ import torch
 from tiercheck.codec import DTensorShard
 from tiercheck.errors import ShardsInconsistent
 
-__all__ = ["whole_by_regions"]
+__all__ = ["same_value", "whole_by_regions"]
 
 _Path = tuple[Any, ...]
 
@@ -52,7 +52,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two stored values are equal: tensors bit for bit (dtype, shape and bytes), other
+    values by ``==`` (by ``repr`` where ``==`` gives no single answer, as for numpy arrays)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -91,7 +93,7 @@ def _whole(where: str, shards: Sequence[tuple[int, DTensorShard]]) -> torch.Tens
             )
         seen = placed.get(shard.offset)
         if seen is not None:
-            if not _same(seen[1], local):
+            if not same_value(seen[1], local):
                 raise ShardsInconsistent(
                     f"{where}: ranks {seen[0]} and {rank} hold the region at {shard.offset} "
                     "with different values; the blobs are not of one save"
@@ -122,7 +124,7 @@ def whole_by_regions(trees: Sequence[Any], warnings: list[str]) -> Any:
                 shards.setdefault(path, []).append((rank, leaf))
             elif rank == 0:
                 plain[path] = leaf
-            elif path in plain and not _same(plain[path], leaf):
+            elif path in plain and not same_value(plain[path], leaf):
                 differ.append(f"{_text(path)} (rank {rank})")
 
         _walk(tree, (), visit)
