@@ -19,15 +19,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from elastic_worker import gathered  # run as a script: its folder is on the path
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -37,19 +36,6 @@ from torch.distributed.tensor.parallel import (
 import tiercheck
 from tiercheck.adapters import ModelAndOptimizer
 from tiercheck.dcp import TiercheckStorageReader
-
-
-def full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def gathered(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The unsharded model and optimizer state (a collective: every rank calls it)."""
-    optim = opt.state_dict()["state"]
-    return {
-        "model": {k: full(v) for k, v in model.state_dict().items()},
-        "optim": {i: {k: full(v) for k, v in s.items()} for i, s in sorted(optim.items())},
-    }
 
 
 def build(layout: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,19 @@ WORKER = Path(__file__).with_name("elastic_worker.py")
 STEPS = 3  # versions 0, 1, 2
 
 
-def torchrun(  # noqa: PLR0917 -- the tests call it positionally, per_node by keyword
-    root: Path, durable: Path, out: Path, ranks: int, phase: str, per_node: int | None = None
+def torchrun(  # noqa: PLR0917 -- the tests call it positionally, the rest by keyword
+    root: Path,
+    durable: Path,
+    out: Path,
+    ranks: int,
+    phase: str,
+    per_node: int | None = None,
+    *,
+    worker: Path = WORKER,
+    extra: Sequence[str] = (),
 ) -> list[str]:
+    """Run ``worker`` on ``ranks`` local processes under torchrun (``extra``: more arguments);
+    the lines it printed that start with ``rank``, sorted."""
     env = {
         **os.environ,
         # One node by default: its memory holds every rank's blob.
@@ -42,9 +52,9 @@ def torchrun(  # noqa: PLR0917 -- the tests call it positionally, per_node by ke
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
-        "--monitor-interval=0.1", str(WORKER), "--root", str(root),
+        "--monitor-interval=0.1", str(worker), "--root", str(root),
         "--persistent", durable.as_uri(), "--out", str(out), "--phase", phase,
-        "--steps", str(STEPS),
+        "--steps", str(STEPS), *extra,
     ]  # fmt: skip
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]

@@ -6,40 +6,19 @@ the saving job ended with, bit for bit."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.test_elastic import assert_same
+from tests.distributed.test_elastic import assert_same, torchrun
 from tiercheck.cli import main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORKER = Path(__file__).with_name("mesh2d_worker.py")
-
-
-def torchrun(root: Path, durable: Path, out: Path, ranks: int, *, layout: str, phase: str) -> None:
-    env = {
-        **os.environ,
-        "TIERCHECK_RANKS_PER_NODE": str(ranks),
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
-        "--monitor-interval=0.1", str(WORKER), "--root", str(root),
-        "--persistent", durable.as_uri(), "--out", str(out), "--layout", layout,
-        "--phase", phase,
-    ]  # fmt: skip
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
 @pytest.mark.parametrize("layout", ["tp", "hsdp"])
@@ -51,8 +30,11 @@ def test_a_2d_mesh_job_loads_on_another_number_of_ranks_through_dcp(
     try:
         for saved, loaded in ((4, 2), (2, 4)):
             durable, out = tmp_path / f"durable{saved}", tmp_path / f"out{saved}"
-            torchrun(root / f"save{saved}", durable, out, saved, layout=layout, phase="save")
-            torchrun(root / f"load{saved}", durable, out, loaded, layout=layout, phase="load")
+            for where, ranks, phase in (("save", saved, "save"), ("load", loaded, "load")):
+                torchrun(
+                    root / f"{where}{saved}", durable, out, ranks, phase,
+                    worker=WORKER, extra=["--layout", layout],
+                )  # fmt: skip
             expected = torch.load(out / "saved.pt", weights_only=True)
             assert expected["optim"], "the saving job's optimizer has state to compare"
             assert_same(torch.load(out / "loaded.pt", weights_only=True), expected)
