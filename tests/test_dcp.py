@@ -18,7 +18,7 @@ from tests.engine.test_elastic import COLS, ROWS, global_bias, global_weight, sa
 from tiercheck import SyncCheckpointer
 from tiercheck.catalog import LocationError
 from tiercheck.dcp import TiercheckStorageReader
-from tiercheck.errors import BlobNotFound
+from tiercheck.errors import BlobNotFound, ChecksumMismatch
 
 # dcp.load(..., no_dist=True) warns that it assumes one process: what these loads mean.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -158,3 +158,17 @@ def test_state_outside_dtensors_that_differs_between_ranks_is_rank_0s(tmp_path: 
     assert [w for w in reader.warnings if "position" in w] == [
         "position: ranks 0 and 1 stored different values outside DTensors; rank 0's is read"
     ]
+
+
+def test_a_damaged_blob_is_a_typed_error_never_data(tmp_path: Path) -> None:
+    """A bit flipped in one rank's durable blob: the reader refuses the version with the
+    checksum error and hands DCP nothing; the damaged file is left as it was."""
+    save_versions(tmp_path, 2, range(1))
+    blob = next(p for p in (tmp_path / "durable" / "job").glob("v*/r00001*") if p.is_file())
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    blob.write_bytes(bytes(data))
+    before = files(tmp_path)
+    with pytest.raises(ChecksumMismatch):
+        TiercheckStorageReader(tmp_path / "durable", "job").read_metadata()
+    assert files(tmp_path) == before

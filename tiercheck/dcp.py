@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import io
+import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -64,6 +65,8 @@ from tiercheck.errors import BlobNotFound, ShardsInconsistent
 
 __all__ = ["TiercheckStorageReader", "write_dcp"]
 
+logger = logging.getLogger("tiercheck")
+
 
 class TiercheckStorageReader(StorageReader):
     """A ``torch.distributed.checkpoint`` reader of one version tiercheck stored.
@@ -83,8 +86,8 @@ class TiercheckStorageReader(StorageReader):
     the same way); a key the version lacks is DCP's error, unless the planner allows partial
     loads. Errors: :class:`~tiercheck.catalog.LocationError` for a location or job that is not
     there, :class:`~tiercheck.errors.BlobNotFound` for a version that is not stored whole and
-    committed there, :class:`~tiercheck.errors.CorruptBlob` for data that fails its digest.
-    Nothing stored is ever changed.
+    committed there, :class:`~tiercheck.errors.ChecksumMismatch` for data that fails its
+    checksums or digest. Nothing stored is ever changed.
     """
 
     def __init__(
@@ -102,8 +105,8 @@ class TiercheckStorageReader(StorageReader):
         self.storage_options = dict(storage_options or {})
         #: The version read, once :meth:`read_metadata` ran.
         self.read_version: int | None = None
-        #: What had to be decided putting the version together (logged by nobody: for the
-        #: caller to look at), e.g. state outside DTensors that differed between ranks.
+        #: What had to be decided putting the version together, e.g. state outside DTensors
+        #: that differed between ranks (each also logged once at WARNING).
         self.warnings: list[str] = []
         self._chunks: _Chunks | None = None
 
@@ -214,6 +217,8 @@ class TiercheckStorageReader(StorageReader):
                 chunks.add(rank, flat)
         self.read_version = version
         self.warnings = chunks.warnings
+        for warning in self.warnings:
+            logger.warning("tiercheck: reading version %s for DCP: %s", version, warning)
         return chunks
 
 
