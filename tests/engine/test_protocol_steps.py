@@ -124,6 +124,7 @@ SAMPLES: dict[Step, Callable[[int], Message]] = {
     Step.SET_ASIDE_LIST: lambda r: SetAsideListing([4, 5] if r == 0 else [], None),
     Step.SET_ASIDE_COPY: lambda r: Outcome(None),
     Step.SET_ASIDE_COMPLETE: lambda r: SetAsideCompletion(None, [3] if r == 0 else [], [4, 5]),
+    Step.SET_ASIDE_REMOVE: lambda r: Outcome(None if r else "StorageError: list failed"),
     Step.VOTE: lambda r: (
         Vote(True, key=f"v1/r{r}", size=9, checksum=1, raw_digest=2, base=0)
         if r == 0

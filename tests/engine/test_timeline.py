@@ -8,10 +8,12 @@ the run goes on, as a store that stops taking writes would.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -374,3 +376,81 @@ def test_leaving_on_an_error_while_the_first_save_settles_the_timeline(
     assert final is not None
     assert final.version == (2 if settled else 1)
     assert torch.equal(final.state["w"], state_of(final.version)["w"])
+
+
+def test_when_one_rank_fails_to_settle_the_timeline_every_rank_retries_it(tmp_path: Path) -> None:
+    """Rank 0 lists the durable tier to remove the versions after the restored one (their
+    COMMIT records) and the other ranks need not: when that listing fails on rank 0 alone,
+    every rank must count the tier unsettled, or the retry's exchanges are made by rank 0 alone
+    and the tier stays blocked for good (chaos soak seed 6108). Both ranks skip the first
+    versions there, retry together, and the newest versions reach the store."""
+    from tests.test_never_lose import run_ranks
+    from tiercheck.testing import LocalGroup
+
+    class FailsOneListing(DelegatingTier):
+        """Once armed, the second listing fails (the first is the set-aside's own)."""
+
+        def __init__(self, inner: PersistentTier) -> None:
+            super().__init__(inner)
+            self.armed = False
+            self.listings = 0
+
+        async def before(self, op: str, key: str) -> None:
+            if self.armed and op == "list":
+                self.listings += 1
+                if self.listings == 2:
+                    raise OSError("the store refused this listing")
+
+    uri = (tmp_path / "durable" / "job").as_uri()
+
+    def opened(rank: int, group: LocalGroup, store: Any) -> SyncCheckpointer:
+        return SyncCheckpointer(
+            "job",
+            rank=rank,
+            world_size=2,
+            ranks_per_node=2,
+            coordinator=group.coordinator(rank),
+            local_root=tmp_path / "node",
+            tiers=[LocalTier(tmp_path / "node" / "blobs"), store],
+            persist="all",
+            keep={"local": 3, "persistent": 30},
+            peer_timeout=5,
+        )
+
+    first = LocalGroup(2, timeout=5)
+
+    def save(rank: int) -> None:
+        with opened(rank, first, PersistentTier(uri)) as ckpt:
+            for v in range(4):
+                ckpt.save(v, state_of(v))
+
+    run_ranks(2, save)
+    again = LocalGroup(2, timeout=5)
+    last = 4 + RETRY_EVERY + 2
+
+    def go_on(rank: int) -> list[Any]:
+        store = FailsOneListing(PersistentTier(uri))
+        with opened(rank, again, store) as ckpt:
+            got = ckpt.restore()
+            assert got is not None
+            assert got.version == 3
+            store.armed = rank == 0
+            handles = [ckpt.save(v, state_of(v)) for v in range(4, last + 1)]
+            ckpt.wait()
+        return [h.committed("persistent") for h in handles]
+
+    committed = run_ranks(2, go_on)
+    assert committed[0] == committed[1], "the ranks' handles agree"
+    assert not committed[0][0], "the first save after the restore is skipped there"
+    assert committed[0][-1], "the newest version reaches the store after the retry"
+    shutil.rmtree(tmp_path / "node")  # the cluster is lost: the store alone brings it back
+    final = LocalGroup(2, timeout=5)
+
+    def restore(rank: int) -> int:
+        with opened(rank, final, PersistentTier(uri)) as ckpt:
+            got = ckpt.restore()
+            assert got is not None
+            assert torch.equal(got.state["w"], state_of(got.version)["w"])
+            return got.version
+
+    assert run_ranks(2, restore) == [last, last]

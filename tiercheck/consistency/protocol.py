@@ -86,6 +86,7 @@ class Step(Enum):
     SET_ASIDE_LIST = "set-aside-list"
     SET_ASIDE_COPY = "set-aside-copy"
     SET_ASIDE_COMPLETE = "set-aside-complete"
+    SET_ASIDE_REMOVE = "set-aside-remove"
     VOTE = "vote"
     ACK = "ack"
     CLOSE_SAVED = "close-saved"
@@ -387,8 +388,8 @@ class Rejoined:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """Steps ``JOB_RECORD``, ``LOADED``, ``SET_ASIDE_COPY``: whether this rank's part of the
-    step failed, and why (``None``: it did not)."""
+    """Steps ``JOB_RECORD``, ``LOADED``, ``SET_ASIDE_COPY``, ``SET_ASIDE_REMOVE``: whether this
+    rank's part of the step failed, and why (``None``: it did not)."""
 
     error: str | None
 
@@ -530,6 +531,7 @@ STEP_MESSAGES: Mapping[Step, type[Message]] = {
     Step.SET_ASIDE_LIST: SetAsideListing,
     Step.SET_ASIDE_COPY: Outcome,
     Step.SET_ASIDE_COMPLETE: SetAsideCompletion,
+    Step.SET_ASIDE_REMOVE: Outcome,
     Step.VOTE: Vote,
     Step.ACK: CommitAck,
     Step.CLOSE_SAVED: SavesDone,

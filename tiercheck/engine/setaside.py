@@ -161,9 +161,21 @@ async def set_aside(
         )
         pipe.note_abandoned(tag, info)
     # 3. Every rank removes its blobs after the restored version: copies of them are in
-    #    the set, or they never committed.
-    await pipe.truncate_from(first, f"abandoned: {c.reason}")
-    return None
+    #    the set, or they never committed. Whether that worked is agreed too: rank 0 lists the
+    #    tier for it and the others may not need to, and a rank that counted the tier settled
+    #    while another did not would make the next attempt's exchanges alone (chaos soak seed
+    #    6108: rank 0 blocked for good, its retries waiting on a rank that had moved on).
+    error = None
+    try:
+        await pipe.truncate_from(first, f"abandoned: {c.reason}")
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    removed = await step(channels, Step.SET_ASIDE_REMOVE, Outcome(error), channel=channel)
+    return _failure(
+        [e.error for e in removed],
+        "removing the versions after it",
+        "each version is whole where it was or in its abandoned set",
+    )
 
 
 async def _complete_set(
