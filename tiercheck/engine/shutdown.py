@@ -101,8 +101,9 @@ class Shutdown:
             # The timeline's settling in the background stops here (leaving on an error, once
             # an attempt under way ends, within close_timeout); the tiers it was still settling
             # take no version of this run (only the normal end waits for it).
-            bound = self.engine.cfg.coordination.close_timeout if how == "bounded" else 0.0
-            await self.engine.timeline.stop(within=bound if self.engine.opened else 0.0)
+            bounded = how == "bounded" and self.engine.opened
+            within = self.engine.cfg.coordination.close_timeout if bounded else 0.0
+            await self.engine.timeline.stop(within=within)
         # The close decides every overlapped save: the caller confirmed what it could before
         # calling this (see CheckpointerCore._last_point); nothing can confirm the rest now.
         self.engine.stager.abandon(
