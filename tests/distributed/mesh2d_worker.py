@@ -11,6 +11,9 @@ persistent tiers, then rank 0 writes the gathered (full) model and optimizer sta
 ``--out/saved.pt``. ``--phase load``: a fresh model and optimizer on this run's mesh, loaded
 the way a DCP user loads (``get_state_dict``, ``dcp.load`` through the reader from the
 persistent tier, ``set_state_dict``); rank 0 writes the gathered state to ``--out/loaded.pt``.
+Then another fresh model and optimizer are restored in place by tiercheck itself
+(``restore(state, elastic=True)``, resharded by region into this mesh), gathered to
+``--out/restored.pt``.
 """
 
 from __future__ import annotations
@@ -105,6 +108,17 @@ def main() -> None:
         result = gathered(model, opt)
         if rank == 0:
             torch.save(result, args.out / "loaded.pt")
+        # tiercheck's own in-place restore, into a fresh model and optimizer on this mesh.
+        model, opt = build(args.layout, world)
+        with tiercheck.SyncCheckpointer(
+            "mesh2d", local_root=args.root, persistent=args.persistent, elastic=True
+        ) as ckpt:
+            restored = ckpt.restore({"app": ModelAndOptimizer(model, opt)})
+        assert restored is not None
+        assert restored.saved_by != world, restored
+        result = gathered(model, opt)
+        if rank == 0:
+            torch.save(result, args.out / "restored.pt")
     dist.destroy_process_group()
     # Everything is written and closed. Under load, a 2-rank FSDP2 + tensor parallel process on
     # gloo has aborted in the interpreter's teardown after this point ("terminate called

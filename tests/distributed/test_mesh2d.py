@@ -1,8 +1,9 @@
 """Meshes of two dimensions under real torchrun (CPU/gloo): a job saved by tiercheck on 4 ranks
 loads on 2, and one saved on 2 loads on 4, through DCP's own ``dcp.load`` and planner with
 :class:`tiercheck.dcp.TiercheckStorageReader` -- FSDP2 + tensor parallel on a ``(dp, tp)`` mesh,
-and HSDP on a ``(replicate, shard)`` mesh. The gathered model and optimizer state equal those
-the saving job ended with, bit for bit."""
+and HSDP on a ``(replicate, shard)`` mesh -- and through tiercheck's own in-place
+``restore(state, elastic=True)``. The gathered model and optimizer state equal those the saving
+job ended with, bit for bit."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def test_a_2d_mesh_job_loads_on_another_number_of_ranks_through_dcp(
             expected = torch.load(out / "saved.pt", weights_only=True)
             assert expected["optim"], "the saving job's optimizer has state to compare"
             assert_same(torch.load(out / "loaded.pt", weights_only=True), expected)
+            assert_same(torch.load(out / "restored.pt", weights_only=True), expected)
             # tiercheck export --full puts the same version together by region, in one process.
             assert (
                 main(["export", str(durable), str(out / "whole"), "--full", "--format", "pt"]) == 0

@@ -62,6 +62,15 @@ from typing import Any, Literal
 
 import torch
 
+from tiercheck.codec.boxes import (
+    Boxed,
+    Target,
+    boxed_dtensor,
+    by_region,
+    check_target,
+    pieces_in,
+    with_inferred,
+)
 from tiercheck.codec.layout import Layout, TensorSpec
 from tiercheck.codec.partial import widen
 from tiercheck.codec.resources import paused_gc
@@ -141,9 +150,17 @@ def plan_reshard(
     new_rank: int,
     new_world: int,
     per_rank: PerRank = "refuse",
+    targets: Mapping[str, Target] | None = None,
 ) -> ReshardPlan:
     """The plan of new rank ``new_rank`` of ``new_world`` to rebuild from the old blobs whose
     layouts are ``stored`` (``stored[s]``: old rank ``s``'s; ``N = len(stored)``).
+
+    ``targets``: the DTensors of the state restored into, by path
+    (:func:`~tiercheck.engine.elastic.targets_in`). A DTensor that either side holds on another
+    layout than a 1-D mesh of all ranks with ``Shard(d)`` or ``Replicate()`` (a 2-D mesh,
+    ``_StridedShard``) is cut by region into the caller's shard
+    (:mod:`~tiercheck.codec.boxes`); without a target (none given, none to be inferred: see
+    :func:`~tiercheck.codec.boxes.with_inferred`) it is refused.
 
     Pure and deterministic: every new rank computes the same plans from the same layouts.
     Raises :class:`~tiercheck.errors.ReshardError` for state that cannot be resharded under the
@@ -154,11 +171,15 @@ def plan_reshard(
     # Decoding N skeletons of thousands of entries makes tens of thousands of short-lived
     # objects: a collection triggered by them would walk the whole training process.
     with paused_gc():
-        return _plan(stored, new_rank, new_world, per_rank)
+        return _plan(stored, new_rank, new_world, per_rank, targets or {})
 
 
 def _plan(
-    stored: Sequence[Layout], new_rank: int, new_world: int, per_rank: PerRank
+    stored: Sequence[Layout],
+    new_rank: int,
+    new_world: int,
+    per_rank: PerRank,
+    targets: Mapping[str, Target],
 ) -> ReshardPlan:
     n = len(stored)
     if n < 1:
@@ -177,7 +198,15 @@ def _plan(
                 f"({extra}). The old ranks must hold the same DTensors (every rank of an FSDP2 "
                 "job does)."
             )
-    sharded = {path: sharded_dtensor(path, olds) for path in olds[0].dtensors}
+    targets = with_inferred(olds[0], targets)
+    region = {
+        path for path, dt in olds[0].dtensors.items() if by_region(dt.record, targets.get(path), n)
+    }
+    sharded = {path: sharded_dtensor(path, olds) for path in olds[0].dtensors if path not in region}
+    boxed: dict[str, Boxed] = {}
+    for path in sorted(region):
+        boxed[path] = boxed_dtensor(path, olds)
+        check_target(boxed[path], targets[path])
 
     source = olds[new_rank % n if per_rank == "wrap" else 0]
     if per_rank == "refuse":
@@ -192,6 +221,13 @@ def _plan(
 
     def rewrite(dt: DTensorNode) -> DTensorNode:
         path = source.layout.specs[dt.index].path
+        dtensor_indices.add(dt.index)
+        if path in boxed:
+            # The caller's own record: the shard it holds on its mesh is what is rebuilt.
+            target = targets[path]
+            entries[dt.index] = (path, target.dtype, target.local)
+            pieces[dt.index] = pieces_in(boxed[path], target)
+            return DTensorNode(dt.index, dict(target.record))
         sh = sharded[path]
         local, offset = new_shard(sh, new_rank, new_world)
         record = dict(dt.record)
@@ -200,7 +236,6 @@ def _plan(
         record["offset"] = offset
         entries[dt.index] = (path, sh.dtype, local)
         pieces[dt.index] = pieces_for(sh, local, offset)
-        dtensor_indices.add(dt.index)
         return DTensorNode(dt.index, record)
 
     skeleton = write_tree(source.tree, rewrite)
@@ -228,6 +263,7 @@ def _plan(
         # An old rank that no new rank reads for its shards is read by new rank s % M, so
         # that its plain tensors are compared too.
         shard_read = _read_for_shards(sharded, olds)
+        shard_read |= {rank for b in boxed.values() for _, _, rank, _ in b.boxes}
         readers |= {s for s in range(1, n) if s not in shard_read and s % new_world == new_rank}
         plain0 = {olds[0].layout.specs[i].path: i for i in _plain_indices_of(olds[0])}
         for s in sorted(readers - {0}):

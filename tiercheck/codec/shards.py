@@ -38,7 +38,9 @@ __all__ = [
 #: What the messages tell a user whose state cannot be resharded.
 _SUPPORTED = (
     "tiercheck reshards DTensors saved on a 1-D mesh over all saving ranks with Shard(d) or "
-    "Replicate() placements (FSDP2's layout)"
+    "Replicate() placements (FSDP2's layout) from the stored layout alone; any other mesh "
+    "(2-D: FSDP2 + tensor parallel, HSDP) only in an in-place restore, "
+    "restore(state, elastic=True), into the state parallelized on the new mesh"
 )
 _INCONSISTENT = (
     "The old blobs do not belong to one consistent save: restore another version (or on the "

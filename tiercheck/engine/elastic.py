@@ -34,12 +34,14 @@ import threading
 from collections.abc import Collection, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tiercheck.codec import BlobMeta, RangedBlob, read_meta_ranged, read_tensors
 from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.boxes import Target
+from tiercheck.codec.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.partial import Fetch, widen
 from tiercheck.codec.replica import resolve_all
 from tiercheck.codec.reshard import assemble, plan_reshard
@@ -53,6 +55,7 @@ from tiercheck.engine.options import Options
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
+from tiercheck.statetree import Lenient
 from tiercheck.tiers.base import Buffer, SupportsRangedGet, Tier
 from tiercheck.tiers.local import LocalTier
 
@@ -60,9 +63,44 @@ if TYPE_CHECKING:
     from tiercheck.engine.read import Reader
     from tiercheck.engine.tier import TierPipeline
 
-__all__ = ["ElasticReader", "Resharded"]
+__all__ = ["ElasticReader", "Resharded", "targets_in"]
 
 logger = logging.getLogger("tiercheck")
+
+
+def targets_in(state: Any) -> dict[str, Target]:
+    """The DTensors of the state restored into, by the path their local tensor is stored under
+    (none without a state): what a version of another world is resharded into where its layout
+    alone cannot say (meshes of two dimensions). Live DTensors and stored ones
+    (:class:`~tiercheck.codec.dtensor.DTensorShard`) count; a ``Stateful`` object stands for
+    its ``state_dict()``."""
+    out: dict[str, Target] = {}
+
+    def walk(obj: Any, path: str) -> None:
+        t = type(obj)
+        if t is Lenient:
+            walk(obj.template, path)
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, f"{path}[{key!r}]")
+        elif t is list or t is tuple:
+            for i, value in enumerate(obj):
+                walk(value, f"{path}[{i}]")
+        elif t is DTensorShard:
+            out[path] = Target(obj.record(), obj.local.dtype, tuple(obj.local.shape))
+        elif is_dtensor(obj):
+            try:
+                record = layout_of(obj)
+            except ValueError:
+                # A placement with no stored form: the DTensor gets no target, and the check
+                # of the state against the version names it.
+                return
+            local = obj.to_local()
+            out[path] = Target(dict(record), local.dtype, tuple(local.shape))
+
+    if state is not None:
+        walk(state, "")
+    return out
 
 
 class ElasticReader:
@@ -160,9 +198,13 @@ class ElasticReader:
         return tier
 
     async def fetch(
-        self, version: int, mine: Inventory
+        self, version: int, mine: Inventory, targets: Mapping[str, Target] | None = None
     ) -> tuple[Resharded | None, str | None, list[str]]:
         """Read ``version`` resharded from the fastest tier that serves it; else why not.
+
+        ``targets``: the DTensors of the state restored into, by path (see
+        :func:`~tiercheck.codec.reshard.plan_reshard`); DTensors on meshes of two or more
+        dimensions are resharded into them by region.
 
         A :class:`~tiercheck.errors.ReshardError` (the version cannot be resharded onto this
         world at all) is raised, not passed over: no other tier would do better.
@@ -170,7 +212,7 @@ class ElasticReader:
         reasons: list[str] = []
         for name in mine.sources(version):
             try:
-                return await self.read(self.pipes[name].tier, version), name, reasons
+                return await self.read(self.pipes[name].tier, version, targets), name, reasons
             except ReshardError:
                 raise
             except Exception as exc:
@@ -187,15 +229,19 @@ class ElasticReader:
             reasons.append("no tier holds every old rank's blob of it")
         return None, None, reasons
 
-    async def read(self, tier: Tier, version: int) -> Resharded:
+    async def read(
+        self, tier: Tier, version: int, targets: Mapping[str, Target] | None = None
+    ) -> Resharded:
         """This rank's share of ``version`` from ``tier``, put together from the old ranks'."""
         self._blobs.clear()
         try:
-            return await self._read(self._source(tier, version), version)
+            return await self._read(self._source(tier, version), version, targets)
         finally:
             self._blobs.clear()
 
-    async def _read(self, tier: Tier, version: int) -> Resharded:
+    async def _read(
+        self, tier: Tier, version: int, targets: Mapping[str, Target] | None
+    ) -> Resharded:
         old_world = self.claim.world_of(version)
         keys = await self._keys(tier, version, old_world)
         metas = await asyncio.gather(
@@ -210,6 +256,7 @@ class ElasticReader:
             new_rank=self.rank,
             new_world=self.topo.world_size,
             per_rank=self.options.job.per_rank,
+            targets=targets,
         )
         # Per blob, the tensors wanted and the bytes of each the plan uses (a new shard needs
         # only the rows of an old one it overlaps).

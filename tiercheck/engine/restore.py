@@ -18,6 +18,7 @@ place that applies it, hands each part to the object that owns it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from tiercheck.codec import RawState, unflatten
 from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.boxes import Target
 from tiercheck.codec.plan import paused_gc
 from tiercheck.consistency.protocol import (
     InventoryReport,
@@ -39,7 +41,7 @@ from tiercheck.consistency.protocol import (
 from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels, step
-from tiercheck.engine.elastic import ElasticReader
+from tiercheck.engine.elastic import ElasticReader, targets_in
 from tiercheck.engine.options import Options
 from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
 from tiercheck.engine.tier import commit_versions
@@ -402,6 +404,7 @@ class Restorer:
         version = agreement.version
         rejected: dict[int, list[str]] = {}
         excluded: set[int] = set()
+        targets: dict[str, Target] | None = None
         while True:
             refusal: tuple[str, str] | None = None
             chosen = (
@@ -417,7 +420,9 @@ class Restorer:
                 raw, source, reasons = await self.reader.fetch(chosen, mine)
             else:
                 try:
-                    raw, source, reasons = await self.elastic.fetch(chosen, mine)
+                    if targets is None:
+                        targets = await asyncio.to_thread(targets_in, state)
+                    raw, source, reasons = await self.elastic.fetch(chosen, mine, targets)
                 except ShardsInconsistent as exc:
                     # The blobs of this version do not make one save: no world can use it.
                     raw, source, reasons = None, None, [f"{type(exc).__name__}: {exc}"]
