@@ -2,7 +2,9 @@
 
 A version's world size comes from the job's history (:mod:`tiercheck.consistency.worlds`). When
 it differs from this run's, no rank has "its" blob: new rank ``q`` reads the headers of every
-old rank's blob, plans which old tensors it needs (:func:`~tiercheck.codec.reshard.plan_reshard`),
+old rank's blob, plans which old tensors it needs (:func:`~tiercheck.codec.reshard.plan_reshard`;
+a DTensor on a mesh of two dimensions is cut by region into the shard the caller's own DTensor
+holds, :func:`targets_in`),
 reads those -- only the chunks or frames that hold the bytes of them it uses (the rows of an old
 shard its new shard overlaps: :attr:`~tiercheck.codec.reshard.ReshardPlan.spans`), by ranged
 reads where the tier serves them (:class:`~tiercheck.tiers.base.SupportsRangedGet`) or as
