@@ -165,3 +165,42 @@ def test_a_killed_torchtitan_job_resumes_bit_exact_from_node_memory(
         assert after == {s: reference[s] for s in after}, (kill, version, after, reference)
     finally:
         shutil.rmtree(job["TT_LOCAL_ROOT"], ignore_errors=True)
+
+
+def test_options_it_does_not_cover_are_refused_when_the_manager_is_built(
+    titan: tuple[Path, Path],
+) -> None:
+    python, _ = titan
+    script = """
+import sys
+from tiercheck.errors import ConfigError
+from tiercheck.integrations.torchtitan import TiercheckCheckpointManager as M
+
+def build(**fields):
+    config = M.Config(**fields)
+    try:
+        M(config, dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={})
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+print(build(enable=True, job_id="j", initial_load_path="/abs/seed"))
+print(build(enable=True, job_id="j", last_save_in_hf=True, last_save_model_only=True))
+print(build(enable=True))
+print(build(enable=False, initial_load_path="/abs/seed"))
+"""
+    done = subprocess.run(
+        [str(python), "-c", script],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    seed, hf, no_job, disabled = done.stdout.strip().splitlines()[-4:]
+    assert "checkpoint.initial_load_path" in seed
+    assert "tiercheck export" in seed
+    assert "checkpoint.last_save_in_hf" in hf
+    assert "checkpoint.job_id" in no_job
+    assert disabled == "None", "a disabled manager checks nothing and builds nothing"
