@@ -36,13 +36,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-import tiercheck
 from tiercheck.codec.dtensor import DTensorShard
 from tiercheck.dcp import TiercheckStorageReader
 from tiercheck.testing import LocalGroup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import run_ranks
+from elastic import checkpointer
 
 MESH = (2, 2)
 PLACEMENTS = (("shard", 0), ("shard", 1))
@@ -72,21 +72,6 @@ def state_of(weights: list[torch.Tensor], coord: tuple[int, int], mesh: tuple[in
         "model": {f"layer{i}.weight": shard_of(w, coord, mesh) for i, w in enumerate(weights)},
         "step": 7,
     }
-
-
-def checkpointer(root: Path, rank: int, world: int, group: LocalGroup, **kw: Any) -> Any:
-    return tiercheck.SyncCheckpointer(
-        "bench",
-        rank=rank,
-        world_size=world,
-        ranks_per_node=world,
-        coordinator=group.coordinator(rank),
-        local_root=root / "node",
-        persistent=(root / "durable").as_uri(),
-        tiers=["local", "persistent"],
-        persist="all",
-        **kw,
-    )
 
 
 def target(weights: list[torch.Tensor]) -> dict[str, Any]:

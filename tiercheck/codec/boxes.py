@@ -27,14 +27,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tiercheck.codec.shards import Piece, Stored
+from tiercheck.codec.shards import INCONSISTENT, Piece, Stored, global_fields, held_shard
 from tiercheck.errors import FormatError, ReshardError, ShardsInconsistent
 
 __all__ = [
@@ -46,14 +45,6 @@ __all__ = [
     "pieces_in",
     "with_inferred",
 ]
-
-_INCONSISTENT = (
-    "The old blobs do not belong to one consistent save: restore another version (or on the "
-    "number of ranks that saved this one)."
-)
-
-#: A record's fields every old rank holding the DTensor must agree on.
-_global_fields = operator.itemgetter("shape", "stride", "placements", "mesh", "names", "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +83,7 @@ def with_inferred(stored: Stored, targets: Mapping[str, Target]) -> dict[str, Ta
         target = targets.get(path)
         if target is not None:
             try:
-                key = _frozen(_global_fields(dt.record))
+                key = _frozen(global_fields(dt.record))
             except KeyError:
                 continue
             seen.setdefault(key, {})[_frozen(target.record), target.local] = target
@@ -101,7 +92,7 @@ def with_inferred(stored: Stored, targets: Mapping[str, Target]) -> dict[str, Ta
         if path in out:
             continue
         try:
-            found = seen.get(_frozen(_global_fields(dt.record)), {})
+            found = seen.get(_frozen(global_fields(dt.record)), {})
         except KeyError:
             continue
         if len(found) == 1:
@@ -151,32 +142,14 @@ def boxed_dtensor(path: str, olds: Sequence[Stored]) -> Boxed:
     first = olds[0].dtensors[path]
     dtype = olds[0].layout.specs[first.index].dtype
     try:
-        reference = _global_fields(first.record)
+        reference = global_fields(first.record)
         shape = tuple(int(d) for d in first.record["shape"])
         stride = tuple(int(d) for d in first.record["stride"])
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"old rank 0 holds a malformed DTensor record at {path}: {exc}") from exc
     regions: dict[tuple[int, ...], tuple[tuple[int, ...], int, int]] = {}
     for old in olds:
-        dt = old.dtensors.get(path)
-        if dt is None:
-            raise ShardsInconsistent(
-                f"cannot reshard: old rank 0 holds a DTensor at {path} but old rank {old.rank} "
-                f"does not. {_INCONSISTENT}"
-            )
-        spec = old.layout.specs[dt.index]
-        try:
-            fields = _global_fields(dt.record)
-            offset = tuple(int(o) for o in dt.record["offset"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(
-                f"old rank {old.rank} holds a malformed DTensor record at {path}: {exc}"
-            ) from exc
-        if fields != reference or spec.dtype != dtype:
-            raise ShardsInconsistent(
-                f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
-                f"its layout (dtype, global shape, stride, placements or mesh). {_INCONSISTENT}"
-            )
+        spec, offset, index = held_shard(path, old, reference, dtype)
         size = spec.shape
         if (
             len(offset) != len(shape)
@@ -185,17 +158,17 @@ def boxed_dtensor(path: str, olds: Sequence[Stored]) -> Boxed:
         ):
             raise ShardsInconsistent(
                 f"cannot reshard the DTensor at {path}: old rank {old.rank}'s shard {size} at "
-                f"{offset} lies outside the global shape {shape}. {_INCONSISTENT}"
+                f"{offset} lies outside the global shape {shape}. {INCONSISTENT}"
             )
         if math.prod(size) == 0:
             continue
         seen = regions.get(offset)
         if seen is None:
-            regions[offset] = (size, old.rank, dt.index)
+            regions[offset] = (size, old.rank, index)
         elif seen[0] != size:
             raise ShardsInconsistent(
                 f"cannot reshard the DTensor at {path}: old ranks {seen[1]} and {old.rank} hold "
-                f"shards {seen[0]} and {size} at the same offset {offset}. {_INCONSISTENT}"
+                f"shards {seen[0]} and {size} at the same offset {offset}. {INCONSISTENT}"
             )
     boxes = tuple((o, s, r, i) for o, (s, r, i) in sorted(regions.items()))
     _check_tiling(path, shape, boxes)
@@ -224,7 +197,7 @@ def _check_tiling(
     if not bool((counts == 1).all()):
         raise ShardsInconsistent(
             f"cannot reshard the DTensor at {path}: the old shards do not cover its {shape} "
-            f"global shape exactly once. {_INCONSISTENT}"
+            f"global shape exactly once. {INCONSISTENT}"
         )
 
 

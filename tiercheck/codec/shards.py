@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import torch
 
-from tiercheck.codec.layout import Layout
+from tiercheck.codec.layout import Layout, TensorSpec
 from tiercheck.codec.skeleton import DTensorNode, leaves, read_tree
 from tiercheck.errors import FormatError, ReshardError, ShardsInconsistent
 
@@ -42,7 +42,7 @@ _SUPPORTED = (
     "(2-D: FSDP2 + tensor parallel, HSDP) only in an in-place restore, "
     "restore(state, elastic=True), into the state parallelized on the new mesh"
 )
-_INCONSISTENT = (
+INCONSISTENT = (
     "The old blobs do not belong to one consistent save: restore another version (or on the "
     "number of ranks that saved this one)."
 )
@@ -135,7 +135,7 @@ class Sharded:
 
 
 #: A DTensor record's fields that every rank holding it must agree on.
-_global_fields = operator.itemgetter("shape", "stride", "placements", "mesh", "names", "device")
+global_fields = operator.itemgetter("shape", "stride", "placements", "mesh", "names", "device")
 
 
 def _refuse_layout(path: str, what: str) -> ReshardError:
@@ -157,7 +157,7 @@ def sharded_dtensor(path: str, olds: Sequence[Stored]) -> Sharded:
         shape = tuple(int(d) for d in record["shape"])
         mesh = [int(d) for d in record["mesh"]]
         placements = [list(p) for p in record["placements"]]
-        reference = _global_fields(record)
+        reference = global_fields(record)
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"old rank 0 holds a malformed DTensor record at {path}: {exc}") from exc
     if len(mesh) != 1 or len(placements) != 1:
@@ -167,7 +167,7 @@ def sharded_dtensor(path: str, olds: Sequence[Stored]) -> Sharded:
         # which world saved the version, or the blobs, are not what they should be.
         raise ShardsInconsistent(
             f"cannot reshard the DTensor at {path}: it was saved on a mesh of {mesh[0]} ranks, "
-            f"but {n} ranks are recorded as having saved the version. {_INCONSISTENT}"
+            f"but {n} ranks are recorded as having saved the version. {INCONSISTENT}"
         )
     if mesh[0] != n:
         raise _refuse_layout(
@@ -189,28 +189,7 @@ def sharded_dtensor(path: str, olds: Sequence[Stored]) -> Sharded:
     intervals: list[tuple[int, int, int, int]] = []
     zeros = (0,) * len(shape)
     for old in olds:
-        dt = old.dtensors.get(path)
-        if dt is None:
-            raise ShardsInconsistent(
-                f"cannot reshard: old rank 0 holds a DTensor at {path} but old rank {old.rank} "
-                "does not. The old ranks must hold the same DTensors (every rank of an FSDP2 "
-                "job does)."
-            )
-        spec = old.layout.specs[dt.index]
-        try:
-            fields = _global_fields(dt.record)
-            offset = tuple(map(int, dt.record["offset"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(
-                f"old rank {old.rank} holds a malformed DTensor record at {path}: {exc}"
-            ) from exc
-        if fields != reference or spec.dtype != dtype:
-            raise ShardsInconsistent(
-                f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
-                f"its layout (dtype, global shape, stride, placements or mesh): "
-                f"{str(dtype).removeprefix('torch.')} {reference} against "
-                f"{str(spec.dtype).removeprefix('torch.')} {fields}. {_INCONSISTENT}"
-            )
+        spec, offset, index = held_shard(path, old, reference, dtype)
         local = spec.shape
         if dim is None:
             fits = offset == zeros and local == shape
@@ -228,10 +207,10 @@ def sharded_dtensor(path: str, olds: Sequence[Stored]) -> Sharded:
             )
         if not fits:
             raise _tiling(path, old.rank, offset, local, shape)
-        indices.append(dt.index)
+        indices.append(index)
         local_shapes.append(local)
         if dim is not None:
-            intervals.append((offset[dim], offset[dim] + local[dim], old.rank, dt.index))
+            intervals.append((offset[dim], offset[dim] + local[dim], old.rank, index))
     if dim is not None:
         intervals.sort()
         end = 0
@@ -242,16 +221,49 @@ def sharded_dtensor(path: str, olds: Sequence[Stored]) -> Sharded:
                 raise ShardsInconsistent(
                     f"cannot reshard the DTensor at {path}: the old shards do not cover its "
                     f"dimension {dim} exactly (old rank {rank}'s shard starts at {start}, the "
-                    f"shards before it end at {end}). {_INCONSISTENT}"
+                    f"shards before it end at {end}). {INCONSISTENT}"
                 )
             end = stop
         if end != shape[dim]:
             raise ShardsInconsistent(
                 f"cannot reshard the DTensor at {path}: the old shards cover its dimension "
-                f"{dim} up to {end} of {shape[dim]}. {_INCONSISTENT}"
+                f"{dim} up to {end} of {shape[dim]}. {INCONSISTENT}"
             )
         intervals = [iv for iv in intervals if iv[0] != iv[1]]
     return Sharded(path, record, dtype, dim, intervals, indices, local_shapes)
+
+
+def held_shard(
+    path: str, old: Stored, reference: Any, dtype: torch.dtype
+) -> tuple[TensorSpec, tuple[int, ...], int]:
+    """Old rank ``old``'s shard of the DTensor at ``path``: its spec, global offset and index in
+    that rank's layout, checked to be laid out as old rank 0's (``reference``: its
+    :data:`global_fields`; ``dtype``: its dtype). Else
+    :class:`~tiercheck.errors.ShardsInconsistent` (:class:`~tiercheck.errors.FormatError` for a
+    malformed record)."""
+    dt = old.dtensors.get(path)
+    if dt is None:
+        raise ShardsInconsistent(
+            f"cannot reshard: old rank 0 holds a DTensor at {path} but old rank {old.rank} "
+            "does not. The old ranks must hold the same DTensors (every rank of an FSDP2 "
+            "job does)."
+        )
+    spec = old.layout.specs[dt.index]
+    try:
+        fields = global_fields(dt.record)
+        offset = tuple(map(int, dt.record["offset"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(
+            f"old rank {old.rank} holds a malformed DTensor record at {path}: {exc}"
+        ) from exc
+    if fields != reference or spec.dtype != dtype:
+        raise ShardsInconsistent(
+            f"cannot reshard the DTensor at {path}: old ranks 0 and {old.rank} disagree on "
+            f"its layout (dtype, global shape, stride, placements or mesh): "
+            f"{str(dtype).removeprefix('torch.')} {reference} against "
+            f"{str(spec.dtype).removeprefix('torch.')} {fields}. {INCONSISTENT}"
+        )
+    return spec, offset, dt.index
 
 
 def _tiling(
@@ -260,7 +272,7 @@ def _tiling(
     return ShardsInconsistent(
         f"cannot reshard the DTensor at {path}: old rank {rank}'s local shard {local} at offset "
         f"{offset} is not one a 1-D mesh gives a global {shape} tensor, so the pieces would not "
-        f"cover the new shards exactly. {_INCONSISTENT}"
+        f"cover the new shards exactly. {INCONSISTENT}"
     )
 
 
