@@ -8,7 +8,9 @@ value the state had when ``save`` was called.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -421,3 +423,34 @@ def test_a_fence_hook_refuses_what_cannot_carry_it(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="expected"):
             call()  # type: ignore[no-untyped-call]
     tiercheck.fence_before_step(ckpt, opt).remove()
+
+
+def test_an_overlapped_snapshot_goes_with_its_save_without_the_garbage_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A snapshot kept alive by a reference cycle holds the buffer it copied into until the
+    # collector runs: every save then maps and faults a fresh buffer (found profiling #23).
+    made: list[weakref.ref[SnapshotCopy]] = []
+    original = SnapshotCopy.__init__
+
+    def tracked(self: SnapshotCopy, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(SnapshotCopy, "__init__", tracked)
+    t = TinyTrainer()
+    t.step()
+    gc.collect()
+    gc.disable()
+    try:
+        with _ckpt(tmp_path, overlap=True) as ckpt:
+            for version in range(6):
+                ckpt.save(version, t.state())
+                ckpt.fence()
+                t.step()
+            ckpt.wait()
+            alive = [r for r in made if r() is not None]
+    finally:
+        gc.enable()
+    assert len(made) == 6
+    assert alive == [], f"{len(alive)} of 6 snapshots outlived their saves"

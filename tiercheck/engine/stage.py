@@ -183,15 +183,21 @@ class Stager:
             copy.done.result()  # the copy's error, if any, is the caller's: save raises it
             return
         job.copying(copy)
-        handle = job.handle
+        stats = job.handle.stats
         started = job.started
+        # A future keeps its callbacks for good: one that held the copy would make a cycle
+        # (copy -> future -> callback -> copy), and the copy -- with the buffer it copied into --
+        # would live until the garbage collector ran, so the next save would map a fresh one.
+        mine = weakref.ref(copy)
 
         def staged(fut: concurrent.futures.Future[None]) -> None:
-            handle.stats.staged_s = time.perf_counter() - started
+            stats.staged_s = time.perf_counter() - started
 
         def decided(fut: concurrent.futures.Future[None]) -> None:
-            with self.copies_lock:
-                self.copies.discard(copy)
+            live = mine()
+            if live is not None:
+                with self.copies_lock:
+                    self.copies.discard(live)
 
         with self.copies_lock:
             self.copies.add(copy)
