@@ -14,9 +14,11 @@ it, so that no example slips in untested: ``readme-example: NAME`` (run by a tes
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -219,11 +221,25 @@ def _script(tmp_path: Path, name: str, job: str) -> tuple[Path, str]:
 
 def _run(command: list[str], cwd: Path, **extra_env: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-    run = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=cwd, env=env, check=False
+    # A session of its own, ended whole afterwards: a launcher (Lightning's own, torchrun)
+    # whose rank failed must not leave another rank waiting for it after the test.
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
     )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run.stdout
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, stderr[-4000:]
+    return stdout
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
