@@ -78,27 +78,29 @@ def with_inferred(stored: Stored, targets: Mapping[str, Target]) -> dict[str, Ta
     sit several ways the DTensor gets no target (and a 2-D one is refused, naming it)."""
     if not targets:
         return {}
+    keys = {path: _layout_key(dt.record) for path, dt in stored.dtensors.items()}
     seen: dict[Any, dict[Any, Target]] = {}
-    for path, dt in stored.dtensors.items():
+    for path, key in keys.items():
         target = targets.get(path)
-        if target is not None:
-            try:
-                key = _frozen(global_fields(dt.record))
-            except KeyError:
-                continue
+        if target is not None and key is not None:
             seen.setdefault(key, {})[_frozen(target.record), target.local] = target
     out = dict(targets)
-    for path, dt in stored.dtensors.items():
-        if path in out:
-            continue
-        try:
-            found = seen.get(_frozen(global_fields(dt.record)), {})
-        except KeyError:
-            continue
+    for path, key in keys.items():
+        found = seen.get(key, {}) if key is not None and path not in out else {}
         if len(found) == 1:
             like = next(iter(found.values()))
-            out[path] = Target(like.record, stored.layout.specs[dt.index].dtype, like.local)
+            dtype = stored.layout.specs[stored.dtensors[path].index].dtype
+            out[path] = Target(like.record, dtype, like.local)
     return out
+
+
+def _layout_key(record: Mapping[str, Any]) -> Any:
+    """A record's global layout, hashable; ``None`` for a malformed record (planning names
+    it)."""
+    try:
+        return _frozen(global_fields(record))
+    except KeyError:
+        return None
 
 
 def by_region(record: Mapping[str, Any], target: Target | None, world: int) -> bool:
