@@ -177,17 +177,18 @@ class Session:
         self.last_save = handle
         return handle
 
-    def restore(self, target: Target) -> Restored | None:
-        """Restore ``target``; ``None`` when ``"latest"`` or ``"resume"`` finds nothing
-        restorable. Collective: every rank calls it.
+    def restore(self, target: Target, state: Any = None, *, strict: bool = True) -> Restored | None:
+        """Restore ``target`` (into ``state`` in place when given, ``strict`` as
+        :meth:`~tiercheck.Checkpointer.restore` takes it); ``None`` when ``"latest"`` or
+        ``"resume"`` finds nothing restorable. Collective: every rank calls it.
 
         A restore changes nothing stored (see :meth:`~tiercheck.Checkpointer.restore`): loading
         an older version to evaluate it drops nothing; a run that resumes from it and saves
         again sets the newer versions aside then, as it continues from there.
         """
-        ckpt = self.checkpointer
         # "latest" and "resume" are the newest every rank can rebuild; a number is exactly it.
-        restored = ckpt.restore() if isinstance(target, str) else ckpt.restore(version=target)
+        version = None if isinstance(target, str) else target
+        restored = self.checkpointer.restore(state, version=version, strict=strict)
         if restored is not None:
             self.last_version = restored.version
         self.restored = restored

@@ -40,10 +40,11 @@ torchtitan's options, as this manager reads them:
   :class:`~tiercheck.errors.ConfigError` when the manager is built.
 
 tiercheck's own options: ``job_id`` (required), ``persistent``, ``local_root``,
-``storage_options``, ``base_every``, ``keep``, ``overlap`` (the save returns before the
-snapshot is copied; the trainer's ``maybe_wait_for_staging()``, called right before every
-``optimizers.step()``, is the fence) and ``elastic`` (a job saved on another number of ranks
-is resharded in place on this one; see :meth:`tiercheck.Checkpointer.restore`).
+``storage_options``, ``base_every`` and ``keep`` (unset: tiercheck's defaults), ``overlap``
+(the save returns before the snapshot is copied; the trainer's ``maybe_wait_for_staging()``,
+called right before every ``optimizers.step()``, is the fence) and ``elastic`` (a job saved
+on another number of ranks is resharded in place on this one; see
+:meth:`tiercheck.Checkpointer.restore`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class TiercheckCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         persistent: str | None = None
         local_root: str | None = None
         storage_options: dict[str, str] = dataclasses.field(default_factory=dict)
-        base_every: int = 8
+        base_every: int | None = None
         keep: int | None = None
         overlap: bool = True
         elastic: bool = False
@@ -156,10 +157,11 @@ class TiercheckCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         persistent = config.persistent or os.path.abspath(os.path.join(base_folder, config.folder))
         options: dict[str, Any] = {
             "persistent": persistent,
-            "base_every": config.base_every,
             "overlap": config.overlap,
             "elastic": config.elastic,
         }
+        if config.base_every is not None:
+            options["base_every"] = config.base_every
         if config.local_root:
             options["local_root"] = config.local_root
         if config.storage_options:
@@ -204,13 +206,10 @@ class TiercheckCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     def _load(self, step: int = -1) -> bool:
         excluded = set(self.config.exclude_from_loading)
         target = {key: value for key, value in self.states.items() if key not in excluded}
-        version = None if step < 0 else step
-        restored = self.session.checkpointer.restore(target, version=version, strict=not excluded)
+        restored = self.session.restore("latest" if step < 0 else step, target, strict=not excluded)
         if restored is None:
             logger.info("tiercheck: job %r holds no version yet; a fresh start", self.config.job_id)
             return False
-        self.session.last_version = restored.version
-        self.session.restored = restored
         logger.info(
             "tiercheck: restored step %s of job %r from the %r tier",
             restored.version,
