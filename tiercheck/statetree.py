@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 from tiercheck.codec.dtensor import DTensorShard, is_dtensor
 from tiercheck.errors import StateMismatch
 
-__all__ = ["Lenient", "check_into", "load_into", "own_copy"]
+__all__ = ["Lenient", "check_into", "copy_all", "load_into", "own_copy", "pair_into"]
 
 #: At most this many mismatch lines go into a :class:`~tiercheck.errors.StateMismatch` message.
 _MAX_MISMATCH_LINES = 50
@@ -270,11 +271,17 @@ def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
     return out
 
 
-def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torch.Tensor]]) -> Any:
+_Copies = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def _apply(
+    target: Any, source: Any, copies: _Copies, own: Callable[[Any], Any] | None = None
+) -> Any:
     """Restore ``source`` into ``target``, which :func:`check_into` found compatible.
 
     Tensor copies are not made here but listed in ``copies`` (targets, sources), in the order
-    of the walk, for :func:`_copy_all` to make in few calls.
+    of the walk, for :func:`copy_all` to make in few calls. ``own(value)`` makes what a key
+    only the version holds becomes in the target (default :func:`own_copy`).
     """
     if type(target) in _PLAIN_TENSORS and type(source) is torch.Tensor:
         copies[0].append(target)
@@ -291,7 +298,7 @@ def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torc
         copies[1].append(source.local)
         return target
     if kind == "stateful":
-        target.template = _apply(target.template, source, copies)
+        target.template = _apply(target.template, source, copies, own)
         return target.template
     if kind == "array" and type(source) is np.ndarray:
         if np.shares_memory(target, source):
@@ -301,13 +308,13 @@ def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torc
     if kind == "mapping":
         for key, value in source.items():
             if key in target:
-                merged = _apply(target[key], value, copies)
+                merged = _apply(target[key], value, copies, own)
                 if merged is not target[key]:
                     target[key] = merged
             else:
                 # A key only the version holds (strict=False): the target gets a copy of its
                 # own, not views into the version's buffer, which may be reused later.
-                target[key] = own_copy(value)
+                target[key] = own_copy(value) if own is None else own(value)
         order = list(source) + [k for k in target if k not in source]
         if list(target) != order:
             items = [(k, target[k]) for k in order]
@@ -316,19 +323,19 @@ def _apply(target: Any, source: Any, copies: tuple[list[torch.Tensor], list[torc
         return target
     if kind == "list":
         for i, value in enumerate(source):
-            merged = _apply(target[i], value, copies)
+            merged = _apply(target[i], value, copies, own)
             if merged is not target[i]:
                 target[i] = merged
         return target
     if kind == "tuple":
-        merged_items = tuple(_apply(t, s, copies) for t, s in zip(target, source, strict=True))
+        merged_items = tuple(_apply(t, s, copies, own) for t, s in zip(target, source, strict=True))
         if all(m is t for m, t in zip(merged_items, target, strict=True)):
             return target
         return merged_items
     return source
 
 
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``target.copy_(source)`` for each pair, in order, in one call per pair of devices."""
     if not targets:
         return
@@ -398,8 +405,59 @@ def load_into(target: Any, source: Any, *, strict: bool = True, checked: bool = 
         )
     copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     result = _apply(target, source, copies)
-    _copy_all(*copies)
+    copy_all(*copies)
     return result
+
+
+def pair_into(target: Any, source: Any) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`load_into` without its copies: ``(result, targets, sources)``.
+
+    ``target`` is updated as :func:`load_into` updates it (containers merged, values replaced;
+    the caller has run :func:`check_into` and found nothing), except that no tensor's data is
+    copied: the pairs are returned, in walk order, for the caller to fill each target with its
+    source's bytes (``target.copy_(source)`` in order is what :func:`load_into` would do).
+    ``source``'s tensors need no data (they may be on the ``meta`` device): where a key only
+    the version holds is added, its tensors are new empty host tensors, paired with their
+    sources like the others.
+    """
+    copies: _Copies = ([], [])
+
+    def own(value: Any) -> Any:
+        return _own_empty(value, copies)
+
+    result = _apply(target, source, copies, own)
+    return result, copies[0], copies[1]
+
+
+def _own_empty(obj: Any, copies: _Copies) -> Any:
+    """:func:`own_copy`'s structure with new empty host tensors, each listed in ``copies``."""
+    if type(obj) is DTensorShard:
+        local = torch.empty(obj.local.shape, dtype=obj.local.dtype)
+        copies[0].append(local)
+        copies[1].append(obj.local)
+        return dataclasses.replace(obj, local=local)
+    if isinstance(obj, torch.Tensor):
+        fresh = torch.empty(obj.shape, dtype=obj.dtype)
+        copies[0].append(fresh)
+        copies[1].append(obj)
+        return fresh
+    if isinstance(obj, np.ndarray):
+        raise TypeError("a numpy array's bytes cannot be paired; restore it with load_into")
+    if type(obj) is collections.OrderedDict:
+        out: collections.OrderedDict[Any, Any] = collections.OrderedDict(
+            (k, _own_empty(v, copies)) for k, v in obj.items()
+        )
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if type(obj) is dict:
+        return {k: _own_empty(v, copies) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_own_empty(v, copies) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_own_empty(v, copies) for v in obj)
+    return obj
 
 
 def own_copy(obj: Any) -> Any:

@@ -113,6 +113,7 @@ SAMPLES: dict[Step, Callable[[int], Message]] = {
     Step.VERDICT: lambda r: RestoreVerdict(
         r == 0, "local" if r == 0 else None, ("a", "b") if r else (), ("StateMismatch", "x")
     ),
+    Step.WRITTEN: lambda r: RestoreVerdict(r == 0, "local" if r == 0 else None, (), None, r == 1),
     Step.LOADED: lambda r: Outcome(None if r == 0 else "ValueError: no"),
     Step.REACHED: lambda r: Reached(("persistent",) if r == 0 else ()),
     Step.REJOIN: lambda r: (

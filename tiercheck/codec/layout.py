@@ -17,7 +17,7 @@ import msgpack
 import torch
 
 from tiercheck.codec.dtypes import dtype_name
-from tiercheck.codec.skeleton import EXT_DTENSOR, EXT_REPLICA, ext_codes
+from tiercheck.codec.skeleton import EXT_DTENSOR, EXT_NDARRAY, EXT_REPLICA, ext_codes
 
 __all__ = ["ALIGNMENT", "Layout", "TensorSpec", "align", "check_payload"]
 #: Every tensor starts at a multiple of this many bytes in the raw payload (a cache line, and a
@@ -164,6 +164,12 @@ class Layout:
         """Whether the skeleton holds a :class:`ReplicaRef` (such blobs name
         ``tiercheck.flatten/3``); known without a scan for layouts :func:`flatten` made."""
         return EXT_REPLICA in self._ext_codes
+
+    @cached_property
+    def has_arrays(self) -> bool:
+        """Whether the skeleton holds a numpy array (its value is read from the payload when
+        the skeleton is unpacked, unlike a tensor's)."""
+        return EXT_NDARRAY in self._ext_codes
 
     @cached_property
     def _ext_codes(self) -> frozenset[int]:

@@ -66,7 +66,8 @@ class Step(Enum):
     """Every collective of the engine: one all-gather of one message class per rank.
 
     In the order a job meets them: opening (``SESSION``, ``OPEN_FACTS``, ``CLAIM``), restoring
-    (``INVENTORY``, ``VERDICT``, ``LOADED``), a durable tier unreachable at opening, at the
+    (``INVENTORY``, ``VERDICT``, ``WRITTEN`` when a rank reads straight into the state,
+    ``LOADED``), a durable tier unreachable at opening, at the
     start of each save until it is claimed (``REACHED``, then ``REJOIN``), a changed world or
     timeline (``JOB_RECORD``, ``SET_ASIDE_*``), each commit round of each tier (``VOTE``,
     ``ACK``), closing (``CLOSE_SAVED``, ``CLOSE_STOPPED``); and, on SIGTERM, the flush of what
@@ -79,6 +80,7 @@ class Step(Enum):
     CLAIM = "claim"
     INVENTORY = "inventory"
     VERDICT = "verdict"
+    WRITTEN = "written"
     LOADED = "loaded"
     REACHED = "reached"
     REJOIN = "rejoin"
@@ -199,6 +201,8 @@ class RestoreVerdict:
     ``ok``: the rank read its blob and it fits the caller's state. ``reasons`` say why each
     tier could not serve it; ``refusal`` (``(kind, message)``) says the caller's state cannot
     take the version at all (``kind`` is ``"StateMismatch"`` or ``"UnsupportedObject"``).
+    ``direct``: the rank has read only the blob's header yet (:mod:`tiercheck.engine.inplace`);
+    if any rank has, all send a second verdict (step ``WRITTEN``) once the state is written.
     """
 
     ok: bool
@@ -206,6 +210,7 @@ class RestoreVerdict:
     source: str | None
     reasons: tuple[str, ...] = ()
     refusal: tuple[str, str] | None = None
+    direct: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for exchange between ranks (msgpack-able, no pickle)."""
@@ -214,6 +219,7 @@ class RestoreVerdict:
             "source": self.source,
             "reasons": list(self.reasons),
             "refusal": None if self.refusal is None else list(self.refusal),
+            "direct": self.direct,
         }
 
     @classmethod
@@ -225,6 +231,7 @@ class RestoreVerdict:
             source=None if data["source"] is None else str(data["source"]),
             reasons=tuple(str(r) for r in data["reasons"]),
             refusal=None if not refusal else (str(refusal[0]), str(refusal[1])),
+            direct=bool(data.get("direct", False)),
         )
 
 
@@ -524,6 +531,7 @@ STEP_MESSAGES: Mapping[Step, type[Message]] = {
     Step.CLAIM: ClaimOutcome,
     Step.INVENTORY: InventoryReport,
     Step.VERDICT: RestoreVerdict,
+    Step.WRITTEN: RestoreVerdict,
     Step.LOADED: Outcome,
     Step.REACHED: Reached,
     Step.REJOIN: Rejoined,

@@ -27,6 +27,7 @@ from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.engine.claim import Claim
+from tiercheck.engine.inplace import Direct, open_direct
 from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.options import Options
 from tiercheck.engine.results import CheckpointerStats
@@ -66,11 +67,32 @@ class Reader:
         self.pipes = pipes
 
     async def fetch(
-        self, version: int, mine: Inventory
-    ) -> tuple[RawState | Resharded | None, str | None, list[str]]:
-        """Read ``version`` from the fastest tier that serves it; else why each tier could not."""
+        self, version: int, mine: Inventory, *, direct: bool = False
+    ) -> tuple[RawState | Resharded | Direct | None, str | None, list[str]]:
+        """Read ``version`` from the fastest tier that serves it; else why each tier could not.
+
+        ``direct``: the caller restores into a state of its own, strictly; where the fastest
+        tier can serve that straight from its file (:mod:`tiercheck.engine.inplace`), only
+        the blob's header is read, and a :class:`~tiercheck.engine.inplace.Direct` comes back.
+        """
         reasons: list[str] = []
-        for name in mine.sources(version):
+        sources = mine.sources(version)
+        if direct and sources:
+            name = sources[0]
+            try:
+                found = await open_direct(
+                    self.pipes[name].tier,
+                    name,
+                    await self._own_key(self.pipes[name].tier, version, self.rank),
+                    (version, self.rank),
+                )
+            except Exception as exc:
+                # Read the ordinary way, which sets a damaged blob aside and says why.
+                logger.debug("tiercheck: no direct read of version %s: %r", version, exc)
+            else:
+                if found is not None:
+                    return found, name, reasons
+        for name in sources:
             try:
                 return await self.read_whole(self.pipes[name].tier, version), name, reasons
             except Exception as exc:

@@ -25,9 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tiercheck.codec import RawState, unflatten
+from tiercheck.codec import RawState
 from tiercheck.codec.assembled import Resharded
 from tiercheck.codec.boxes import Target
 from tiercheck.codec.plan import paused_gc
@@ -42,8 +40,9 @@ from tiercheck.consistency.recovery import Inventory, agree, candidates
 from tiercheck.engine.claim import Claim
 from tiercheck.engine.collectives import Channels, step
 from tiercheck.engine.elastic import ElasticReader, targets_in
+from tiercheck.engine.inplace import Direct, rebuild, write_round
 from tiercheck.engine.options import Options
-from tiercheck.engine.results import OWN_STORAGE_BYTES, Restored
+from tiercheck.engine.results import Restored
 from tiercheck.engine.tier import commit_versions
 from tiercheck.engine.timeline import Continuation
 from tiercheck.errors import (
@@ -55,7 +54,7 @@ from tiercheck.errors import (
     StateMismatch,
     UnsupportedObject,
 )
-from tiercheck.statetree import check_into, load_into
+from tiercheck.statetree import load_into
 
 if TYPE_CHECKING:
     from tiercheck.engine.encode import Encoder
@@ -264,37 +263,6 @@ def fresh_outcome(*, torn: bool) -> RestoreOutcome:
     )
 
 
-def rebuild(raw: RawState | Resharded, state: Any, strict: bool, *, allow_pickle: bool) -> Any:
-    """The version as a state; with a live ``state``, checked to fit it (nothing written)."""
-    if state is not None:
-        # Views only read from, to be copied into the state (and cloned where strict=False
-        # adds a key): inference tensors, which cost less to make than tracked views.
-        with torch.inference_mode():
-            tensors = raw.tensors()
-    else:
-        tensors = raw.tensors()
-    if state is None:
-        # Small tensors get storage of their own: some consumers read a tensor from the
-        # start of its storage, ignoring the offset of a view (torch.set_rng_state does).
-        # Large ones stay views of the payload: no second copy.
-        tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
-    rebuilt = unflatten(raw.layout, tensors, allow_pickle=allow_pickle)
-    if state is not None:
-        mismatches = check_into(state, rebuilt, strict=strict)
-        if mismatches:
-            shown = mismatches[:50]
-            more = len(mismatches) - len(shown)
-            raise StateMismatch(
-                f"the state to restore into does not match version {raw.version}; nothing "
-                "was written into it:\n  "
-                + "\n  ".join(shown)
-                + (f"\n  ... and {more} more" if more else "")
-                + "\nRestore without a state (restore()) and load what fits yourself, or "
-                "pass strict=False to allow keys present on one side only."
-            )
-    return rebuilt
-
-
 class Restorer:
     """The collective restore of one rank, in two steps: :meth:`agree` (what can be restored,
     if anything), then :meth:`restore` (read, check, copy in). Neither changes anything
@@ -412,12 +380,14 @@ class Restorer:
             )
             if chosen is None:
                 raise RestoreError(rejection_report(self.job_id, rejected, unlisted))
-            raw: RawState | Resharded | None
+            raw: RawState | Resharded | Direct | None
             reasons: list[str]
             if failed is not None:
                 raw, source, reasons = None, None, []
             elif self.claim.world_of(chosen) == self.topo.world_size:
-                raw, source, reasons = await self.reader.fetch(chosen, mine)
+                raw, source, reasons = await self.reader.fetch(
+                    chosen, mine, direct=state is not None and strict
+                )
             else:
                 try:
                     if targets is None:
@@ -430,6 +400,7 @@ class Restorer:
                     raw, source, reasons = None, None, []
                     refusal = ("ReshardError", str(exc))
             rebuilt: Any = None
+            written: Any = None
             if failed is not None:
                 kind = type(failed).__name__
                 refusal = (
@@ -454,8 +425,9 @@ class Restorer:
                 except FormatError as exc:
                     reasons.append(f"{source}: {type(exc).__name__}: {exc}")
                     raw = None
-            mine_verdict = RestoreVerdict(raw is not None, source, tuple(reasons), refusal)
-            verdicts = await step(self.channels, Step.VERDICT, mine_verdict)
+            direct = isinstance(raw, Direct)
+            said = RestoreVerdict(raw is not None, source, tuple(reasons), refusal, direct)
+            verdicts = await step(self.channels, Step.VERDICT, said)
             refusals = [(r, v.refusal) for r, v in enumerate(verdicts) if v.refusal is not None]
             if refusals:
                 # The caller's state (or options) cannot take the version: nothing was
@@ -464,6 +436,10 @@ class Restorer:
                 ranks = [r for r, _ in refusals]
                 message = f"rank {refusals[0][0]} (of ranks {ranks} refusing): {text}"
                 raise _REFUSALS.get(kind, UnsupportedObject)(message)
+            if all(v.ok for v in verdicts) and any(v.direct for v in verdicts):
+                verdicts, written, source = await write_round(
+                    self, raw, mine, state, rebuilt, source=source
+                )
             if all(v.ok for v in verdicts):
                 break
             for r, v in enumerate(verdicts):
@@ -484,7 +460,9 @@ class Restorer:
         assert raw is not None
         assert source is not None
         # The version is whole on every rank: from here on, the run continues from it.
-        if state is not None:
+        if written is not None:
+            rebuilt = written
+        elif state is not None:
             # rebuild() checked this state against this version, and the caller is waiting for
             # restore to return: copy without walking it a second time.
             with paused_gc():

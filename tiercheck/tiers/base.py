@@ -38,10 +38,10 @@ import enum
 import re
 import types
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from tiercheck.buffer import Buffer
 from tiercheck.errors import ConfigError, InvalidKey, TierClosed
@@ -57,6 +57,7 @@ __all__ = [
     "Leftover",
     "Reservation",
     "SupportsCopy",
+    "SupportsFileRead",
     "SupportsLeftovers",
     "SupportsPrepare",
     "SupportsRangedGet",
@@ -339,6 +340,27 @@ class SupportsRangedGet(Protocol):
     """
 
     async def get_range(self, key: str, start: int, end: int) -> Buffer: ...
+
+
+_T = TypeVar("_T")
+
+
+@runtime_checkable
+class SupportsFileRead(Protocol):
+    """A tier whose blobs are files this process reads with ``pread``.
+
+    ``read_file(key, fn)`` runs ``fn(fd, size)`` in a worker thread with the blob's file open
+    (``fd``, read-only, ``size`` bytes) and returns what ``fn`` returns; the file stays the
+    blob under ``key`` until ``fn`` returns (the local tier holds a shared lock on it: it can
+    be neither rewritten nor recycled meanwhile). ``fn`` may run threads of its own on the
+    descriptor and must be done with it when it returns; it must not close it. A missing key
+    raises :class:`~tiercheck.errors.BlobNotFound`; an ``OSError`` of ``fn`` comes back typed
+    as the tier types its own. What ``fn`` reads is not checked by the tier: a reader checks
+    digests (:mod:`tiercheck.codec.scatter` reads a blob's payload straight into a restored
+    state's tensors this way, without a copy of the whole blob in between).
+    """
+
+    async def read_file(self, key: str, fn: Callable[[int, int], _T]) -> _T: ...
 
 
 @runtime_checkable

@@ -215,6 +215,12 @@ class LocalTier(_Reserving, _BlobFiles, Tier):
         check_range(start, end)
         return await self._run("get_range", key, self._get_range_sync, key, start, end)
 
+    async def read_file(self, key: str, fn: Callable[[int, int], _T]) -> _T:
+        """``fn(fd, size)`` on the blob file of ``key``, in a worker thread, under the shared
+        lock ``get`` reads under (:class:`~tiercheck.tiers.SupportsFileRead`)."""
+        self._check_key(key)
+        return await self._run("read", key, self._read_locked, key, fn)
+
     async def get_size(self, key: str) -> int:
         """Size of the blob under ``key`` (one ``stat``)."""
         self._check_key(key)
