@@ -89,7 +89,7 @@ def assert_state_equal(a: Any, b: Any, path: str = "state") -> None:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 @contextlib.contextmanager

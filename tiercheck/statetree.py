@@ -340,6 +340,12 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     if not targets:
         return
     with torch.no_grad():
+        if any(map(torch.Tensor.is_conj, targets)) or any(map(torch.Tensor.is_neg, targets)):
+            # torch's foreach copy refuses conjugate and negative views among its targets
+            # (a complex parameter's .conj()): one call each, still in order.
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source)
+            return
         if False not in map(_IS_CPU, targets) and False not in map(_IS_CPU, sources):
             torch._foreach_copy_(targets, sources)
             return

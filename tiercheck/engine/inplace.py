@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from tiercheck.consistency.recovery import Inventory
     from tiercheck.engine.collectives import Channels
     from tiercheck.engine.options import Options
+    from tiercheck.engine.results import CheckpointerStats
 
 logger = logging.getLogger("tiercheck")
 
@@ -95,6 +96,11 @@ class Reader(Protocol):
     @property
     def cpu(self) -> Executor:
         """Worker threads."""
+        ...
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        """Where a fallback is counted."""
         ...
 
     async def fetch(self, version: int, mine: Inventory) -> tuple[Any, str | None, list[str]]:
@@ -409,6 +415,7 @@ async def write_version(
         done = await write_direct(direct, state, rebuilt, executor=reader.cpu, threads=threads)
         return RestoreVerdict(True, direct.tier_name), done
     except Exception as exc:
+        reader.stats.restore_fallbacks += 1
         logger.warning(
             "tiercheck: version %s from the %r tier could not be read into the state (%r); "
             "reading it the ordinary way",

@@ -81,6 +81,9 @@ class CheckpointerStats:
     evicted: dict[str, int] = field(default_factory=dict)
     stall_s_total: float = 0.0
     manifest_errors: int = 0
+    #: Reads of a restore that failed and were followed by another read: a tier that could
+    #: not serve a version, or a blob that failed while read straight into the state (its
+    #: tier is then read again the ordinary way, which counts again if it fails too).
     restore_fallbacks: int = 0
     #: Bytes of other ranks' blobs read by elastic restores (ranged reads where the tier
     #: serves them, whole blobs where it does not).
