@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +322,35 @@ def test_one_rank_damaged_everywhere_sends_every_rank_to_the_older_version(
         assert got[r].version == 1
         assert 2 in got[r].rejected
         assert_state_equal(targets[r], state(1, r))
+
+
+def test_after_a_restore_the_next_saves_memory_is_readied_in_the_background(
+    tmp_path: Path,
+) -> None:
+    """The first save of a restarted job would size, back and fault in its shared memory
+    inside the training step; after a restore the local tier prepares it beforehand, sized as
+    the restored blob, and the first save takes it (the spare file becomes the blob)."""
+    with ckpt(tmp_path, tiers=["local"]) as c:
+        c.save(1, big_state(1))
+        c.wait()
+    size = blob(tmp_path, "node").stat().st_size
+    target = {"w": torch.zeros_like(big_state(1)["w"]), "step": 0}
+    with ckpt(tmp_path, tiers=["local"]) as c:
+        assert c.restore(target) is not None
+        spares = tmp_path / "node"
+        deadline = time.monotonic() + 30
+        found: list[Path] = []
+        while not found and time.monotonic() < deadline:
+            found = [p for p in spares.rglob(".tiercheck#spares/*") if p.stat().st_size == size]
+            time.sleep(0.01)
+        assert found, "no memory was prepared after the restore"
+        c.save(2, big_state(2))
+        c.wait()
+        assert not found[0].exists()  # taken by the save: renamed over its blob
+    assert blob(tmp_path, "node", 2).stat().st_size == size
+    target2 = {"w": torch.zeros_like(big_state(1)["w"]), "step": 0}
+    with ckpt(tmp_path, tiers=["local"]) as c:
+        got = c.restore(target2)
+    assert got is not None
+    assert got.version == 2
+    assert_state_equal(target2, big_state(2))

@@ -35,7 +35,7 @@ from tiercheck.engine.plan import SavePlan
 from tiercheck.engine.preempt import PREEMPT_CHANNEL, Preemption
 from tiercheck.engine.read import Reader
 from tiercheck.engine.rejoin import Rejoin
-from tiercheck.engine.restore import Agreement, Restorer
+from tiercheck.engine.restore import Agreement, Restorer, all_loaded
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
 from tiercheck.engine.schedule import Schedule
 from tiercheck.engine.shutdown import Shutdown
@@ -343,7 +343,7 @@ class Engine:
 
     async def loaded(self, error: str | None) -> None:
         """After a restore (collective): see :meth:`Restorer.loaded`."""
-        await self.restorer.loaded(error)
+        await all_loaded(self.restorer.channels, error)
 
     async def aclose(self, how: CloseMode) -> None:
         """Close, in one of three ways (see :data:`~tiercheck.engine.options.CloseMode`)."""

@@ -69,6 +69,7 @@ __all__ = [
     "Restorer",
     "TierAdoption",
     "TierView",
+    "all_loaded",
     "fresh_outcome",
     "rebuild",
     "rejection_report",
@@ -261,6 +262,25 @@ def fresh_outcome(*, torn: bool) -> RestoreOutcome:
             else None
         ),
     )
+
+
+async def all_loaded(channels: Channels, error: str | None) -> None:
+    """After a restore, every rank says whether its ``load_state_dict`` calls succeeded
+    (``error``: why this rank's failed).
+
+    A Stateful object that refuses its value on one rank must not leave the other ranks
+    training on: each rank whose own loading went well raises
+    :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
+    failed raises its own error).
+    """
+    said = await step(channels, Step.LOADED, Outcome(error))
+    failed = [(r, e.error) for r, e in enumerate(said) if e.error is not None]
+    if failed and error is None:
+        rank, text = failed[0]
+        raise StatefulError(
+            f"the restore failed on ranks {[r for r, _ in failed]} (rank {rank}: {text}); "
+            "this rank restored its part, but the job cannot go on from a partial state"
+        )
 
 
 class Restorer:
@@ -505,6 +525,9 @@ class Restorer:
         restore), and the timeline learns where the run goes on from."""
         for adoption in outcome.tiers:
             self.pipes[adoption.name].adopt(committed=adoption.committed, adopted=adoption.adopted)
+        for pipe in self.pipes.values():
+            if outcome.version is not None:
+                pipe.ready_after(outcome.version)
         if outcome.restart_from is not None:
             self.schedule.restart_from(outcome.restart_from)
             self.encoder.drop_base()
@@ -512,23 +535,6 @@ class Restorer:
             self.schedule.begin_session()
         if outcome.continuation is not None:
             self.timeline.continue_from(outcome.continuation)
-
-    async def loaded(self, error: str | None) -> None:
-        """After a restore, every rank says whether its ``load_state_dict`` calls succeeded.
-
-        A Stateful object that refuses its value on one rank must not leave the other ranks
-        training on: each rank whose own loading went well raises
-        :class:`~tiercheck.errors.StatefulError` naming the ranks that failed (a rank that
-        failed raises its own error).
-        """
-        said = await step(self.channels, Step.LOADED, Outcome(error))
-        failed = [(r, e.error) for r, e in enumerate(said) if e.error is not None]
-        if failed and error is None:
-            rank, text = failed[0]
-            raise StatefulError(
-                f"the restore failed on ranks {[r for r, _ in failed]} (rank {rank}: {text}); "
-                "this rank restored its part, but the job cannot go on from a partial state"
-            )
 
     async def _inventory(self) -> tuple[Inventory, dict[str, str]]:
         """What this rank can rebuild, per tier, and the tiers it could not list (and why)."""

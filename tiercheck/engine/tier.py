@@ -44,7 +44,7 @@ from tiercheck.engine.stored import (
     writes_commit_records,
 )
 from tiercheck.errors import CommitUncertain, TierFull, TierWriteFailed
-from tiercheck.tiers.base import Reservation, SupportsReserve, Tier
+from tiercheck.tiers.base import Reservation, SupportsPrepare, SupportsReserve, Tier
 
 __all__ = [
     "TierPipeline",
@@ -238,6 +238,28 @@ class TierPipeline(Retention):
         self.rounds.queue.put_nowait(job)
         self.idle.clear()
         self.lag.sent(job.version)
+
+    def ready_after(self, version: int) -> None:
+        """After a restore of ``version``: where this tier prepares memory for a reservation
+        (:class:`~tiercheck.tiers.SupportsPrepare`), ready the next save's in the background,
+        sized as this rank's blob of ``version`` here -- the next save is most likely the same
+        size, and its first reservation then costs a rename instead of sizing, backing and
+        faulting in memory inside the training step."""
+        tier = self.tier
+        own = self.own.get(version)
+        if own is None or self.reserve_size or not isinstance(tier, SupportsPrepare):
+            return
+
+        async def prepare() -> None:
+            try:
+                size = await tier.get_size(own.key)
+                if not self.reserve_size:  # no save has reserved meanwhile
+                    self.reserve_size = size
+                    await tier.prepare(size)
+            except Exception:
+                logger.exception("tiercheck: preparing memory in %r failed", self.name)
+
+        self.workers.append(asyncio.create_task(prepare()))
 
     # --- writing ------------------------------------------------------------------------------
 
