@@ -130,6 +130,9 @@ def bench_restore(rank: int, root: Path, state_mb: int, repeats: int) -> dict[st
                 shutil.rmtree(node, ignore_errors=True)
             dist.barrier()
             with open_ckpt() as ckpt:
+                # Both ranks opened: the restore's first exchange does not wait out the other
+                # rank's opening (which restored.seconds would count).
+                dist.barrier()
                 restored = ckpt.restore()
                 assert restored is not None
                 assert restored.source_tier == tier, (restored.source_tier, tier)

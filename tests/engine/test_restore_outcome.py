@@ -147,6 +147,9 @@ class _Recorder:
     def restart_from(self, version: int) -> None:
         self.calls.append((self.name, "restart_from", version))
 
+    def ready_after(self, version: int) -> None:
+        self.calls.append((self.name, "ready_after", version))
+
     def begin_session(self) -> None:
         self.session_started = True
 
@@ -192,6 +195,8 @@ def test_apply_hands_each_part_of_the_outcome_to_the_object_that_owns_it() -> No
     assert calls == [
         ("local", "adopt", None, (3, 4)),
         ("persistent", "adopt", frozenset({1, 4}), ()),
+        ("local", "ready_after", 4),
+        ("persistent", "ready_after", 4),
         ("schedule", "restart_from", 4),
         ("encoder", "drop_base"),
         (

@@ -536,8 +536,11 @@ def _policies(
         persist = "base" if not all(durable.values()) else "all"
     resolved: dict[str, TierPolicy] = {}
     for name in names:
+        # Memory tiers hold the raw payload: a restore from them is the wire or a memory read,
+        # never a decompression (slower than either), and a save that no durable tier takes
+        # is encoded once. Durable tiers get the packed encoding (smallest).
         encoding: TierEncoding = (encodings or {}).get(
-            name, "full" if name == "local" else "packed"
+            name, "full" if name in ("local", "peer") else "packed"
         )
         resolved[name] = TierPolicy(
             keep=keep_map[name], encoding=encoding, versions=persist if durable[name] else "all"

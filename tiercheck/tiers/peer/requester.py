@@ -12,11 +12,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
+import numpy as np
 
 from tiercheck._threads import DaemonExecutor
 from tiercheck.errors import BlobNotFound, PeerUnavailable, StorageError, TiercheckError, TierFull
 from tiercheck.tiers.peer.link import _Link
-from tiercheck.tiers.peer.wire import as_tensor, chunk_size, chunk_tag, claim_key, pieces
+from tiercheck.tiers.peer.wire import (
+    GET_CHUNK,
+    as_tensor,
+    chunk_size,
+    chunk_tag,
+    claim_key,
+    pieces,
+)
 
 T = TypeVar("T")
 
@@ -139,7 +147,7 @@ class _Requester(_Link):
         message: dict[str, Any] = {
             "op": "get",
             "key": key,
-            "chunk": self.chunk_bytes,
+            "chunk": min(self.chunk_bytes, GET_CHUNK),
             "epoch": epoch,
         }
         if byte_range is not None:
@@ -160,12 +168,15 @@ class _Requester(_Link):
         return self._receive(dst, seq, size, epoch)
 
     def _receive(self, dst: int, seq: int, size: int, epoch: int) -> memoryview:
-        out = memoryview(bytearray(size))
+        # Not a bytearray (zero-filled by Python, holding the GIL): numpy's memory is touched
+        # first by gloo's receive, on huge pages (see tiercheck.codec.rawstate.host_buffer).
+        out = np.empty(size, dtype=np.uint8).data
         try:
             group, peer = self._transfer_group(dst, epoch)
+            chunk = chunk_size(size, min(self.chunk_bytes, GET_CHUNK))
             works = [
                 self._irecv(group, peer, as_tensor(piece), chunk_tag(seq, "get", i))
-                for i, piece in enumerate(pieces([out], chunk_size(size, self.chunk_bytes)))
+                for i, piece in enumerate(pieces([out], chunk))
             ]
             self._wait_all(works, dst)
         except (PeerUnavailable, RuntimeError, OSError):

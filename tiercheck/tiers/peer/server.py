@@ -20,8 +20,18 @@ from tiercheck._threads import DaemonExecutor
 from tiercheck.errors import BlobNotFound, ConfigError, PeerUnavailable, TiercheckError, TierFull
 from tiercheck.tiers.base import check_range
 from tiercheck.tiers.local import LocalTier
+from tiercheck.tiers.local.files import anonymous_memory, read_exactly
 from tiercheck.tiers.peer.link import _Link
-from tiercheck.tiers.peer.wire import IDLE_WAIT, as_tensor, chunk_size, chunk_tag, claim_key, pieces
+from tiercheck.tiers.peer.wire import (
+    GET_DEPTH,
+    IDLE_WAIT,
+    as_tensor,
+    chunk_bounds,
+    chunk_size,
+    chunk_tag,
+    claim_key,
+    pieces,
+)
 
 logger = logging.getLogger("tiercheck")
 
@@ -292,12 +302,12 @@ class _Holding(_Link):
         byte_range = message.get("range")
         if not self._take(store, message) or self._outdated(store, message):
             return
+        if byte_range is None:
+            self._serve_whole(store, message, key)
+            return
         try:
-            if byte_range is None:
-                data = memoryview(run(self._holder.get(key))).cast("B")
-            else:
-                start, end = check_range(*byte_range)
-                data = memoryview(run(self._holder.get_range(key, start, end))).cast("B")
+            start, end = check_range(*byte_range)
+            data = memoryview(run(self._holder.get_range(key, start, end))).cast("B")
         except (TiercheckError, OSError, ValueError, TypeError) as exc:
             # ValueError/TypeError: a malformed range, which a requester checks before asking.
             self._refuse(store, message, "ready", exc)
@@ -306,7 +316,7 @@ class _Holding(_Link):
             data = memoryview(bytearray(data))
         # "ranged" tells the requester its range was honoured (a holder from before ranged
         # reads would send the whole blob instead).
-        self._answer(store, message, "ready", size=data.nbytes, ranged=byte_range is not None)
+        self._answer(store, message, "ready", size=data.nbytes, ranged=True)
         src, seq = int(message["src"]), int(message["seq"])
         chunk = chunk_size(data.nbytes, int(message["chunk"]))
         epoch = int(message.get("epoch", 0))
@@ -320,3 +330,39 @@ class _Holding(_Link):
         except Exception:
             self._pair_broke(src, epoch)
             raise
+
+    def _serve_whole(self, store: Any, message: dict[str, Any], key: str) -> None:
+        """A whole-blob get, sent from the replica's file under the local tier's shared lock:
+        "ready" once the file is open, then each chunk read into one of ``GET_DEPTH`` reused
+        buffers while the chunks before it are on the wire (no copy of the whole blob)."""
+        src, seq = int(message["src"]), int(message["seq"])
+        epoch = int(message.get("epoch", 0))
+        answered = False
+
+        def send(fd: int, size: int) -> None:
+            nonlocal answered
+            bounds = chunk_bounds(size, chunk_size(size, int(message["chunk"])))
+            self._answer(store, message, "ready", size=size, ranged=False)
+            answered = True
+            if not bounds:
+                return
+            group, peer = self._transfer_group(src, epoch)
+            depth = min(GET_DEPTH, len(bounds))
+            staging = [memoryview(anonymous_memory(bounds[0][1])) for _ in range(depth)]
+            works: list[Any] = []
+            for i, (a, b) in enumerate(bounds):
+                if i >= depth:  # chunk i - depth is sent: its buffer is free
+                    self._wait_all([works[i - depth]], src)
+                buf = read_exactly(fd, b - a, a, into=staging[i % depth][: b - a])
+                works.append(self._isend(group, peer, as_tensor(buf), chunk_tag(seq, "get", i)))
+            self._wait_all(works[max(0, len(works) - depth) :], src)  # each waited once
+
+        try:
+            self._server_loop.run_until_complete(self._holder.read_file(key, send))
+        except Exception as exc:
+            if answered:  # data may be stuck between the two: the pair's connection is done
+                self._pair_broke(src, epoch)
+                raise
+            if not isinstance(exc, (TiercheckError, OSError)):
+                raise
+            self._refuse(store, message, "ready", exc)

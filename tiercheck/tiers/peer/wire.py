@@ -36,6 +36,11 @@ def chunk_tag(seq: int, op: str, chunk: int) -> int:
 
 
 DEFAULT_CHUNK = 64 << 20
+#: A get moves in chunks of at most this size: the holder reads the next ones from its
+#: replica's file while this one is on the wire (the chunk travels with the request).
+GET_CHUNK = 8 << 20
+#: How many chunks of a get the holder reads ahead (its staging buffers).
+GET_DEPTH = 3
 
 
 def default_store() -> Any:
