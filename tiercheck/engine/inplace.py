@@ -81,6 +81,7 @@ __all__ = [
     "Restoring",
     "direct_ok",
     "open_direct",
+    "reads_files",
     "rebuild",
     "write_direct",
     "write_round",
@@ -144,6 +145,11 @@ class Direct:
         meta = self.meta
         payload = torch.empty(meta.layout.payload_nbytes, dtype=torch.uint8, device="meta")
         return RawState(meta.version, meta.layout, payload, meta.raw_digest, meta.chunk_digests)
+
+
+def reads_files(tier: Tier) -> bool:
+    """Whether ``tier`` serves :func:`open_direct` (:class:`~tiercheck.tiers.SupportsFileRead`)."""
+    return isinstance(tier, SupportsFileRead)
 
 
 def direct_ok(meta: BlobMeta) -> bool:

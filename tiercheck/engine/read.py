@@ -27,7 +27,7 @@ from tiercheck.consistency.identity import quarantine_key
 from tiercheck.consistency.keys import commit_key, parse_blob_key, version_prefix
 from tiercheck.consistency.recovery import Inventory
 from tiercheck.engine.claim import Claim
-from tiercheck.engine.inplace import Direct, open_direct
+from tiercheck.engine.inplace import Direct, open_direct, reads_files
 from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.options import Options
 from tiercheck.engine.results import CheckpointerStats
@@ -77,15 +77,12 @@ class Reader:
         """
         reasons: list[str] = []
         sources = mine.sources(version)
-        if direct and sources:
+        if direct and sources and reads_files(self.pipes[sources[0]].tier):
             name = sources[0]
             try:
-                found = await open_direct(
-                    self.pipes[name].tier,
-                    name,
-                    await self._own_key(self.pipes[name].tier, version, self.rank),
-                    (version, self.rank),
-                )
+                tier = self.pipes[name].tier
+                key = await self._own_key(tier, version, self.rank)
+                found = await open_direct(tier, name, key, (version, self.rank))
             except Exception as exc:
                 # Read the ordinary way, which sets a damaged blob aside and says why.
                 logger.debug("tiercheck: no direct read of version %s: %r", version, exc)

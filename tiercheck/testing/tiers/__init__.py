@@ -4,7 +4,8 @@ The tests come in groups, one module each: :mod:`~tiercheck.testing.tiers.blobs`
 exists, size, delete, listing, keys), :mod:`~tiercheck.testing.tiers.concurrency`,
 :mod:`~tiercheck.testing.tiers.lifecycle` (closing and reopening),
 :mod:`~tiercheck.testing.tiers.backing` (through the back door),
-:mod:`~tiercheck.testing.tiers.reserve` and :mod:`~tiercheck.testing.tiers.ranged`;
+:mod:`~tiercheck.testing.tiers.reserve`, :mod:`~tiercheck.testing.tiers.ranged` and
+:mod:`~tiercheck.testing.tiers.fileread`;
 :mod:`~tiercheck.testing.tiers.support` holds the hooks, the fixture and the test data they
 share.
 """
@@ -18,6 +19,7 @@ import pytest
 from tiercheck.testing.tiers.backing import _BackingTests
 from tiercheck.testing.tiers.blobs import _BlobTests
 from tiercheck.testing.tiers.concurrency import _ConcurrencyTests
+from tiercheck.testing.tiers.fileread import _FileReadTests
 from tiercheck.testing.tiers.lifecycle import _LifecycleTests
 from tiercheck.testing.tiers.ranged import _RangedTests
 from tiercheck.testing.tiers.reserve import _ReserveTests
@@ -33,6 +35,7 @@ class TierTests(
     _BackingTests,
     _ReserveTests,
     _RangedTests,
+    _FileReadTests,
 ):
     """Conformance tests for a :class:`~tiercheck.tiers.Tier` implementation.
 
