@@ -6,7 +6,8 @@ import contextlib
 import os
 import socket
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,26 @@ def unmount(where: Path) -> None:
         )
         if lazy.returncode != 0:
             raise RuntimeError(f"could not unmount the test tmpfs {where}: {lazy.stderr}")
+
+
+def run_ranks(world: int, fn: Callable[[int], Any], *, timeout: float = 120.0) -> list[Any]:
+    """``fn(rank)`` for every rank of ``world``, each on a thread (the ranks of one
+    :class:`tiercheck.testing.LocalGroup`); the results in rank order, or the first error."""
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def one(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,7 +39,14 @@ from tiercheck import (
 from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX, JobRecord
 from tiercheck.testing import LocalGroup
 
-from .helpers import TinyTrainer, assert_state_equal, clone_state, mount_tmpfs, unmount
+from .helpers import (
+    TinyTrainer,
+    assert_state_equal,
+    clone_state,
+    mount_tmpfs,
+    run_ranks,
+    unmount,
+)
 from .tiers import conftest as tier_fixtures
 from .tiers.conftest import S3Server
 
@@ -57,29 +63,6 @@ def state_of(version: int, rank: int = 0, n: int = 2048) -> dict[str, Any]:
         "h": torch.randn(64, generator=g).to(torch.bfloat16),
         "step": version,
     }
-
-
-def run_ranks(world: int, fn: Callable[[int], T], *, timeout: float = 120.0) -> list[T]:
-    """Run ``fn(rank)`` for every rank on threads; return the results or raise the first error."""
-    results: list[Any] = [None] * world
-    errors: list[BaseException | None] = [None] * world
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank hung"
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
 
 
 def job(

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from tiercheck.defaults import NodeRoot
 from tiercheck.staging import SnapshotCopy
 from tiercheck.testing import LocalGroup
 
-from .helpers import assert_state_equal, clone_state
+from .helpers import assert_state_equal, clone_state, run_ranks
 
 DEVICES = [
     "cpu",
@@ -79,28 +79,6 @@ def _durable(tmp_path: Path, version: int, name: str = "r00000.full") -> Path:
 
 def _read(path: Path) -> Any:
     return decode(bytearray(path.read_bytes())).state()
-
-
-def run_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
-    """``fn(rank)`` for every rank, each on a thread; the results, or the first error."""
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def one(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "a rank hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _cpu(state: Any) -> Any:

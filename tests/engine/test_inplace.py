@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 import tiercheck.engine.read as read_module
-from tests.helpers import assert_state_equal
+from tests.helpers import assert_state_equal, run_ranks
 from tiercheck import RestoreError, StateMismatch, SyncCheckpointer
 from tiercheck.codec import read_meta
 from tiercheck.codec.digest import DIGEST_CHUNK
@@ -285,31 +284,13 @@ def test_one_rank_damaged_everywhere_sends_every_rank_to_the_older_version(
         s["step"] = version
         return s
 
-    def run(fn: Any) -> list[Any]:
-        results: list[Any] = [None] * world
-        errors: list[BaseException] = []
-
-        def one(r: int) -> None:
-            try:
-                results[r] = fn(r)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
-        return results
-
     def save(rank: int) -> None:
         with job(rank) as c:
             for v in (1, 2):
                 c.save(v, state(v, rank))
                 c.wait()
 
-    run(save)
+    run_ranks(world, save)
     flip_in_chunk(next((tmp_path / "node1").rglob("v000000000002/r00001.full")), 1)
     targets = [{"w": torch.zeros_like(state(1, r)["w"]), "step": 0} for r in range(world)]
 
@@ -317,7 +298,7 @@ def test_one_rank_damaged_everywhere_sends_every_rank_to_the_older_version(
         with job(rank) as c:
             return c.restore(targets[rank])
 
-    got = run(restore)
+    got = run_ranks(world, restore)
     for r in range(world):
         assert got[r].version == 1
         assert 2 in got[r].rejected
