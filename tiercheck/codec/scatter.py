@@ -214,7 +214,9 @@ def read_scattered(
                 else:
                     memmove(address, base + within, nbytes)
 
-    helpers = [executor.submit(work) for _ in range(threads - 1)] if executor is not None else []
+    # No more workers than chunks: each keeps an 8 MiB buffer for its thread's life.
+    workers = max(1, min(threads, scatter.chunks))
+    helpers = [executor.submit(work) for _ in range(workers - 1)] if executor is not None else []
     errors: list[BaseException] = []
     try:
         work()

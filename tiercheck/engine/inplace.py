@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tiercheck")
 
 __all__ = [
+    "READERS",
     "Direct",
     "Reader",
     "Restoring",
@@ -89,6 +90,10 @@ __all__ = [
 ]
 
 _DIRECT_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: At most this many threads read a blob into the state: the read is bound by memory
+#: bandwidth, which a few threads fill, and each keeps an 8 MiB buffer (a node's ranks
+#: restore at once, and the codec's thread count is every core).
+READERS = 4
 
 
 class Reader(Protocol):
@@ -469,6 +474,6 @@ async def write_round(
             state,
             rebuilt,
             allow_pickle=restorer.options.encode.allow_pickle,
-            threads=restorer.options.encode.threads,
+            threads=min(restorer.options.encode.threads, READERS),
         )
     return await step(restorer.channels, Step.WRITTEN, done), written, done.source
