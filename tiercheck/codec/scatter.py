@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -128,9 +128,21 @@ _SCRATCH = _Scratch()
 #: Pieces smaller than this are copied without releasing the GIL: for them, handing the GIL
 #: over between the reading threads costs more than the copy (thousands of small tensors).
 _SMALL = 64 << 10
-_memmove_holding_gil = ctypes.PyDLL(None).memmove
-_memmove_holding_gil.restype = None
-_memmove_holding_gil.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+
+
+def _gil_holding_memmove() -> Callable[[int, int, int], object]:
+    """The C library's ``memmove`` called without releasing the GIL (``ctypes.memmove``
+    releases it); ``ctypes.memmove`` itself where the C library cannot be loaded that way."""
+    try:
+        fn = ctypes.PyDLL(None).memmove
+    except (OSError, TypeError, AttributeError):  # no dlopen(NULL) here (Windows)
+        return ctypes.memmove
+    fn.restype = None
+    fn.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+    return fn
+
+
+_memmove_holding_gil = _gil_holding_memmove()
 
 
 def _read_into(fd: int, view: memoryview, offset: int, what: str) -> None:
