@@ -52,6 +52,7 @@ __all__ = [
     "build_tier",
     "commit_versions",
     "location",
+    "prepare_after",
     "writes_commit_records",
 ]
 
@@ -240,26 +241,8 @@ class TierPipeline(Retention):
         self.lag.sent(job.version)
 
     def ready_after(self, version: int) -> None:
-        """After a restore of ``version``: where this tier prepares memory for a reservation
-        (:class:`~tiercheck.tiers.SupportsPrepare`), ready the next save's in the background,
-        sized as this rank's blob of ``version`` here -- the next save is most likely the same
-        size, and its first reservation then costs a rename instead of sizing, backing and
-        faulting in memory inside the training step."""
-        tier = self.tier
-        own = self.own.get(version)
-        if own is None or self.reserve_size or not isinstance(tier, SupportsPrepare):
-            return
-
-        async def prepare() -> None:
-            try:
-                size = await tier.get_size(own.key)
-                if not self.reserve_size:  # no save has reserved meanwhile
-                    self.reserve_size = size
-                    await tier.prepare(size)
-            except Exception:
-                logger.exception("tiercheck: preparing memory in %r failed", self.name)
-
-        self.workers.append(asyncio.create_task(prepare()))
+        """After a restore of ``version``: :func:`prepare_after` for this tier."""
+        prepare_after(self, version)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -376,3 +359,26 @@ class TierPipeline(Retention):
             self.stats.failed[self.name] = self.stats.failed.get(self.name, 0) + 1
         self.lag.failed(job.version, error)
         job.handle.resolve_tier(self.name, error)
+
+
+def prepare_after(pipe: TierPipeline, version: int) -> None:
+    """Where ``pipe``'s tier prepares memory for a reservation
+    (:class:`~tiercheck.tiers.SupportsPrepare`), ready the next save's in the background after
+    a restore of ``version``, sized as this rank's blob of ``version`` there: the next save is
+    most likely the same size, and its first reservation then costs a rename instead of
+    sizing, backing and faulting in memory inside the training step."""
+    tier = pipe.tier
+    own = pipe.own.get(version)
+    if own is None or pipe.reserve_size or not isinstance(tier, SupportsPrepare):
+        return
+
+    async def prepare() -> None:
+        try:
+            size = await tier.get_size(own.key)
+            if not pipe.reserve_size:  # no save has reserved meanwhile
+                pipe.reserve_size = size
+                await tier.prepare(size)
+        except Exception:
+            logger.exception("tiercheck: preparing memory in %r failed", pipe.name)
+
+    pipe.workers.append(asyncio.create_task(prepare()))

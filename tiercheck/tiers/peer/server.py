@@ -303,7 +303,7 @@ class _Holding(_Link):
         if not self._take(store, message) or self._outdated(store, message):
             return
         if byte_range is None:
-            self._serve_whole(store, message, key)
+            _serve_whole(self, store, message, key)
             return
         try:
             start, end = check_range(*byte_range)
@@ -331,38 +331,39 @@ class _Holding(_Link):
             self._pair_broke(src, epoch)
             raise
 
-    def _serve_whole(self, store: Any, message: dict[str, Any], key: str) -> None:
-        """A whole-blob get, sent from the replica's file under the local tier's shared lock:
-        "ready" once the file is open, then each chunk read into one of ``GET_DEPTH`` reused
-        buffers while the chunks before it are on the wire (no copy of the whole blob)."""
-        src, seq = int(message["src"]), int(message["seq"])
-        epoch = int(message.get("epoch", 0))
-        answered = False
 
-        def send(fd: int, size: int) -> None:
-            nonlocal answered
-            bounds = chunk_bounds(size, chunk_size(size, int(message["chunk"])))
-            self._answer(store, message, "ready", size=size, ranged=False)
-            answered = True
-            if not bounds:
-                return
-            group, peer = self._transfer_group(src, epoch)
-            depth = min(GET_DEPTH, len(bounds))
-            staging = [memoryview(anonymous_memory(bounds[0][1])) for _ in range(depth)]
-            works: list[Any] = []
-            for i, (a, b) in enumerate(bounds):
-                if i >= depth:  # chunk i - depth is sent: its buffer is free
-                    self._wait_all([works[i - depth]], src)
-                buf = read_exactly(fd, b - a, a, into=staging[i % depth][: b - a])
-                works.append(self._isend(group, peer, as_tensor(buf), chunk_tag(seq, "get", i)))
-            self._wait_all(works[max(0, len(works) - depth) :], src)  # each waited once
+def _serve_whole(holding: _Holding, store: Any, message: dict[str, Any], key: str) -> None:
+    """A whole-blob get, sent from the replica's file under the local tier's shared lock:
+    "ready" once the file is open, then each chunk read into one of ``GET_DEPTH`` reused
+    buffers while the chunks before it are on the wire (no copy of the whole blob)."""
+    src, seq = int(message["src"]), int(message["seq"])
+    epoch = int(message.get("epoch", 0))
+    answered = False
 
-        try:
-            self._server_loop.run_until_complete(self._holder.read_file(key, send))
-        except Exception as exc:
-            if answered:  # data may be stuck between the two: the pair's connection is done
-                self._pair_broke(src, epoch)
-                raise
-            if not isinstance(exc, (TiercheckError, OSError)):
-                raise
-            self._refuse(store, message, "ready", exc)
+    def send(fd: int, size: int) -> None:
+        nonlocal answered
+        bounds = chunk_bounds(size, chunk_size(size, int(message["chunk"])))
+        holding._answer(store, message, "ready", size=size, ranged=False)
+        answered = True
+        if not bounds:
+            return
+        group, peer = holding._transfer_group(src, epoch)
+        depth = min(GET_DEPTH, len(bounds))
+        staging = [memoryview(anonymous_memory(bounds[0][1])) for _ in range(depth)]
+        works: list[Any] = []
+        for i, (a, b) in enumerate(bounds):
+            if i >= depth:  # chunk i - depth is sent: its buffer is free
+                holding._wait_all([works[i - depth]], src)
+            buf = read_exactly(fd, b - a, a, into=staging[i % depth][: b - a])
+            works.append(holding._isend(group, peer, as_tensor(buf), chunk_tag(seq, "get", i)))
+        holding._wait_all(works[max(0, len(works) - depth) :], src)  # each waited once
+
+    try:
+        holding._server_loop.run_until_complete(holding._holder.read_file(key, send))
+    except Exception as exc:
+        if answered:  # data may be stuck between the two: the pair's connection is done
+            holding._pair_broke(src, epoch)
+            raise
+        if not isinstance(exc, (TiercheckError, OSError)):
+            raise
+        holding._refuse(store, message, "ready", exc)
