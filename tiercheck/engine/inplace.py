@@ -63,7 +63,7 @@ from tiercheck.codec.scatter import (
 from tiercheck.consistency.protocol import RestoreVerdict, Step
 from tiercheck.engine.collectives import step
 from tiercheck.engine.results import OWN_STORAGE_BYTES
-from tiercheck.errors import FormatError, StateMismatch, UnsupportedObject
+from tiercheck.errors import FormatError, StateMismatch, TiercheckError, UnsupportedObject
 from tiercheck.statetree import check_into, copy_all, load_into, pair_into
 from tiercheck.tiers.base import SupportsFileRead, Tier
 
@@ -433,6 +433,8 @@ async def write_version(
             version,
             direct.tier_name,
             exc,
+            # A damaged or vanished blob is expected; anything else is a bug: its traceback.
+            exc_info=not isinstance(exc, (TiercheckError, OSError)),
         )
         reasons = [
             f"{direct.tier_name}: {type(exc).__name__}: {exc} (the state's tensors may hold "

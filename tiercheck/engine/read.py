@@ -35,6 +35,7 @@ from tiercheck.engine.tier import writes_commit_records
 from tiercheck.errors import (
     BlobNotFound,
     RestoreError,
+    TiercheckError,
     UnsupportedFormat,
 )
 from tiercheck.tiers.base import Buffer, Tier
@@ -83,9 +84,15 @@ class Reader:
                 tier = self.pipes[name].tier
                 key = await self._own_key(tier, version, self.rank)
                 found = await open_direct(tier, name, key, (version, self.rank))
-            except Exception as exc:
+            except (TiercheckError, OSError) as exc:
                 # Read the ordinary way, which sets a damaged blob aside and says why.
                 logger.debug("tiercheck: no direct read of version %s: %r", version, exc)
+            except Exception:
+                logger.exception(
+                    "tiercheck: reading the header of version %s failed unexpectedly; "
+                    "reading it the ordinary way",
+                    version,
+                )
             else:
                 if found is not None:
                     return found, name, reasons
