@@ -437,33 +437,17 @@ def pair_into(target: Any, source: Any) -> tuple[Any, list[torch.Tensor], list[t
 
 def _own_empty(obj: Any, copies: _Copies) -> Any:
     """:func:`own_copy`'s structure with new empty host tensors, each listed in ``copies``."""
-    if type(obj) is DTensorShard:
-        local = torch.empty(obj.local.shape, dtype=obj.local.dtype)
-        copies[0].append(local)
-        copies[1].append(obj.local)
-        return dataclasses.replace(obj, local=local)
-    if isinstance(obj, torch.Tensor):
-        fresh = torch.empty(obj.shape, dtype=obj.dtype)
-        copies[0].append(fresh)
-        copies[1].append(obj)
-        return fresh
-    if isinstance(obj, np.ndarray):
+
+    def fresh(source: torch.Tensor) -> torch.Tensor:
+        made = torch.empty(source.shape, dtype=source.dtype)
+        copies[0].append(made)
+        copies[1].append(source)
+        return made
+
+    def no_array(_array: Any) -> Any:
         raise TypeError("a numpy array's bytes cannot be paired; restore it with load_into")
-    if type(obj) is collections.OrderedDict:
-        out: collections.OrderedDict[Any, Any] = collections.OrderedDict(
-            (k, _own_empty(v, copies)) for k, v in obj.items()
-        )
-        metadata = getattr(obj, "_metadata", None)
-        if metadata is not None:
-            out._metadata = metadata  # type: ignore[attr-defined]
-        return out
-    if type(obj) is dict:
-        return {k: _own_empty(v, copies) for k, v in obj.items()}
-    if type(obj) is list:
-        return [_own_empty(v, copies) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_own_empty(v, copies) for v in obj)
-    return obj
+
+    return _rebuild(obj, fresh, no_array)
 
 
 def own_copy(obj: Any) -> Any:
@@ -475,24 +459,33 @@ def own_copy(obj: Any) -> Any:
     the wrong bytes. Containers are rebuilt (dicts, lists, tuples; an ``OrderedDict`` keeps its
     ``_metadata``, as a module's ``state_dict`` has); other leaves are returned as they are.
     """
+    return _rebuild(obj, torch.Tensor.clone, np.ndarray.copy)
+
+
+def _rebuild(
+    obj: Any, tensor: Callable[[torch.Tensor], torch.Tensor], array: Callable[[Any], Any]
+) -> Any:
+    """``obj`` with its containers rebuilt (dicts, lists, tuples; an ``OrderedDict`` keeps its
+    ``_metadata``), each tensor (a DTensor shard's local one too) replaced by ``tensor(t)`` and
+    each numpy array by ``array(a)``; other leaves as they are."""
     if type(obj) is DTensorShard:
-        return dataclasses.replace(obj, local=obj.local.clone())
+        return dataclasses.replace(obj, local=tensor(obj.local))
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return tensor(obj)
     if isinstance(obj, np.ndarray):
-        return obj.copy()
+        return array(obj)
     if type(obj) is collections.OrderedDict:
         out: collections.OrderedDict[Any, Any] = collections.OrderedDict(
-            (k, own_copy(v)) for k, v in obj.items()
+            (k, _rebuild(v, tensor, array)) for k, v in obj.items()
         )
         metadata = getattr(obj, "_metadata", None)
         if metadata is not None:
             out._metadata = metadata  # type: ignore[attr-defined]
         return out
     if type(obj) is dict:
-        return {k: own_copy(v) for k, v in obj.items()}
+        return {k: _rebuild(v, tensor, array) for k, v in obj.items()}
     if type(obj) is list:
-        return [own_copy(v) for v in obj]
+        return [_rebuild(v, tensor, array) for v in obj]
     if type(obj) is tuple:
-        return tuple(own_copy(v) for v in obj)
+        return tuple(_rebuild(v, tensor, array) for v in obj)
     return obj
