@@ -1,13 +1,15 @@
-"""The manifest: log + index appended together, rebuildable, shared, corruption typed, and a
-journal anyone may truncate or garble never kills the process that reads it."""
+"""The manifest: log + index appended together in one LMDB transaction, rebuildable, shared by
+the processes of a node through its manifest process, and an environment anyone may truncate or
+garble -- at rest or while in use -- never kills a process that uses it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import multiprocessing as mp
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import msgpack
 import pytest
 import xxhash
@@ -26,9 +29,16 @@ from tiercheck.consistency.manifest import (
     Commit,
     Evict,
     Manifest,
-    Record,
     Written,
 )
+from tiercheck.consistency.manifestd import (
+    DAMAGED_PREFIX,
+    DATA,
+    KILL_AT_VARIABLE,
+    LOCK,
+    check_at_rest,
+)
+from tiercheck.consistency.records import record_fields
 from tiercheck.errors import ManifestError
 
 
@@ -123,20 +133,27 @@ def test_two_handles_in_one_process_share_the_environment(tmp_path: Path) -> Non
         b.append(_durable(3))
 
 
-def test_corrupt_value_is_a_typed_error(tmp_path: Path) -> None:
-    with Manifest(tmp_path / "m") as m:
+def test_a_foreign_environment_is_set_aside_not_read(tmp_path: Path) -> None:
+    """An LMDB environment this build did not write (a log but no format) is set aside, said
+    once, and a new one started: never an error, never read as records."""
+    path = tmp_path / "m"
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"\0" * 8, b"not a record", db=env.open_db(b"log", txn=txn))
+    env.close()
+    with Manifest(path) as m:
+        assert len(m.notes) == 1
+        assert "not a manifest this build wrote" in m.notes[0]
+        assert list(m.log()) == []
         m.append(_durable(1))
-    data = bytearray(journal(tmp_path / "m").read_bytes())
-    data[-1] ^= 0x01  # the last byte of the record's body
-    journal(tmp_path / "m").write_bytes(bytes(data))
-    with pytest.raises(ManifestError), Manifest(tmp_path / "m") as m:
-        list(m.log())
+        assert [r.version for r in m.log()] == [1]
+    assert len(damaged_folders(path)) == 1
 
 
 def test_unopenable_manifest_is_a_typed_error(tmp_path: Path) -> None:
     target = tmp_path / "m"
-    target.mkdir()
-    journal(target).write_bytes(b"this is not a journal" * 100)
+    target.write_bytes(b"a file where the manifest folder should be")
     with pytest.raises(ManifestError):
         Manifest(target)
 
@@ -144,22 +161,20 @@ def test_unopenable_manifest_is_a_typed_error(tmp_path: Path) -> None:
 def test_crash_inside_an_append_leaves_nothing_half_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with Manifest(tmp_path / "m") as m:
+    """The manifest process killed inside the write transaction of an append of two records,
+    after the first was applied: neither is there, and the index agrees with the log."""
+    path = tmp_path / "m"
+    # Every manifest process started while this is set dies at its second record.
+    monkeypatch.setenv(KILL_AT_VARIABLE, "append:2")
+    with Manifest(path) as m:
         m.append(_durable(1))
-        calls = 0
-        original = Manifest._apply
-
-        def dying_apply(self: Manifest, record: Record, undo: Any = None) -> None:
-            nonlocal calls
-            calls += 1
-            if calls == 2:
-                raise RuntimeError("simulated crash between two records of one append")
-            original(self, record, undo)
-
-        monkeypatch.setattr(Manifest, "_apply", dying_apply)
-        with pytest.raises(RuntimeError):
+        first = m.server_pid
+        with pytest.raises(ManifestError):
             m.append(_durable(2), Commit(2, "local"))
-        monkeypatch.undo()
+        assert m.restarts == 2  # killed, started again, killed again: then it gives up
+        assert first is not None
+        assert not pid_alive(first)
+        monkeypatch.delenv(KILL_AT_VARIABLE)
         assert [r.version for r in m.log()] == [1]
         assert [b.version for b in m.blobs()] == [1]
         before = m.dump_index()
@@ -211,7 +226,7 @@ def test_manifest_survives_a_killed_writer(tmp_path: Path) -> None:
     with Manifest(path) as m:
         m.append(Begin(101, 2, "base"))
         assert {100, 101} <= set(m.versions())
-    assert os.path.exists(os.path.join(path, JOURNAL))
+    assert os.path.exists(os.path.join(path, DATA))
 
 
 def _save_and_retain(m: Manifest, versions: range, keep: int = 2) -> None:
@@ -264,52 +279,103 @@ def test_compaction_keeps_versions_in_flight(tmp_path: Path) -> None:
         assert {r.version for r in m.log()} == {2, 3}
 
 
-def test_a_compaction_killed_before_it_commits_leaves_the_whole_log(tmp_path: Path) -> None:
+def test_a_compaction_killed_before_it_commits_leaves_the_whole_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = str(tmp_path / "m")
     with Manifest(path) as m:
         _save_and_retain(m, range(10))
         records = list(m.log())
         index = m.dump_index()
-    # The process dies with the compacted journal written in full but not yet renamed over the
-    # old one: the latest moment a crash can interrupt it.
-    code = (
-        "import os, signal, sys\n"
-        "from tiercheck.consistency.manifest import Manifest\n"
-        "def dying(self, temp):\n"
-        "    assert os.path.getsize(temp) > 0\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "Manifest._install = dying\n"
-        "m = Manifest(sys.argv[1])\n"
-        "m.compact_if_grown(10, min_records=5)\n"
-    )
-    killed = subprocess.run([sys.executable, "-c", code, path], check=False)
-    assert killed.returncode == -9
+        pid = m.server_pid
+    os.kill(pid, signal.SIGKILL)
+    wait_gone(pid)
+    # The manifest process dies inside the prune's transaction, every delete made, before it
+    # commits: the latest moment a crash can interrupt it.
+    monkeypatch.setenv(KILL_AT_VARIABLE, "prune")
+    with Manifest(path) as m, pytest.raises(ManifestError):
+        m.compact_if_grown(10, min_records=5)
+    monkeypatch.delenv(KILL_AT_VARIABLE)
     with Manifest(path) as m:
         assert list(m.log()) == records
         assert m.dump_index() == index
         m.rebuild_index()
         assert m.dump_index() == index
-        assert os.listdir(path) == [JOURNAL]  # the dead compaction's file was removed
+        assert not damaged_folders(Path(path))  # a crash is not damage
         # And the next compaction, not interrupted, does the work.
         assert m.compact_if_grown(10, min_records=5) > 0
         assert {r.version for r in m.log()} == {8, 9}
 
 
 def test_abort_records_of_older_logs_still_parse(tmp_path: Path) -> None:
-    # Abort records once carried a `tier` field (always "": the whole save).
+    # Abort records once carried a `tier` field (always "": the whole save); a journal of
+    # tiercheck 0.1 holding one is carried over.
     path = tmp_path / "m"
-    with Manifest(path) as m:
-        m.append(Begin(1, 0, "base"))
+    path.mkdir()
     legacy = {"op": "abort", "version": 1, "rank": 0, "reason": "skipped", "tier": "", "time": 1.0}
-    with journal(path).open("ab") as f:
-        f.write(raw_frame({"records": [legacy]}))
+    begin = {"op": "begin", "version": 1, "rank": 0, "kind": "base", "base": None, "time": 0.5}
+    journal(path).write_bytes(
+        raw_frame({"meta": {"format": 1, "compacted": 0}})
+        + raw_frame({"records": [begin]})
+        + raw_frame({"records": [legacy]})
+    )
     with Manifest(path) as m:
         assert list(m.log())[-1] == Abort(1, 0, "skipped", time=1.0)
         m.rebuild_index()
         assert m.versions()[1]["aborted"] == [0]
 
 
-# --- a journal someone else cuts short or garbles -----------------------------------------------
+# --- a journal of tiercheck 0.1 -----------------------------------------------------------------
+
+
+def old_journal(path: Path, count: int) -> list[int]:
+    """A journal of tiercheck 0.1 (built from its specification) of ``count`` appends, one
+    version each; returns its size after each append."""
+    path.mkdir(parents=True, exist_ok=True)
+    data = raw_frame({"meta": {"format": 1, "compacted": 0}})
+    ends = []
+    for v in range(count):
+        fields = record_fields(Begin(v, 0, "base", time=1.0 + v))
+        data += raw_frame({"records": [fields, record_fields(_durable(v))]})
+        ends.append(len(data))
+    journal(path).write_bytes(data)
+    return ends
+
+
+def test_a_journal_is_carried_over_once(tmp_path: Path) -> None:
+    path = tmp_path / "m"
+    old_journal(path, 5)
+    with Manifest(path) as m:
+        assert [r.version for r in m.log()] == [v for v in range(5) for _ in range(2)]
+        assert [b.version for b in m.blobs("local")] == list(range(5))
+        assert m.versions()[3]["begun"] == [0]
+    assert not journal(path).exists()
+    assert (path / f"{JOURNAL}.carried-over").exists()
+    with Manifest(path) as m:  # read once: not carried again
+        assert m.log_size() == 10
+
+
+def test_a_journal_cut_or_garbled_carries_what_is_whole(tmp_path: Path) -> None:
+    """Cut inside its 7th append: the six before come over. Garbled in its first frame:
+    nothing can be read, it is set aside, and the manifest starts empty. Never an error."""
+    cut, garbled = tmp_path / "cut", tmp_path / "garbled"
+    ends = old_journal(cut, 10)
+    os.truncate(journal(cut), ends[6] - 3)
+    old_journal(garbled, 10)
+    data = bytearray(journal(garbled).read_bytes())
+    data[2] ^= 0x5A
+    journal(garbled).write_bytes(bytes(data))
+    with Manifest(cut) as m:
+        assert sorted({r.version for r in m.log()}) == list(range(6))
+    with Manifest(garbled) as m:
+        assert list(m.log()) == []
+        m.append(_durable(1))
+    aside = [p.name for p in garbled.iterdir() if p.name.startswith(f"{JOURNAL}.damaged-")]
+    assert len(aside) == 1
+    assert (garbled / aside[0]).read_bytes() == bytes(data)  # kept as it was, for inspection
+
+
+# --- an environment someone else cuts short or garbles ------------------------------------------
 
 REOPEN = r"""
 import json, sys
@@ -319,15 +385,16 @@ out = {}
 for path in sys.argv[1:]:
     try:
         with Manifest(path) as m:
-            before = [r.version for r in m.log()]
+            notes = len(m.notes)
+            before = sorted({r.version for r in m.log()})
             m.append(Begin(999, 0, "base"))
-            after = [r.version for r in m.log()]
+            after = sorted({r.version for r in m.log()})
             index = m.dump_index()
             m.rebuild_index()
             assert m.dump_index() == index
         with Manifest(path) as m:
-            again = [r.version for r in m.log()]
-        out[path] = {"before": before, "after": after, "again": again}
+            again = sorted({r.version for r in m.log()})
+        out[path] = {"before": before, "after": after, "again": again, "notes": notes}
     except ManifestError as exc:
         out[path] = {"error": str(exc)}
 print(json.dumps(out))
@@ -337,7 +404,7 @@ print(json.dumps(out))
 def reopen(paths: list[Path]) -> dict[str, dict[str, Any]]:
     """Open each manifest in one child process, list it, append to it, reopen it.
 
-    In a child: a SIGBUS (what a mapped database whose file was truncated gives) is a negative
+    In a child: should anything in it map a file that was cut short, its SIGBUS is a negative
     return code here, not a dead test run.
     """
     run = subprocess.run(
@@ -352,81 +419,120 @@ def reopen(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return result
 
 
-def appended_one_by_one(path: Path, count: int) -> list[int]:
-    """Append versions 0..count-1, one append each; return the journal's size after each."""
-    ends = []
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet does not: the manifest process is
+    detached, and what adopts it here may reap late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} still alive"
+        time.sleep(0.01)
+
+
+def damaged_folders(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.name.startswith(DAMAGED_PREFIX))
+
+
+def filled_at_rest(path: Path, count: int) -> None:
+    """Versions 0..count-1 appended, then the manifest process stopped (as after a job)."""
     with Manifest(path) as m:
         for v in range(count):
-            m.append(Begin(v, 0, "base"))
-            ends.append(journal(path).stat().st_size)
-    return ends
+            m.append(Begin(v, 0, "base"), _durable(v), Commit(v, "local"))
+        pid = m.server_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_gone(pid)
 
 
-CUTS = ["zero", "few-bytes", "half", "inside-a-record", "at-a-record"]
-GARBLES = ["format-header", "first-record-header", "middle-record-body", "last-byte"]
+def damage(path: Path, how: str, rng: random.Random) -> None:
+    data = path / DATA
+    size = data.stat().st_size
+    page = 4096
+    if how == "cut-to-zero":
+        os.truncate(data, 0)
+    elif how == "cut-to-half":
+        os.truncate(data, size // 2)
+    elif how == "cut-by-one-page":
+        os.truncate(data, size - page)
+    elif how == "garbled-whole":
+        data.write_bytes(rng.randbytes(size))
+    elif how == "meta-pages-garbled":
+        with data.open("r+b") as f:
+            for meta in (0, 1):
+                f.seek(meta * page + 16)
+                f.write(rng.randbytes(64))
+    elif how == "leaf-page-garbled":
+        # The main tree's root (a leaf: it holds the five named tables), as the newer meta
+        # page names it (LMDB 0.9's layout: a 16-byte page header, then the meta record).
+        with data.open("r+b") as f:
+            metas = []
+            for meta in (0, 1):
+                f.seek(meta * page + 16 + 24 + 96)
+                _last, txnid = struct.unpack("=QQ", f.read(16))
+                f.seek(meta * page + 16 + 24 + 48 + 40)  # the main table's md_root
+                (root,) = struct.unpack("=Q", f.read(8))
+                metas.append((txnid, root))
+            root = max(metas)[1]
+            f.seek(root * page + 10)
+            assert int.from_bytes(f.read(2), "little") & 0x02  # P_LEAF
+            f.seek(root * page + 16)
+            f.write(rng.randbytes(page - 16))
+    elif how == "lock-garbled":
+        (path / LOCK).write_bytes(rng.randbytes(8192))
+    else:
+        raise AssertionError(how)
+
+
+DAMAGE = [
+    "cut-to-zero",
+    "cut-to-half",
+    "cut-by-one-page",
+    "garbled-whole",
+    "meta-pages-garbled",
+    "leaf-page-garbled",
+    "lock-garbled",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_journal_cut_short_or_garbled_at_rest_never_kills_its_reader(tmp_path: Path) -> None:
-    """Truncated at rest (to nothing, a few bytes, half, inside or at the end of an append),
-    the journal opens: the appends wholly before the cut are read, the rest is lost history,
-    and the next append goes after what is left. Bytes changed inside it (a header, a record)
-    raise ManifestError at opening, here and in a fresh process, and the file is left as it
-    was for inspection. Never a signal."""
-    expected: dict[str, dict[str, Any]] = {}
-    garbled: dict[str, bytes] = {}
-    for cut in CUTS:
-        path = tmp_path / cut
-        ends = appended_one_by_one(path, 20)
-        size = {
-            "zero": 0,
-            "few-bytes": 5,
-            "half": ends[-1] // 2,
-            "inside-a-record": ends[12] - 3,
-            "at-a-record": ends[12],
-        }[cut]
-        os.truncate(journal(path), size)
-        kept = [v for v, end in enumerate(ends) if end <= size]
-        expected[str(path)] = {"before": kept, "after": [*kept, 999], "again": [*kept, 999]}
-    assert expected[str(tmp_path / "at-a-record")]["before"] == list(range(13))
-    for where in GARBLES:
-        path = tmp_path / where
-        ends = appended_one_by_one(path, 10)
-        offset = {
-            "format-header": 2,  # inside the magic of the first frame (the format)
-            "first-record-header": ends[0] + 6,  # a byte of the second frame's length
-            "middle-record-body": ends[5] - 2,
-            "last-byte": ends[-1] - 1,
-        }[where]
-        data = bytearray(journal(path).read_bytes())
-        data[offset] ^= 0x5A
-        journal(path).write_bytes(bytes(data))
-        garbled[str(path)] = bytes(data)
-        with pytest.raises(ManifestError):
-            Manifest(path)
-    got = reopen([tmp_path / name for name in CUTS + GARBLES])
-    for path, want in expected.items():
-        assert got[path] == want, path
-    for path, data in garbled.items():
-        assert "error" in got[path], path
-        assert (Path(path) / JOURNAL).read_bytes() == data
-
-
-def test_an_old_lmdb_manifest_is_never_opened(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A manifest folder left by a tiercheck that used LMDB (data.mdb, here cut short as in the
-    fault that made us drop it) is not read, and says so once."""
-    path = tmp_path / "m"
-    path.mkdir()
-    (path / "data.mdb").write_bytes(b"\0" * 40960)
-    os.truncate(path / "data.mdb", 20480)
-    caplog.set_level(logging.INFO, logger="tiercheck")
-    with Manifest(path) as m:
-        m.append(Begin(1, 0, "base"))
-        assert [r.version for r in m.log()] == [1]
-    assert any("LMDB" in r.getMessage() for r in caplog.records)
+def test_an_environment_damaged_at_rest_is_set_aside_and_never_kills(tmp_path: Path) -> None:
+    """Every damage at rest: found before anything maps it (check_at_rest, or LMDB's verifier
+    reading with pread), set aside as manifest.damaged-<UTC time>, said once (notes), and a new
+    manifest started that takes appends -- in a fresh process, which never dies of it."""
+    rng = random.Random(30)
+    paths = []
+    for how in DAMAGE:
+        path = tmp_path / how
+        filled_at_rest(path, 200)
+        before = (path / DATA).read_bytes()
+        damage(path, how, rng)
+        damaged = (path / DATA).read_bytes() if (path / DATA).exists() else b""
+        assert damaged != before or how == "lock-garbled"
+        paths.append(path)
+    got = reopen(paths)
+    for path in paths:
+        result = got[str(path)]
+        assert result == {"before": [], "after": [999], "again": [999], "notes": 1}, path
+        aside = damaged_folders(path)
+        assert len(aside) == 1, path
+        assert (aside[0] / "why.txt").read_text().strip()
+        assert (aside[0] / DATA).exists()  # set aside, not deleted
+    # The damage check reads without mapping: the same verdicts from a process of its own.
+    for how, path in zip(DAMAGE, paths, strict=True):
+        aside = damaged_folders(path)[0]
+        found = check_at_rest(str(aside))
+        if how in ("leaf-page-garbled",):
+            assert found is None  # inside the tree: LMDB's verifier is what finds it
+        else:
+            assert found, how
 
 
 WRITER = r"""
@@ -446,22 +552,27 @@ with Manifest(path) as m:
             print("error:", exc, file=sys.stderr)
         v += 1
         time.sleep(0.001)
-    m.append(Begin(10**6 + rank, rank, "base"))  # after the storm: must be there
-print(errors)
+    # After the storm: must be there.
+    for attempt in range(50):
+        try:
+            m.append(Begin(10**6 + rank, rank, "base"))
+            break
+        except ManifestError:
+            time.sleep(0.1)
+    print(errors, m.restarts)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_journal_cut_short_while_in_use(tmp_path: Path) -> None:
-    """Two processes append and read while this one truncates the journal at random moments to
-    random sizes: neither dies nor gets an error (a cut is lost history, repaired by the next
-    append), and afterwards the journal opens whole, its index equal to a replay of its log."""
+def test_an_environment_cut_short_while_in_use(tmp_path: Path) -> None:
+    """Two processes append and read while this one truncates data.mdb at random moments to
+    random sizes: neither dies (the manifest process may: it is the only one mapping the file,
+    and is started again), and afterwards the manifest opens whole, its index equal to a replay
+    of its log, with the writers' last records in it."""
     path = tmp_path / "m"
     stop = tmp_path / "stop"
     Manifest(path).close()
-    # Their output goes to files: a pipe nobody reads while the storm lasts fills up, and a
-    # writer blocked on it (logging what it repairs, the lock held) would stall the other.
     logs = [(tmp_path / f"out{rank}", tmp_path / f"err{rank}") for rank in (0, 1)]
     writers = []
     for rank, (out_file, err_file) in enumerate(logs):
@@ -477,55 +588,23 @@ def test_a_journal_cut_short_while_in_use(tmp_path: Path) -> None:
     cuts = 0
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
-        time.sleep(rng.uniform(0, 0.02))
-        size = journal(path).stat().st_size
-        os.truncate(journal(path), rng.choice([0, rng.randrange(size + 1), size // 2, 3]))
-        cuts += 1
+        time.sleep(rng.uniform(0, 0.05))
+        with contextlib.suppress(FileNotFoundError):
+            size = (path / DATA).stat().st_size
+            os.truncate(path / DATA, rng.choice([0, rng.randrange(size + 1), size // 2, 3]))
+            cuts += 1
     stop.touch()
+    restarts = 0
     for w, (out_file, err_file) in zip(writers, logs, strict=True):
-        w.wait(timeout=60)
+        w.wait(timeout=120)
         out, err = out_file.read_text(), err_file.read_text()
         assert w.returncode == 0, f"rc={w.returncode}\n{out}\n{err[-3000:]}"
-        assert out.split() == ["0"], err[-3000:]  # no call failed
-    assert cuts > 50
+        restarts += int(out.split()[1])
+    assert cuts > 20
+    assert restarts > 0  # the cuts did kill manifest processes: the writers lived on
     with Manifest(path) as m:
         versions = {r.version for r in m.log()}
         assert {10**6, 10**6 + 1} <= versions
-        index = m.dump_index()
-        m.rebuild_index()
-        assert m.dump_index() == index
-
-
-@pytest.mark.parametrize("cut", ["inside-a-record", "to-nothing"])
-def test_a_cut_between_reading_the_end_and_appending_is_repaired(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
-) -> None:
-    """The worst moment for a truncation: after the writer read where the journal ends, before
-    its write lands (at the new, shorter end, after a record cut in two). The writer notices,
-    takes its write back, drops the cut record and appends again: the journal stays readable."""
-    path = tmp_path / "m"
-    ends = appended_one_by_one(path, 10)
-    size = ends[6] - 3 if cut == "inside-a-record" else 0
-    real_write = Manifest._write
-    cuts = []
-
-    def cut_then_write(self: Manifest, data: bytes) -> int:
-        if not cuts:
-            os.truncate(journal(path), size)  # someone else's truncate, at the worst moment
-            cuts.append(size)
-        return real_write(self, data)
-
-    with Manifest(path) as m:
-        assert [r.version for r in m.log()] == list(range(10))
-        monkeypatch.setattr(Manifest, "_write", cut_then_write)
-        m.append(Begin(50, 0, "base"))
-        monkeypatch.undo()
-        kept = [v for v, end in enumerate(ends) if end <= size]
-        assert [r.version for r in m.log()] == [*kept, 50]
-        assert set(m.versions()) == {*kept, 50}
-    assert cuts == [size]
-    with Manifest(path) as m:
-        assert [r.version for r in m.log()] == [*kept, 50]
         index = m.dump_index()
         m.rebuild_index()
         assert m.dump_index() == index

@@ -44,7 +44,14 @@ WITHOUT_DEPS = [
     "absl-py==2.5.1",
 ]
 #: tiercheck's own requirements (its source comes from this checkout).
-TIERCHECK_DEPS = ["msgpack>=1.0", "zstandard>=0.22", "xxhash>=3.4", "aiofiles>=23.2", "tqdm"]
+TIERCHECK_DEPS = [
+    "msgpack>=1.0",
+    "lmdb>=3.0",
+    "zstandard>=0.22",
+    "xxhash>=3.4",
+    "aiofiles>=23.2",
+    "tqdm",
+]
 RECIPE = "\n".join([*WITH_DEPS, *WITHOUT_DEPS, *TIERCHECK_DEPS])
 STEPS = 6
 TIMEOUT = 300

@@ -298,8 +298,11 @@ class Catalog:
     versions: dict[int, VersionEntry]
     #: The ranks this location holds blobs for (the job's ranks; a node's ranks for node roots).
     ranks: tuple[int, ...]
-    #: Set when the node's manifest exists but cannot be read.
+    #: Set when the node's manifest exists but cannot be read (or is damaged at rest).
     manifest_error: str | None = None
+    #: How many versions the node's manifest records (begun, written or committed), where it
+    #: was read; ``None`` without one (persistent job folders, node roots without a manifest).
+    manifest_versions: int | None = None
     #: The manifest's written records of the local tier, by (version, rank).
     written: dict[tuple[int, int], Written] = field(default_factory=dict)
     #: Keys the tier holds that are not tiercheck keys (left alone by every command).
@@ -450,6 +453,7 @@ class Catalog:
             **self.location.to_json(),
             "ranks": list(self.ranks),
             "manifest_error": self.manifest_error,
+            "manifest_versions": self.manifest_versions,
             "versions": [e.to_json() for _, e in sorted(self.versions.items())],
             "job_record": _record_json(self.job_record),
             "job_record_error": self.job_record_error,

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from tiercheck.catalog.base import Location, LocationError, local_path
 from tiercheck.catalog.scan import Catalog, scan_location
+from tiercheck.consistency import manifestd
 from tiercheck.consistency.abandoned import ABANDONED_PREFIX, parse_tag
 from tiercheck.consistency.identity import JOB_KEY, QUARANTINE_PREFIX, TOMBSTONE_KEY
 from tiercheck.consistency.manifest import Manifest
@@ -52,6 +53,14 @@ _NODE_RECORD = re.compile(
     rf"^(?P<root>(?:.*/)?)(?:{re.escape(MANIFEST_DIR)}/data\.mdb|{re.escape(IDENTITY_FILE)}"
     rf"|{re.escape(LOCKS_DIR)}/r\d{{5}}\.lock)$"
 )
+
+
+def _manifest_damage(folder: str) -> str | None:
+    """What is wrong with the manifest in ``folder`` (read, never mapped), unless a manifest
+    process serves it now (it checked the environment before mapping it)."""
+    if manifestd.served(folder):
+        return None
+    return manifestd.check_unmapped(folder)
 
 
 def _node_location(path: Path) -> Location:
@@ -319,6 +328,16 @@ class OpenLocation:
     async def __aenter__(self) -> OpenLocation:
         root = self.node_root
         if root is not None and root.manifest.is_dir():
+            # A command reads the manifest; it never repairs it: one damaged at rest (and not
+            # served by a job's manifest process, which checked it when it started) is
+            # reported, not opened -- opening would set it aside and start a new one.
+            damage = await self.in_manifest_thread(_manifest_damage, str(root.manifest))
+            if damage is not None:
+                self.manifest_error = (
+                    f"the manifest is damaged ({damage}); the job's next opening on this node "
+                    "sets it aside and starts a new one (checkpoints are unaffected)"
+                )
+                return self
             try:
                 self.manifest = await self.in_manifest_thread(Manifest, root.manifest)
             except ManifestError as exc:

@@ -366,6 +366,7 @@ async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:
         else:
             catalog.written = {(d.version, d.rank): d for d in written}
             begun = {r for info in known.values() for r in info.get("begun", [])}
+            catalog.manifest_versions = len(set(known) | committed | {d.version for d in written})
     seen = {r for e in catalog.versions.values() for r in e.blobs}
     catalog.ranks = tuple(sorted(seen | begun))
     # The engine's rule for a memory tier: the manifest saw it committed, and it is there.

@@ -243,8 +243,10 @@ def print_location_header(console: Console, cat: Catalog) -> None:
     extra = ", " + plural(len(cat.ranks), "rank")
     if cat.manifest_error is not None:
         extra += ", manifest unreadable"
-    elif loc.kind == "node" and all(e.committed is None for e in cat.versions.values()):
-        extra += ", no manifest" if cat.versions else ""
+    elif cat.manifest_versions is not None:
+        extra += f", manifest of {plural(cat.manifest_versions, 'version')}"
+    elif loc.kind == "node":
+        extra += ", no manifest"
     # Whose data this is: the job record (persistent) or the node's identity (node root).
     owner = cat.job_record or cat.identity
     if owner is not None:

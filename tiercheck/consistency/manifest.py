@@ -1,16 +1,13 @@
-"""The node's manifest: a log of what happened to every version, and its index.
+"""The node's manifest: a log of what happened to every version, and its index, in LMDB.
 
-One journal file per node (``manifest/journal``), shared by every rank (process) of that node.
-Each :meth:`Manifest.append` writes one *frame* at the end of the file, in one ``write`` under
-an exclusive ``flock``: the records of that call, together, under one checksum. A crash in the
-middle of it leaves an unfinished last frame, which readers ignore and the next writer cuts
-off, so an append is there whole or not at all. The index -- which blobs are written to which
-tier, which versions are committed where, what each version is -- is derived from the log, in
-the memory of every handle: it replays the frames other processes appended since it last
-looked, before it answers, and :meth:`Manifest.rebuild_index` replays the whole file again. The
-log keeps only what is still worth telling: once it has grown well past what the last
-compaction left, the checkpointer compacts it after retention (:meth:`Manifest.compact_if_grown`),
-writing the records of versions still held to a new file renamed over the journal.
+One LMDB environment per node (``manifest/data.mdb``), shared by every rank (process) of that
+node. Each :meth:`Manifest.append` is one write transaction holding the records of that call
+*and* their index updates, so a crash (of anyone, at any point) leaves both or neither. The
+index -- which blobs are written to which tier, which versions are committed where, what each
+version is -- lives in the environment beside the log, so every process asks it the same
+question and gets the same answer, from a snapshot that never waits for a writer. Records of
+versions no tier holds any more are deleted after retention (:meth:`Manifest.compact_if_grown`);
+the pages they held are reused by later appends.
 
 Records (``op`` field):
 
@@ -23,64 +20,60 @@ Records (``op`` field):
 ``abort``    a rank gave ``v`` up (skipped, or its staging failed)
 ==========  ==================================================================================
 
-Index: ``blobs`` (tier, version, rank) -> the written record; ``commits`` (tier, version) -> the
-commit record; ``versions`` version -> what ranks began/aborted it.
+A version's life across the tiers -- begun, written per tier, committed per tier, evicted,
+abandoned -- is these records, and the engine asks the index which versions the node's memory
+tiers hold whole (:meth:`Manifest.committed`).
 
-The journal is read with ``pread`` and written with ``write``, never mapped into memory. It lives
-with the node's blobs in shared memory, where anyone may truncate it (an operator's cleanup, a
-second job on the same root); a process touching a mapping of a file cut short under it dies of
-``SIGBUS``, which Python cannot catch -- what an LMDB environment (read through its map) did.
-Here a journal cut short is an unfinished last frame: the records past the cut are lost, the
-rest is read, and a handle that had read past the cut replays the file from the start (logged).
+**No training process maps the environment.** LMDB reads through a memory map, and touching a
+map whose file someone cut short kills the process with ``SIGBUS``; a node root lives in shared
+memory, where anyone may cut a file short. So one small process per node maps it
+(:mod:`tiercheck.consistency.manifestd`), and a :class:`Manifest` is that process's client over
+a local socket: the first handle of a node starts it, the others find it, and it exits a few
+seconds after its last client. If it dies (a file cut short under it, a ``kill``), the handles
+say so once, start a new one and go on; an environment damaged at rest (cut short, garbled,
+another format, a ``lock.mdb`` of garbage) is found before anyone maps it, set aside as
+``manifest.damaged-<UTC time>`` in the manifest folder, and started anew. The handle that
+started that server is told (:attr:`Manifest.notes`: one WARNING, counted by the checkpointer).
 
 The manifest knows keys and versions, never tensors. It is a record of the past, not the source
 of truth for recovery: recovery trusts only what the tiers themselves prove (blob checksums and
-the persistent tier's ``COMMIT`` objects), so a lost or corrupt manifest costs history, never
-data. A journal whose bytes are damaged (a frame that fails its checksum, a file that is not a
-journal, another format) raises :class:`~tiercheck.errors.ManifestError`, at opening or at the
-first call that reads the damage; move the folder aside to start a new one.
+the persistent tier's ``COMMIT`` objects), so a lost or damaged manifest costs history, never
+data.
 
-Appends are not synced (``fsync``): a node root lives in memory, which a power loss takes anyway.
+A node root written by the manifest of tiercheck 0.1's journal (``manifest/journal``) is read
+once, with ``pread``: its records are carried over into the environment and the file renamed
+``journal.carried-over`` (or, if nothing in it can be read, ``journal.damaged-<UTC time>``).
 
-Every method is synchronous and quick (microseconds; a compaction or an opening reads the whole
-file: about a millisecond per thousand records); async callers run them in a thread, as they do
-all file work.
-
-The journal file itself (opening, locking, catching up, cutting off an append cut short) is
-:class:`~tiercheck.consistency.journal_file.JournalFile`, which :class:`Manifest` extends with the
-index, appending, compaction and the queries; the records and the frame format are in
-:mod:`tiercheck.consistency.records` (the records are importable from here).
+Every method is synchronous (a round trip to the node's manifest process: tens of
+microseconds); async callers run them in a thread, as they do all file work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
-import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from tiercheck.consistency.journal_file import (
-    COMPACTING,
-    HOST,
-    JOURNAL,
-    WRITE_ATTEMPTS,
-    JournalFile,
-)
+from tiercheck.consistency import manifestd
 from tiercheck.consistency.records import (
-    FORMAT_VERSION,
-    RECORDS_PER_FRAME,
     Abort,
     Begin,
     Commit,
     Evict,
     Record,
     Written,
-    pack_frame,
+    parse_frames,
+    parse_record,
     record_fields,
 )
 from tiercheck.errors import ManifestError
@@ -99,40 +92,269 @@ __all__ = [
     "Written",
 ]
 
-_MISSING = object()
+logger = logging.getLogger("tiercheck")
+
+#: The file of the journal manifests of tiercheck 0.1 wrote (carried over when found).
+JOURNAL = "journal"
+#: How long a handle waits for a server it started to answer (seconds).
+START_TIMEOUT = 20.0
+#: How long a handle waits for a new connection's greeting before trying again (seconds).
+HELLO_TIMEOUT = 5.0
+#: How long a handle waits for an answer before it takes the manifest process as stuck.
+REQUEST_TIMEOUT = 60.0
+#: After a server could not be started, how long a handle fails at once before trying again.
+RETRY_AFTER = 10.0
+# Appends of a carried-over journal are sent this many records at a time.
+_CARRY_BATCH = 5000
+# Starts the server from its file, so that the server process imports neither torch nor the
+# rest of tiercheck (a few tens of milliseconds instead of seconds).
+_BOOT = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('tiercheck_manifestd', sys.argv[1])\n"
+    "module = importlib.util.module_from_spec(spec)\n"
+    "sys.modules[spec.name] = module\n"
+    "spec.loader.exec_module(module)\n"
+    "sys.exit(module.main(sys.argv[2:]))\n"
+)
 
 
-class _Undo:
-    """What an append changed in the index, to put back if the append fails."""
-
-    def __init__(self) -> None:
-        self.changes: list[tuple[dict[Any, Any], Any, Any]] = []
-
-    def note(self, table: dict[Any, Any], key: Any) -> None:
-        self.changes.append((table, key, table.get(key, _MISSING)))
-
-    def rollback(self) -> None:
-        for table, key, old in reversed(self.changes):
-            if old is _MISSING:
-                table.pop(key, None)
-            else:
-                table[key] = old
-
-
-class Manifest(JournalFile):
-    """The log (appended to, compacted now and then) and its index for one node. See the module
-    docstring.
+class Manifest:
+    """A handle on one node's manifest (see the module docstring).
 
     Args:
-        path: the manifest folder (created if missing, mode 0700); the journal is a file in it.
+        path: the manifest folder (created if missing, mode 0700).
+
+    Raises:
+        ManifestError: the folder cannot be made, or no manifest process can be started.
     """
 
-    # --- the index ----------------------------------------------------------------------------
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.realpath(os.fspath(path))
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._closed = False
+        self._down_until = 0.0
+        self._lost_logged = False
+        #: Damage the node's manifest process found and set aside when this handle started it
+        #: (one line each; logged at WARNING once, here).
+        self.notes: list[str] = []
+        #: How many times this handle found its manifest process gone and started another.
+        self.restarts = 0
+        #: The pid of the manifest process this handle talks to.
+        self.server_pid: int | None = None
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ManifestError(
+                f"cannot open the manifest at {self.path}: {exc}. Recovery proceeds from what "
+                "the tiers prove."
+            ) from exc
+        with self._lock:
+            self._connect()
+        self._carry_over()
 
-    def _reset_index(self) -> None:
-        self._blobs: dict[tuple[str, int, int], Written] = {}
-        self._commits: dict[tuple[str, int], Commit] = {}
-        self._versions: dict[int, dict[str, Any]] = {}
+    # --- the server ---------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Connect to the node's manifest process, starting one where none answers."""
+        if time.monotonic() < self._down_until:
+            raise ManifestError(
+                f"no manifest process for {self.path} (starting one failed moments ago)"
+            )
+        try:
+            address = manifestd.socket_address(self.path)
+        except OSError as exc:
+            raise ManifestError(f"cannot open the manifest at {self.path}: {exc}") from exc
+        deadline = time.monotonic() + START_TIMEOUT
+        pause, started = 0.002, 0.0
+        while True:
+            sock = self._try_connect(address)
+            if sock is not None:
+                reply = self._hello(sock)
+                if reply is not None:
+                    break
+                # Accepted by a manifest process that was dying (killed, or exiting idle).
+            if time.monotonic() > deadline:
+                self._down_until = time.monotonic() + RETRY_AFTER
+                raise ManifestError(
+                    f"cannot start the manifest process for {self.path} (see its server.log); "
+                    "running without history, checkpoints are unaffected"
+                )
+            if time.monotonic() - started > 1.0:
+                # None answers: start one (again after a while: the one started may have
+                # found another still holding the folder, exiting).
+                self._start_server()
+                started = time.monotonic()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        self._sock = sock
+        # A handle dropped without close() (a process dying on purpose in a test, a caller's
+        # bug) closes its connection when collected, as a file would.
+        self._finalizer = weakref.finalize(self, sock.close)
+        self.server_pid = int(reply["ok"]["pid"])
+        for note in reply["ok"]["notes"]:
+            self.notes.append(note)
+            logger.warning("tiercheck: %s", note)
+
+    def _hello(self, sock: socket.socket) -> dict[str, Any] | None:
+        """The server's greeting on a new connection, or ``None`` (the socket closed) where it
+        went away meanwhile."""
+        try:
+            # A server accepts within a few milliseconds, or is stuck (stopped, starved):
+            # either way, the caller tries again rather than waits on it.
+            sock.settimeout(HELLO_TIMEOUT)
+            manifestd.send_message(sock, {"op": "hello"})
+            reply = manifestd.recv_message(sock)
+            sock.settimeout(REQUEST_TIMEOUT)
+        except (OSError, manifestd.StoreError):
+            reply = None
+        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), dict):
+            sock.close()
+            return None
+        return reply
+
+    @staticmethod
+    def _try_connect(address: str | bytes) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            return None
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _start_server(self) -> None:
+        """Launch a manifest process for the folder (it detaches; if another holds the folder's
+        server lock already, it exits at once)."""
+        log = os.path.join(self.path, "server.log")
+        try:
+            with open(log, "ab") as err:
+                subprocess.run(
+                    [sys.executable, "-c", _BOOT, manifestd.__file__, "--detach", self.path],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    cwd=self.path,  # nothing of the caller's folder shadows lmdb or msgpack
+                    close_fds=True,
+                    check=False,
+                    timeout=START_TIMEOUT,
+                )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ManifestError(
+                f"cannot start the manifest process for {self.path}: {exc}"
+            ) from exc
+
+    def _call(self, op: str, *args: Any) -> Any:
+        """One request to the manifest process; a process found gone is replaced and the request
+        sent once more (every request is idempotent for the index)."""
+        with self._lock:
+            if self._closed:
+                raise ManifestError(f"the manifest at {self.path} is closed")
+            for attempt in range(2):
+                if self._sock is None:
+                    self._connect()
+                assert self._sock is not None
+                try:
+                    manifestd.send_message(self._sock, {"op": op, "args": list(args)})
+                    reply = manifestd.recv_message(self._sock)
+                except TimeoutError:
+                    # A manifest process that does not answer in REQUEST_TIMEOUT is stuck: it
+                    # holds nothing a new one cannot rebuild, so it goes.
+                    self._kill_server()
+                    reply = None
+                except (OSError, manifestd.StoreError):
+                    reply = None
+                if reply is None:
+                    self._lost(attempt)
+                    continue
+                if "err" in reply:
+                    if reply.get("kind") == "damaged":
+                        self._drop_socket()
+                    raise ManifestError(f"the manifest at {self.path}: {reply['err']}")
+                return reply["ok"]
+        raise ManifestError(
+            f"the manifest process for {self.path} went away twice during one request"
+        )
+
+    def _lost(self, attempt: int) -> None:
+        """The manifest process stopped answering: forget it (the next call starts another)."""
+        pid = self.server_pid
+        self._drop_socket()
+        self.restarts += 1
+        if not self._lost_logged:
+            self._lost_logged = True
+            logger.warning(
+                "tiercheck: the node's manifest process (pid %s) for %s is gone; starting a new "
+                "one (history since its last append may be lost, checkpoints are not)%s",
+                pid,
+                self.path,
+                "" if attempt == 0 else "; it went away again",
+            )
+
+    def _kill_server(self) -> None:
+        pid = self.server_pid
+        if pid is not None:
+            logger.error(
+                "tiercheck: the node's manifest process (pid %d) did not answer in %.0f s; "
+                "killing it",
+                pid,
+                REQUEST_TIMEOUT,
+            )
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _drop_socket(self) -> None:
+        self._sock = None
+        if self._finalizer is not None:
+            self._finalizer()  # closes the socket, once
+            self._finalizer = None
+
+    # --- a journal of tiercheck 0.1 -------------------------------------------------------------
+
+    def _carry_over(self) -> None:
+        """Carry the records of a ``journal`` of tiercheck 0.1 over into the environment, once."""
+        journal = os.path.join(self.path, JOURNAL)
+        if not os.path.exists(journal):
+            return
+        mine = f"{journal}.carrying-{os.getpid()}"
+        try:
+            os.rename(journal, mine)  # one handle of the node wins; the others go on
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            logger.warning("tiercheck: cannot carry over the journal %s: %s", journal, exc)
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        try:
+            with open(mine, "rb") as f:
+                data = f.read()
+            records, damage = _journal_records(data, journal)
+            for i in range(0, len(records), _CARRY_BATCH):
+                self.append(*records[i : i + _CARRY_BATCH])
+        except (OSError, ManifestError) as exc:
+            records, damage = [], repr(exc)
+        if records:
+            os.rename(mine, f"{journal}.carried-over")
+            logger.info(
+                "tiercheck: carried %d records of the journal %s over into the LMDB manifest%s",
+                len(records),
+                journal,
+                f" (the rest is damaged: {damage})" if damage else "",
+            )
+        else:
+            aside = f"{journal}.damaged-{stamp}"
+            os.rename(mine, aside)
+            logger.warning(
+                "tiercheck: the journal %s holds no record that can be read (%s); set aside as "
+                "%s (its history is lost, checkpoints are not)",
+                journal,
+                damage or "empty",
+                aside,
+            )
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -140,232 +362,88 @@ class Manifest(JournalFile):
         """Append ``records`` to the log and apply them to the index, all or none."""
         now = time.time()
         stamped = [r if r.time else dataclasses.replace(r, time=now) for r in records]
-        frame = pack_frame({"records": [record_fields(r) for r in stamped]})
-        with self._locked(exclusive=True):
-            for _attempt in range(WRITE_ATTEMPTS):
-                data = frame
-                if self._offset == 0:  # an empty journal starts with its format
-                    data = pack_frame({"meta": {"format": FORMAT_VERSION, "compacted": 0}}) + frame
-                undo = _Undo()
-                try:
-                    for record in stamped:
-                        self._apply(record, undo)
-                    start = self._write(data)
-                except BaseException:
-                    undo.rollback()
-                    raise
-                if start == self._offset:
-                    self._records.extend(stamped)
-                    self._formatted = True
-                    self._last = (start + len(data) - len(frame), frame)
-                    self._offset += len(data)
-                    return
-                # Someone else cut the file short (or wrote to it) between reading its end and
-                # this write: the frame sits after whatever is there now. Read the journal again
-                # up to its first damage; the frame counts if it is whole there, else it is cut
-                # off with the rest and written again.
-                undo.rollback()
-                self._note(
-                    logging.ERROR,
-                    "tiercheck: the manifest journal %s changed under its writer (it ended at "
-                    "byte %d, not %d)",
-                    self._journal,
-                    start,
-                    self._offset,
-                )
-                try:
-                    self._replay_tolerant()
-                    if self._last == (start + len(data) - len(frame), frame):
-                        return  # read back whole where it landed: appended
-                    self._cut_tail()
-                except OSError as exc:
-                    if isinstance(exc, ManifestError):
-                        raise
-                    raise ManifestError(f"cannot read the manifest at {self.path}: {exc}") from exc
-        raise ManifestError(
-            f"cannot append to the manifest at {self.path}: the journal kept changing under its "
-            f"writer ({WRITE_ATTEMPTS} attempts). Is something else writing or truncating it?"
-        )
-
-    def _apply(self, record: Record, undo: _Undo | None = None) -> None:
-        """Apply one record to the index (the only place the index is derived)."""
-        if isinstance(record, Begin):
-            self._update_version(record.version, "begun", record.rank, record, undo)
-        elif isinstance(record, Abort):
-            self._update_version(record.version, "aborted", record.rank, record, undo)
-        elif isinstance(record, Written):
-            self._set(self._blobs, (record.tier, record.version, record.rank), record, undo)
-        elif isinstance(record, Commit):
-            self._set(self._commits, (record.tier, record.version), record, undo)
-        elif isinstance(record, Evict):
-            self._set(self._blobs, (record.tier, record.version, record.rank), _MISSING, undo)
-            # A version missing one rank's blob is no longer whole in that tier.
-            self._set(self._commits, (record.tier, record.version), _MISSING, undo)
-
-    @staticmethod
-    def _set(table: dict[Any, Any], key: Any, value: Any, undo: _Undo | None) -> None:
-        if undo is not None:
-            undo.note(table, key)
-        if value is _MISSING:
-            table.pop(key, None)
-        else:
-            table[key] = value
-
-    def _update_version(
-        self, version: int, field: str, rank: int, record: Record, undo: _Undo | None
-    ) -> None:
-        old = self._versions.get(version)
-        entry: dict[str, Any] = (
-            {"begun": [], "aborted": [], "kind": None, "base": None}
-            if old is None
-            else {**old, "begun": list(old["begun"]), "aborted": list(old["aborted"])}
-        )
-        if rank not in entry[field]:
-            entry[field].append(rank)
-            entry[field].sort()
-        if isinstance(record, Begin):
-            entry["kind"], entry["base"] = record.kind, record.base
-        self._set(self._versions, version, entry, undo)
+        self._call("append", [record_fields(r) for r in stamped])
 
     def rebuild_index(self) -> None:
-        """Drop the index and rebuild it by replaying the whole journal."""
-        with self._lock:
-            self._reset()
-        with self._locked(exclusive=False):
-            pass
+        """Drop the index and derive it again from the whole log (one transaction)."""
+        self._call("rebuild_index")
 
     def compact(self, keep_after: int) -> int:
-        """Drop the log records of versions older than ``keep_after`` that no index entry
+        """Delete the log records of versions older than ``keep_after`` that no index entry
         mentions (evicted from every tier, or aborted), and their ``versions`` entries.
 
         Returns the number of log records removed. The records of a version still present in
         the ``blobs`` or ``commits`` index are never touched, so a rebuild after compaction
-        gives the same index as before it. The records kept are written to a new file that is
-        renamed over the journal: a crash at any moment leaves the journal as it was or
-        compacted, never in between, and the other ranks of the node, which find the new file
-        the next time they lock the journal, read it from its start. The checkpointer calls
-        :meth:`compact_if_grown` after retention, with ``keep_after`` its oldest version still
-        in flight.
+        gives the same index as before it. One transaction: a crash at any moment leaves the
+        log as it was or compacted, never in between; the pages freed are reused.
         """
-        with self._locked(exclusive=True):
-            return self._compact(keep_after, self._compacted)
+        return int(self._call("prune", keep_after))
 
     def compact_if_grown(self, keep_after: int, *, min_records: int = 1000, growth: int = 4) -> int:
         """:meth:`compact` once the log has grown well past what the last compaction left.
 
         Due when the log holds more than ``min_records`` records and more than ``growth``
         times as many as the last compaction left (records of versions still held are
-        kept, so a log that is mostly live is not rewritten at every save: the work stays a
+        kept, so a log that is mostly live is not pruned at every save: the work stays a
         constant per append). Returns the number of records removed (0 when not due).
         """
-        with self._locked(exclusive=True):
-            if len(self._records) <= max(min_records, growth * self._compacted):
-                return 0
-            return self._compact(keep_after, None)
-
-    def _compact(self, keep_after: int, compacted: int | None) -> int:
-        """Under the exclusive lock: rewrite the journal with the records worth keeping.
-
-        ``compacted``: what to record as the size the last compaction left (``None``: what
-        this one leaves).
-        """
-        live = {v for _, v, _ in self._blobs} | {v for _, v in self._commits}
-        kept = [r for r in self._records if r.version >= keep_after or r.version in live]
-        left = len(kept) if compacted is None else compacted
-        frames = [pack_frame({"meta": {"format": FORMAT_VERSION, "compacted": left}})]
-        for i in range(0, len(kept), RECORDS_PER_FRAME):
-            part = kept[i : i + RECORDS_PER_FRAME]
-            frames.append(pack_frame({"records": [record_fields(r) for r in part]}))
-        temp = os.path.join(self.path, f"{COMPACTING}{HOST}#{os.getpid()}#{secrets.token_hex(4)}")
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                data = memoryview(b"".join(frames))
-                while data.nbytes:
-                    data = data[os.write(fd, data) :]
-            finally:
-                os.close(fd)
-            self._install(temp)
-        except OSError as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            raise ManifestError(f"cannot compact the manifest at {self.path}: {exc}") from exc
-        removed = len(self._records) - len(kept)
-        # This handle reads the new file from its start, like every other: what it holds is
-        # the index minus what was compacted away.
-        try:
-            self._open_journal()
-            self._reset()
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            self._catch_up(os.fstat(self._fd).st_size, exclusive=True)
-        except OSError as exc:
-            if isinstance(exc, ManifestError):
-                raise
-            raise ManifestError(f"cannot reopen the manifest at {self.path}: {exc}") from exc
-        return removed
-
-    def _install(self, temp: str) -> None:
-        """Rename the compacted journal ``temp`` over the journal (the compaction's commit)."""
-        os.replace(temp, self._journal)
-
-    def log_size(self) -> int:
-        """How many records the log holds."""
-        with self._locked(exclusive=False):
-            return len(self._records)
+        return int(self._call("prune", keep_after, min_records, growth))
 
     # --- reading ------------------------------------------------------------------------------
 
+    def log_size(self) -> int:
+        """How many records the log holds."""
+        return int(self._call("log_size"))
+
     def log(self) -> Iterator[Record]:
         """Every record still in the log, oldest first."""
-        with self._locked(exclusive=False):
-            records = list(self._records)
+        found = self._call("log")
+        records = [parse_record(f, f"the log of {self.path}") for f in found]
         yield from records
 
     def blobs(
         self, tier: str | None = None, version: int | None = None, rank: int | None = None
     ) -> list[Written]:
         """Written, not evicted blobs, filtered by tier, version and rank; sorted."""
-        with self._locked(exclusive=False):
-            found = [
-                record
-                for (t, v, r), record in self._blobs.items()
-                if (tier is None or t == tier)
-                and (version is None or v == version)
-                and (rank is None or r == rank)
-            ]
-        return sorted(found, key=lambda r: (r.tier, r.version, r.rank))
+        found = self._call("blobs", tier, version, rank)
+        return [_written(f, self.path) for f in found]
 
     def committed(self, tier: str) -> list[int]:
         """Versions committed in ``tier`` and not since evicted, ascending."""
-        with self._locked(exclusive=False):
-            return sorted(v for t, v in self._commits if t == tier)
+        return [int(v) for v in self._call("committed", tier)]
 
     def is_committed(self, tier: str, version: int) -> bool:
         """Whether ``version`` is committed in ``tier``."""
-        with self._locked(exclusive=False):
-            return (tier, version) in self._commits
+        return bool(self._call("is_committed", tier, version))
 
     def versions(self) -> dict[int, dict[str, Any]]:
         """Per version: which ranks began and aborted it, its kind and its base."""
-        with self._locked(exclusive=False):
-            return self._versions_copy()
-
-    def _versions_copy(self) -> dict[int, dict[str, Any]]:
-        return {
-            v: {**e, "begun": list(e["begun"]), "aborted": list(e["aborted"])}
-            for v, e in sorted(self._versions.items())
-        }
+        return {int(v): entry for v, entry in self._call("versions")}
 
     def dump_index(self) -> dict[str, Any]:
         """The whole index as plain data (for tests and ``tiercheck inspect``)."""
-        with self._locked(exclusive=False):
-            return {
-                "blobs": dict(sorted(self._blobs.items())),
-                "commits": dict(sorted(self._commits.items())),
-                "versions": self._versions_copy(),
-            }
+        found = self._call("dump_index")
+        blobs = [_written(f, self.path) for f in found["blobs"]]
+        commits = [
+            c
+            for c in (parse_record(f, f"the index of {self.path}") for f in found["commits"])
+            if isinstance(c, Commit)
+        ]
+        return {
+            "blobs": {(b.tier, b.version, b.rank): b for b in sorted(blobs, key=_blob_order)},
+            "commits": {
+                (c.tier, c.version): c for c in sorted(commits, key=lambda c: (c.tier, c.version))
+            },
+            "versions": {int(v): entry for v, entry in found["versions"]},
+        }
 
     # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close this handle (other handles, in this process or others, are not affected)."""
+        with self._lock:
+            self._closed = True
+            self._drop_socket()
 
     def __enter__(self) -> Manifest:
         return self
@@ -375,3 +453,34 @@ class Manifest(JournalFile):
 
     def __repr__(self) -> str:
         return f"Manifest({self.path!r})"
+
+
+def _blob_order(record: Written) -> tuple[str, int, int]:
+    return (record.tier, record.version, record.rank)
+
+
+def _written(fields: Any, path: str) -> Written:
+    record = parse_record(fields, f"the index of {path}")
+    if not isinstance(record, Written):
+        raise ManifestError(f"the manifest at {path} indexes {record!r} as a written blob")
+    return record
+
+
+def _journal_records(data: bytes, path: str) -> tuple[list[Record], str | None]:
+    """The records of a tiercheck 0.1 journal's bytes, up to its first damage (described)."""
+    parsed = parse_frames(data, 0, path, tolerant=True)
+    records: list[Record] = []
+    damage = None if parsed.end == len(data) else f"unreadable from byte {parsed.end}"
+    for i, body in enumerate(parsed.bodies):
+        if "meta" in body:
+            continue
+        if i == 0:
+            return [], "it does not start with its format"
+        try:
+            records.extend(
+                parse_record(fields, f"record #{len(records)} of {path}")
+                for fields in body.get("records", [])
+            )
+        except ManifestError as exc:
+            return records, str(exc)
+    return records, damage

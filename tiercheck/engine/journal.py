@@ -44,6 +44,10 @@ class Journal:
         except TiercheckError as exc:
             self.stats.manifest_errors += 1
             logger.error("tiercheck: running without a manifest: %s", exc)
+            return
+        # Damage found and set aside by the manifest process this opening started (logged
+        # once, at WARNING, by the manifest handle).
+        self.stats.manifest_set_aside += len(self.manifest.notes)
 
     def log(self, *records: Record) -> None:
         """Append to the manifest in its own thread; failures are logged and counted."""
@@ -57,6 +61,9 @@ class Journal:
     def _done(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():
             return
+        if self.manifest is not None:
+            self.stats.manifest_restarts = self.manifest.restarts
+            self.stats.manifest_set_aside = len(self.manifest.notes)
         exc = fut.exception()
         if exc is None:
             if self._failing:
@@ -104,12 +111,26 @@ class Journal:
         """The blobs of ``rank`` the manifest saw become durable in ``tier`` (none without one)."""
         if self.manifest is None:
             return []
-        found: list[Written] = await self.run(self.manifest.blobs, tier, None, rank)
+        try:
+            found: list[Written] = await self.run(self.manifest.blobs, tier, None, rank)
+        except TiercheckError as exc:
+            self.stats.manifest_errors += 1
+            logger.error("tiercheck: cannot ask the manifest what %r holds: %s", tier, exc)
+            return []
         return found
 
-    def committed(self, tier: str) -> set[int]:
-        """The versions the manifest saw committed in ``tier`` (none without one)."""
-        return set(self.manifest.committed(tier)) if self.manifest else set()
+    async def committed(self, tier: str) -> set[int]:
+        """The versions the manifest saw committed in ``tier`` (none without one, or where it
+        cannot be asked: logged and counted)."""
+        if self.manifest is None:
+            return set()
+        try:
+            found: list[int] = await self.run(self.manifest.committed, tier)
+        except TiercheckError as exc:
+            self.stats.manifest_errors += 1
+            logger.error("tiercheck: cannot ask the manifest what %r holds: %s", tier, exc)
+            return set()
+        return set(found)
 
     async def drained(self) -> None:
         """Wait until every record logged so far is appended (or failed)."""

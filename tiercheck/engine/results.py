@@ -81,6 +81,12 @@ class CheckpointerStats:
     evicted: dict[str, int] = field(default_factory=dict)
     stall_s_total: float = 0.0
     manifest_errors: int = 0
+    #: Node manifests found damaged when this opening started their manifest process, and set
+    #: aside (``manifest.damaged-<UTC time>``; a new one was started and refilled).
+    manifest_set_aside: int = 0
+    #: Times the node's manifest process was found gone (killed, or a file cut short under it)
+    #: and a new one started.
+    manifest_restarts: int = 0
     #: Reads of a restore that failed and were followed by another read: a tier that could
     #: not serve a version, or a blob that failed while read straight into the state (its
     #: tier is then read again the ordinary way, which counts again if it fails too).

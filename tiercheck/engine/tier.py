@@ -153,7 +153,7 @@ class TierPipeline(Retention):
                 recorded=(
                     await commit_versions(self.tier)
                     if self.durable
-                    else self.journal.committed(self.name)
+                    else await self.journal.committed(self.name)
                 ),
                 held={**self.others, **self.own},
             )
