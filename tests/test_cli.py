@@ -17,9 +17,11 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from tiercheck.cli import EXIT_OK, EXIT_PIPE, EXIT_PROBLEMS, EXIT_USAGE, Externa
 from tiercheck.cli.base import ProgressBar
 from tiercheck.codec import encode_packed, snapshot
 from tiercheck.codec import verify as verify_blob
+from tiercheck.consistency import manifestd
 from tiercheck.consistency.commit import CommitEntry, CommitRecord
 from tiercheck.consistency.identity import (
     IDENTITY_FILE,
@@ -298,6 +301,66 @@ def test_verify_a_clean_store(stored: Stored, run: Any) -> None:
     assert run("verify", stored.job, "--deep").code == EXIT_OK
     # A parent folder verifies every location it holds.
     assert len(run("verify", stored.root, "--json").json()["reports"]) == 2
+
+
+def _stop_manifest_process(node: Path) -> None:
+    """Wait until no manifest process serves ``node``'s manifest (the one the fixture's job
+    started exits a few seconds after its last client; kill it rather than wait)."""
+    folder = str(node / "manifest")
+    if manifestd.served(folder):
+        with Manifest(folder) as m:
+            pid = m.server_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while manifestd.served(folder):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("damage", ["cut-short", "garbled-meta"])
+def test_verify_reports_a_damaged_manifest_and_leaves_it_as_it_is(
+    stored: Stored, run: Any, damage: str
+) -> None:
+    """A node's manifest damaged at rest: verify and ls say so (read with pread, never mapped),
+    change nothing (the job's next opening is what sets it aside), and the versions the node's
+    memory holds are listed and checked as before."""
+    _stop_manifest_process(stored.node)
+    data = stored.node / "manifest" / manifestd.DATA
+    if damage == "cut-short":
+        os.truncate(data, data.stat().st_size // 2)
+    else:
+        raw = bytearray(data.read_bytes())
+        raw[16:20] = b"\0\0\0\0"  # the first meta page's magic
+        raw[4096 + 16 : 4096 + 20] = b"\0\0\0\0"
+        data.write_bytes(bytes(raw))
+    before = {p.name: p.read_bytes() for p in (stored.node / "manifest").iterdir() if p.is_file()}
+    ran = run("verify", stored.node, "--json")
+    assert ran.code == EXIT_PROBLEMS
+    (report,) = ran.json()["reports"]
+    problems = [f for f in report["findings"] if f["severity"] == "problem"]
+    assert [f["code"] for f in problems] == ["manifest"]
+    assert "damaged" in problems[0]["message"]
+    human = run("ls", stored.node)
+    assert human.code == EXIT_OK
+    assert "manifest unreadable" in human.out
+    assert run("ls", stored.node, "--json").json()["locations"][0]["versions"]
+    after = {p.name: p.read_bytes() for p in (stored.node / "manifest").iterdir() if p.is_file()}
+    assert after == before  # nothing set aside, nothing rewritten
+    assert not manifestd.served(str(stored.node / "manifest"))
+
+
+def test_ls_says_how_many_versions_a_node_manifest_records(stored: Stored, run: Any) -> None:
+    (loc,) = run("ls", stored.node, "--json").json()["locations"]
+    assert loc["manifest_error"] is None
+    with Manifest(stored.node / "manifest") as m:
+        recorded = set(m.versions()) | set(m.committed(LOCAL_TIER))
+    assert loc["manifest_versions"] == len(recorded) > 0
+    assert f"manifest of {len(recorded)} versions" in run("ls", stored.node).out
+    shutil.rmtree(stored.node / "manifest")
+    (loc,) = run("ls", stored.node, "--json").json()["locations"]
+    assert loc["manifest_versions"] is None
+    assert "no manifest" in run("ls", stored.node).out
 
 
 @pytest.mark.parametrize("tier", ["persistent", "local"])

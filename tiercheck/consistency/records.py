@@ -125,6 +125,11 @@ _RECORD_TYPES: dict[str, type[Record]] = {
 }
 
 
+_FIELDS: dict[type[Record], tuple[dataclasses.Field[Any], ...]] = {
+    cls: dataclasses.fields(cls) for cls in _RECORD_TYPES.values()
+}
+
+
 def pack_frame(body: dict[str, Any]) -> bytes:
     """One frame of the journal holding ``body`` (:class:`ManifestError` when it is over
     :data:`MAX_FRAME`)."""
@@ -137,7 +142,8 @@ def pack_frame(body: dict[str, Any]) -> bytes:
 
 def record_fields(record: Record) -> dict[str, Any]:
     """``record`` as the plain fields a frame stores (its ``op`` first)."""
-    return {"op": record.op, **dataclasses.asdict(record)}
+    # The records' fields are plain values: no deep copy (dataclasses.asdict) is needed.
+    return {"op": record.op, **{f.name: getattr(record, f.name) for f in _FIELDS[type(record)]}}
 
 
 def parse_record(fields: Any, where: str) -> Record:
