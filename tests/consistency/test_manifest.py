@@ -551,6 +551,8 @@ with Manifest(path) as m:
             errors += 1
             print("error:", exc, file=sys.stderr)
         v += 1
+        if v == 1:
+            open(f"{stop}.ready{rank}", "w").close()
         time.sleep(0.001)
     # After the storm: must be there.
     for attempt in range(50):
@@ -584,6 +586,13 @@ def test_an_environment_cut_short_while_in_use(tmp_path: Path) -> None:
                     stderr=err,
                 )
             )
+    # The storm starts once both writers appended (a loaded machine takes seconds to start
+    # them), so that it falls on manifest processes in use.
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"stop.ready{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, "the writers never started"
+        assert all(w.poll() is None for w in writers)
+        time.sleep(0.01)
     rng = random.Random(7)
     cuts = 0
     deadline = time.monotonic() + 3.0
