@@ -155,7 +155,10 @@ class Manifest:
             ) from exc
         with self._lock:
             self._connect()
-        self._carry_over()
+        try:
+            _carry_over(self)
+        except OSError as exc:  # history only: the manifest itself is open and works
+            logger.warning("tiercheck: cannot carry over the journal in %s: %r", self.path, exc)
 
     # --- the server ---------------------------------------------------------------------------
 
@@ -187,7 +190,7 @@ class Manifest:
             if time.monotonic() - started > 1.0:
                 # None answers: start one (again after a while: the one started may have
                 # found another still holding the folder, exiting).
-                self._start_server()
+                _start_server(self.path)
                 started = time.monotonic()
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -229,35 +232,6 @@ class Manifest:
             sock.close()
             raise
         return sock
-
-    def _start_server(self) -> None:
-        """Launch a manifest process for the folder (it detaches; if another holds the folder's
-        server lock already, it exits at once)."""
-        log = os.path.join(self.path, "server.log")
-        try:
-            with open(log, "ab") as err:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-c",
-                        _BOOT,
-                        os.path.dirname(_CONSISTENCY),
-                        _CONSISTENCY,
-                        "--detach",
-                        self.path,
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    cwd=self.path,  # nothing of the caller's folder shadows lmdb or msgpack
-                    close_fds=True,
-                    check=False,
-                    timeout=START_TIMEOUT,
-                )
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise ManifestError(
-                f"cannot start the manifest process for {self.path}: {exc}"
-            ) from exc
 
     def _call(self, op: str, *args: Any) -> Any:
         """One request to the manifest process; a process found gone is replaced and the request
@@ -323,49 +297,6 @@ class Manifest:
         if self._finalizer is not None:
             self._finalizer()  # closes the socket, once
             self._finalizer = None
-
-    # --- a journal of tiercheck 0.1 -------------------------------------------------------------
-
-    def _carry_over(self) -> None:
-        """Carry the records of a ``journal`` of tiercheck 0.1 over into the environment, once."""
-        journal = os.path.join(self.path, JOURNAL)
-        if not os.path.exists(journal):
-            return
-        mine = f"{journal}.carrying-{os.getpid()}"
-        try:
-            os.rename(journal, mine)  # one handle of the node wins; the others go on
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            logger.warning("tiercheck: cannot carry over the journal %s: %s", journal, exc)
-            return
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        try:
-            with open(mine, "rb") as f:
-                data = f.read()
-            records, damage = _journal_records(data, journal)
-            for i in range(0, len(records), _CARRY_BATCH):
-                self.append(*records[i : i + _CARRY_BATCH])
-        except (OSError, ManifestError) as exc:
-            records, damage = [], repr(exc)
-        if records:
-            os.rename(mine, f"{journal}.carried-over")
-            logger.info(
-                "tiercheck: carried %d records of the journal %s over into the LMDB manifest%s",
-                len(records),
-                journal,
-                f" (the rest is damaged: {damage})" if damage else "",
-            )
-        else:
-            aside = f"{journal}.damaged-{stamp}"
-            os.rename(mine, aside)
-            logger.warning(
-                "tiercheck: the journal %s holds no record that can be read (%s); set aside as "
-                "%s (its history is lost, checkpoints are not)",
-                journal,
-                damage or "empty",
-                aside,
-            )
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -464,6 +395,79 @@ class Manifest:
 
     def __repr__(self) -> str:
         return f"Manifest({self.path!r})"
+
+
+def _start_server(path: str) -> None:
+    """Launch a manifest process for the folder (it detaches; if another holds the folder's
+    server lock already, it exits at once)."""
+    log = os.path.join(path, "server.log")
+    try:
+        with open(log, "ab") as err:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    _BOOT,
+                    os.path.dirname(_CONSISTENCY),
+                    _CONSISTENCY,
+                    "--detach",
+                    path,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                cwd=path,  # nothing of the caller's folder shadows lmdb or msgpack
+                close_fds=True,
+                check=False,
+                timeout=START_TIMEOUT,
+            )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ManifestError(f"cannot start the manifest process for {path}: {exc}") from exc
+
+
+# --- a journal of tiercheck 0.1 ------------------------------------------------------------
+
+
+def _carry_over(manifest: Manifest) -> None:
+    """Carry the records of a ``journal`` of tiercheck 0.1 over into the environment, once."""
+    journal = os.path.join(manifest.path, JOURNAL)
+    if not os.path.exists(journal):
+        return
+    mine = f"{journal}.carrying-{os.getpid()}"
+    try:
+        os.rename(journal, mine)  # one handle of the node wins; the others go on
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        logger.warning("tiercheck: cannot carry over the journal %s: %s", journal, exc)
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    try:
+        with open(mine, "rb") as f:
+            data = f.read()
+        records, damage = _journal_records(data, journal)
+        for i in range(0, len(records), _CARRY_BATCH):
+            manifest.append(*records[i : i + _CARRY_BATCH])
+    except (OSError, ManifestError) as exc:
+        records, damage = [], repr(exc)
+    if records:
+        os.rename(mine, f"{journal}.carried-over")
+        logger.info(
+            "tiercheck: carried %d records of the journal %s over into the LMDB manifest%s",
+            len(records),
+            journal,
+            f" (the rest is damaged: {damage})" if damage else "",
+        )
+    else:
+        aside = f"{journal}.damaged-{stamp}"
+        os.rename(mine, aside)
+        logger.warning(
+            "tiercheck: the journal %s holds no record that can be read (%s); set aside as "
+            "%s (its history is lost, checkpoints are not)",
+            journal,
+            damage or "empty",
+            aside,
+        )
 
 
 def _blob_order(record: Written) -> tuple[str, int, int]:
