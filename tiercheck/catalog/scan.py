@@ -54,6 +54,7 @@ from tiercheck.consistency.protocol import committed_in_tier
 from tiercheck.consistency.worlds import world_of
 from tiercheck.defaults import NodeRoot
 from tiercheck.errors import BlobNotFound, FormatError, ManifestError, StorageError, TiercheckError
+from tiercheck.smallfile import read_small
 from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
@@ -249,12 +250,12 @@ async def _read_identity(opened: OpenLocation, catalog: Catalog) -> None:
     assert opened.node_root is not None  # a node root's scan
     path = opened.node_root.identity
     try:
-        data = await asyncio.to_thread(path.read_bytes)
-    except FileNotFoundError:
-        return  # written by newer checkpointers only; its absence is normal
+        data = await read_small(path)  # aiofiles (tiercheck/smallfile.py)
     except OSError as exc:
         catalog.identity_error = f"{type(exc).__name__}: {exc}"
         return
+    if data is None:
+        return  # written by newer checkpointers only; its absence is normal
     try:
         catalog.identity = NodeIdentity.from_bytes(data)
     except FormatError as exc:

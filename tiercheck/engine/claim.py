@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import aiofiles.os
+
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity
 from tiercheck.consistency.keys import commit_key
@@ -43,11 +45,11 @@ from tiercheck.guard import (
     node_holds_data,
     node_versions,
     probe,
-    read_identity,
     read_job_record,
     write_identity,
     write_job_record,
 )
+from tiercheck.smallfile import read_small
 from tiercheck.tiers.base import Tier
 from tiercheck.tiers.storage import is_transient
 
@@ -102,7 +104,8 @@ async def gather_facts(
     identity_error: str | None = None
     damaged = False
     try:
-        identity = await asyncio.to_thread(read_identity, cfg.job.node_root)
+        data = await read_small(NodeRoot(cfg.job.node_root).identity)  # aiofiles
+        identity = None if data is None else NodeIdentity.from_bytes(data)
         identity_text = None if identity is None else identity.to_bytes().decode()
     except (TiercheckError, OSError) as exc:
         identity_error = str(exc)
@@ -498,7 +501,7 @@ async def keep_identity(claim: Claim) -> None:
     if claim.topo.local_rank != 0 or not claim.opened_at or claim.superseded:
         return
     path = NodeRoot(claim.options.job.node_root).identity
-    if await asyncio.to_thread(path.exists):
+    if await aiofiles.os.path.exists(path):
         return
     logger.warning(
         "tiercheck: the node's identity record %s is gone (was the node's memory folder "
