@@ -12,7 +12,8 @@ integrations and the command line find the same places without re-deriving a pat
   (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the
   journal of what happened to each version), ``identity.json`` (which incarnation of the job
   the memory belongs to) and ``locks/`` (one ``r<rank>.lock`` per writer);
-* how many versions each tier keeps by default (:data:`DEFAULT_KEEP`);
+* what a tier keeps and stores unless told, by its kind -- a *durable* tier (one that outlives
+  the cluster) or a *memory* tier (:func:`default_keep`, :func:`default_encoding`);
 * the **name grammar** of job ids and node names (:func:`check_job_id`,
   :func:`check_node_name`): each is always exactly one folder name and one URL path segment.
 
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import Final, Literal
 
 from tiercheck.errors import ConfigError
 
@@ -38,17 +39,21 @@ __all__ = [
     "BLOBS_DIR",
     "DEFAULT_KEEP",
     "DEFAULT_PERSISTENT_DIR",
+    "DURABLE_KEEP",
     "IDENTITY_FILE",
     "LOCKS_DIR",
     "MANIFEST_DIR",
     "MAX_NAME_LENGTH",
     "MEMORY_DIR",
+    "MEMORY_KEEP",
     "NAME_GRAMMAR",
     "REPLICAS_DIR",
     "SHM_DIR",
     "NodeRoot",
     "check_job_id",
     "check_node_name",
+    "default_encoding",
+    "default_keep",
     "default_persistent_url",
     "default_root",
     "memory_base",
@@ -58,8 +63,16 @@ __all__ = [
 #: The durable folder (relative to the working directory) used when no ``persistent=`` is given.
 DEFAULT_PERSISTENT_DIR: Final = "tiercheck-checkpoints"
 
-#: Versions each built-in tier keeps when ``keep`` does not say (other tiers keep 2).
-DEFAULT_KEEP: Final[Mapping[str, int]] = MappingProxyType({"local": 2, "peer": 2, "persistent": 3})
+#: Versions a memory tier keeps when ``keep`` does not say.
+MEMORY_KEEP: Final = 2
+#: Versions a durable tier (one that outlives the cluster) keeps when ``keep`` does not say.
+DURABLE_KEEP: Final = 3
+
+#: What the built-in tiers keep by default; it follows from their kind (:func:`default_keep`),
+#: as every tier's does.
+DEFAULT_KEEP: Final[Mapping[str, int]] = MappingProxyType(
+    {"local": MEMORY_KEEP, "peer": MEMORY_KEEP, "persistent": DURABLE_KEEP}
+)
 
 #: Where shared memory is mounted on Linux.
 SHM_DIR: Final = "/dev/shm"  # noqa: S108 -- the shared-memory mount itself, by design
@@ -81,6 +94,22 @@ _LOCK_NAME = re.compile(r"^r(\d{5})\.lock$")
 # A key under replicas/ (the peer tier's holder layout, tiercheck.tiers.peer): the job's
 # namespace, the rank the replica belongs to, then that rank's own key.
 _REPLICA_KEY = re.compile(r"^(?P<job>[^/]+)/r(?P<rank>\d{5})/(?P<key>.+)$")
+
+
+def default_keep(durable: bool) -> int:
+    """Versions a tier keeps when ``keep`` does not say: :data:`DURABLE_KEEP` for a durable
+    tier, :data:`MEMORY_KEEP` for a memory tier, whatever the tier is named."""
+    return DURABLE_KEEP if durable else MEMORY_KEEP
+
+
+def default_encoding(durable: bool) -> Literal["full", "packed"]:
+    """How a tier stores blobs when ``encodings`` does not say, whatever it is named.
+
+    A memory tier holds the raw payload (``"full"``): a restore from it is a memory read or the
+    wire, never a decompression, which is slower than either, and a save that no durable tier
+    takes is encoded once. A durable tier gets the smallest encoding (``"packed"``).
+    """
+    return "packed" if durable else "full"
 
 
 def memory_base() -> Path:

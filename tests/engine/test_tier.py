@@ -18,6 +18,7 @@ from tiercheck.tiers.registry import register_tier, unregister_tier
 class _ScratchTier(LocalTier):
     """A reserving tier under another name than "local", built by the checkpointer."""
 
+    name = "scratch"
     setups: ClassVar[list[TierSetup]] = []
 
     @classmethod

@@ -25,6 +25,18 @@ from .dict_tier import DictTier
 PLUGIN_MODULE = "tiercheck_test_plugin"
 
 
+class _MineTier(DictTier):
+    """The dict tier under a name of its own."""
+
+    name = "mine"
+
+
+class _LocalDictTier(DictTier):
+    """The dict tier, named as the built-in local tier (to shadow it)."""
+
+    name = "local"
+
+
 @pytest.fixture(autouse=True)
 def fresh_registry() -> Iterator[None]:
     """Every test starts and ends with a registry that has read nothing and registered nothing."""
@@ -154,19 +166,19 @@ def test_plugin_that_is_not_a_tier(site: Path) -> None:
 
 def test_two_distributions_claiming_one_name(site: Path) -> None:
     """Two distributions declaring different classes under one name is an error, not a guess."""
-    source = plugin_source()
+    source = plugin_source() + '\n\nclass TwinTier(DictTier):\n    name = "twin"\n'
     install_distribution(
-        site, "first-plugin", {"twin": f"{PLUGIN_MODULE}:DictTier"}, {PLUGIN_MODULE: source}
+        site, "first-plugin", {"twin": f"{PLUGIN_MODULE}:TwinTier"}, {PLUGIN_MODULE: source}
     )
     install_distribution(
         site,
         "second-plugin",
-        {"twin": f"{PLUGIN_MODULE}_2:DictTier"},
+        {"twin": f"{PLUGIN_MODULE}_2:TwinTier"},
         {f"{PLUGIN_MODULE}_2": source},
     )
     with pytest.raises(ConfigError):
         get_tier_class("twin")
-    register_tier("twin", f"{PLUGIN_MODULE}_2:DictTier", replace=True)
+    register_tier("twin", f"{PLUGIN_MODULE}_2:TwinTier", replace=True)
     assert get_tier_class("twin").__module__ == f"{PLUGIN_MODULE}_2"
 
 
@@ -181,31 +193,64 @@ def test_builtins_resolve_without_package_metadata(monkeypatch: pytest.MonkeyPat
 
 def test_register_tier_class_and_path() -> None:
     """register_tier accepts a class or a lazily imported path; unregister_tier undoes it."""
-    register_tier("mine", DictTier)
-    assert get_tier_class("mine") is DictTier
-    register_tier("mine-by-path", f"{DictTier.__module__}.DictTier")
-    assert get_tier_class("mine-by-path") is DictTier
-    register_tier("mine-by-colon", f"{DictTier.__module__}:DictTier")
-    assert get_tier_class("mine-by-colon") is DictTier
-    assert {"mine", "mine-by-path", "mine-by-colon"} <= set(available_tiers())
-    unregister_tier("mine")
+    register_tier("dict", DictTier)
+    assert get_tier_class("dict") is DictTier
+    assert "dict" in available_tiers()
+    for path in (f"{DictTier.__module__}.DictTier", f"{DictTier.__module__}:DictTier"):
+        register_tier("dict", path, replace=True)
+        assert get_tier_class("dict") is DictTier
+    unregister_tier("dict")
     with pytest.raises(UnknownTier):
-        get_tier_class("mine")
+        get_tier_class("dict")
     with pytest.raises(UnknownTier):
-        unregister_tier("mine")
+        unregister_tier("dict")
 
 
 def test_register_tier_refuses_to_shadow_without_replace() -> None:
     """Registering a known name needs replace=True; then the registration wins."""
-    with pytest.raises(ConfigError):
-        register_tier("local", DictTier)
-    register_tier("mine", DictTier)
-    with pytest.raises(ConfigError):
-        register_tier("mine", DictTier)
-    register_tier("local", DictTier, replace=True)
-    assert get_tier_class("local") is DictTier
+    with pytest.raises(ConfigError, match="already registered"):
+        register_tier("local", _LocalDictTier)
+    register_tier("mine", _MineTier)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_tier("mine", _MineTier)
+    register_tier("local", _LocalDictTier, replace=True)
+    assert get_tier_class("local") is _LocalDictTier
     unregister_tier("local")
     assert get_tier_class("local") is LocalTier
+
+
+def test_a_class_registered_under_another_name_than_its_own_is_refused() -> None:
+    """register_tier refuses a class under another name than it declares, and says which name
+    to use; a path is refused likewise when it is first looked up."""
+    with pytest.raises(ConfigError) as info:
+        register_tier("mydict", DictTier)
+    assert "register_tier('dict', ...)" in str(info.value)
+    assert "name = 'mydict'" in str(info.value)
+    assert "mydict" not in available_tiers()
+    register_tier("mydict", f"{DictTier.__module__}:DictTier")
+    with pytest.raises(ConfigError, match=r"register_tier\('dict', \.\.\.\)"):
+        get_tier_class("mydict")
+    # Refused every time, never cached as if it had resolved.
+    with pytest.raises(ConfigError):
+        get_tier_class("mydict")
+
+
+def test_an_entry_point_under_another_name_than_its_class_is_refused(site: Path) -> None:
+    """An entry point ``mydict = "pkg:DictTier"`` whose class is named "dict" is refused at
+    lookup, with the entry-point line to write instead."""
+    install_distribution(
+        site,
+        "misnamed-plugin",
+        {"mydict": f"{PLUGIN_MODULE}:DictTier"},
+        {PLUGIN_MODULE: plugin_source()},
+    )
+    assert "mydict" in available_tiers()  # listing imports nothing, so it cannot know yet
+    with pytest.raises(ConfigError) as info:
+        get_tier_class("mydict")
+    message = str(info.value)
+    assert "'misnamed-plugin'" in message
+    assert f'dict = "{PLUGIN_MODULE}:DictTier"' in message
+    assert "name = 'mydict'" in message
 
 
 def test_register_tier_rejects_bad_arguments() -> None:

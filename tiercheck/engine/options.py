@@ -20,14 +20,16 @@ from typing import Any, Literal
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
 from tiercheck.defaults import (
-    DEFAULT_KEEP,
     check_job_id,
     check_node_name,
+    default_encoding,
+    default_keep,
     default_persistent_url,
     default_root,
 )
 from tiercheck.errors import ConfigError
 from tiercheck.tiers.base import FailureScope, Tier
+from tiercheck.tiers.registry import get_tier_class
 from tiercheck.topology import Topology
 
 __all__ = [
@@ -436,7 +438,7 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
     for name, value in overrides.items():
         if not isinstance(value, TierPolicy):
             raise ConfigError(f"policies[{name!r}] must be a TierPolicy, got {value!r}")
-    resolved = _policies(tiers, tier_names, keep, persist, encodings)
+    resolved = _policies(_durable(tiers, tier_names), keep, persist, encodings)
     resolved.update(overrides)
     _warn_unstored(resolved, persist, base_every)
     if persistent is None:
@@ -505,44 +507,44 @@ def _warn_unstored(
     )
 
 
+def _durable(specs: Sequence[str | Tier], names: Sequence[str]) -> dict[str, bool]:
+    """Whether each tier outlives the cluster, as it declares (``survives``), by tier name.
+
+    What a tier is named decides nothing: a tier given by name is looked up in the registry
+    here (importing a plugin's module), so that a name registered wrongly, or not at all, fails
+    at construction rather than at opening, and its class's declaration is what counts.
+    """
+    durable: dict[str, bool] = {}
+    for spec, name in zip(specs, names, strict=True):
+        survives = spec.survives if isinstance(spec, Tier) else get_tier_class(spec).survives
+        durable[name] = survives >= FailureScope.CLUSTER
+    return durable
+
+
 def _policies(
-    specs: Sequence[str | Tier],
-    names: Sequence[str],
+    durable: Mapping[str, bool],
     keep: int | Mapping[str, int] | None,
     persist: VersionSelector | None,
     encodings: Mapping[str, TierEncoding] | None,
 ) -> dict[str, TierPolicy]:
     """A policy per tier from the shorthand arguments (``keep``, ``persist``, ``encodings``),
-    already checked."""
-    keep_map: dict[str, int] = {}
-    for name in names:
-        if isinstance(keep, int):
-            keep_map[name] = keep
-        elif keep is not None and name in keep:
-            keep_map[name] = keep[name]
-        else:
-            keep_map[name] = DEFAULT_KEEP.get(name, 2)
-    durable = {
-        name: (
-            spec.survives >= FailureScope.CLUSTER
-            if isinstance(spec, Tier)
-            else name == "persistent"
-        )
-        for spec, name in zip(specs, names, strict=True)
-    }
+    already checked, and each tier's kind (``durable``, by tier name): what is not given
+    follows from the kind (:func:`~tiercheck.defaults.default_keep`,
+    :func:`~tiercheck.defaults.default_encoding`)."""
     if persist is None:
         # Bases only where a memory tier takes every version; a job stored only in durable
         # tiers stores every version there, or the saves between bases would go nowhere.
         persist = "base" if not all(durable.values()) else "all"
     resolved: dict[str, TierPolicy] = {}
-    for name in names:
-        # Memory tiers hold the raw payload: a restore from them is the wire or a memory read,
-        # never a decompression (slower than either), and a save that no durable tier takes
-        # is encoded once. Durable tiers get the packed encoding (smallest).
-        encoding: TierEncoding = (encodings or {}).get(
-            name, "full" if name in ("local", "peer") else "packed"
-        )
+    for name, is_durable in durable.items():
+        if isinstance(keep, int):
+            kept = keep
+        elif keep is not None and name in keep:
+            kept = keep[name]
+        else:
+            kept = default_keep(is_durable)
+        encoding: TierEncoding = (encodings or {}).get(name, default_encoding(is_durable))
         resolved[name] = TierPolicy(
-            keep=keep_map[name], encoding=encoding, versions=persist if durable[name] else "all"
+            keep=kept, encoding=encoding, versions=persist if is_durable else "all"
         )
     return resolved

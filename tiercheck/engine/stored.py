@@ -19,6 +19,7 @@ from tiercheck.consistency.abandoned import (
 )
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.keys import commit_key, parse_commit_key
+from tiercheck.errors import ConfigError
 from tiercheck.tiers.base import FailureScope, Tier, TierSetup
 from tiercheck.tiers.registry import get_tier_class
 
@@ -34,8 +35,28 @@ logger = logging.getLogger("tiercheck")
 
 
 def build_tier(name: str, setup: TierSetup) -> Tier:
-    """The tier registered under ``name``, built for this job (see :meth:`Tier.for_job`)."""
-    return get_tier_class(name).for_job(setup)
+    """The tier registered under ``name``, built for this job (see :meth:`Tier.for_job`).
+
+    Raises :class:`~tiercheck.errors.ConfigError` where the tier built is named otherwise, or
+    survives another failure, than its class declares: the checkpointer's policy for it (what
+    it keeps, whether it is durable) was decided from the class, under its name.
+    """
+    cls = get_tier_class(name)
+    tier = cls.for_job(setup)
+    if tier.name != name or tier.survives != cls.survives:
+        built = f"name {tier.name!r}, survives {_scope(tier.survives)}"
+        declared = f"name {name!r}, survives {_scope(cls.survives)}"
+        raise ConfigError(
+            f"{cls.__module__}.{cls.__qualname__}.for_job built a tier with {built}, but the "
+            f"class declares {declared}; a tier built by name must be what its class declares "
+            "(make for_job keep the class's name and survives, or construct the tier yourself "
+            "and pass the instance in `tiers=[...]`)"
+        )
+    return tier
+
+
+def _scope(survives: object) -> str:
+    return survives.name if isinstance(survives, FailureScope) else repr(survives)
 
 
 def writes_commit_records(tier: Tier) -> bool:

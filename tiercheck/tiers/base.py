@@ -153,9 +153,12 @@ class Tier(ABC):
     operation.
     """
 
-    #: The tier's name, as used in configuration and in ``handle.done(name)``.
+    #: The tier's name, as used in configuration and in ``handle.done(name)``; a tier class is
+    #: registered (entry point, ``register_tier``) under this name.
     name: str = "tier"
-    #: The widest failure this tier's contents outlive.
+    #: The widest failure this tier's contents outlive. It alone decides the tier's kind:
+    #: ``CLUSTER`` makes it a durable tier (``COMMIT`` records, the job record, a durable
+    #: policy), anything narrower a memory tier, whatever the tier is named.
     survives: FailureScope = FailureScope.PROCESS
 
     _closed: bool = False

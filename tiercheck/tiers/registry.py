@@ -15,6 +15,13 @@ Precedence: a programmatic :func:`register_tier` wins; otherwise the entry point
 built-in table must agree on a name. Two different classes claimed under one name by different
 distributions make the lookup fail with :class:`~tiercheck.errors.ConfigError` rather than
 silently pick one; resolve it with ``register_tier(name, ..., replace=True)``.
+
+A tier is registered under the name its class declares (:attr:`Tier.name
+<tiercheck.tiers.Tier.name>`): a checkpointer configures a tier (``keep``, ``encodings``,
+``policies``), builds it and reports it (``handle.result(name)``) under one name, so an entry
+point ``mydict = "pkg:DictTier"`` whose ``DictTier.name`` is ``"dict"`` is refused, with a
+:class:`~tiercheck.errors.ConfigError` that names the name to use (``register_tier`` refuses a
+class at once, an entry point or a path when it is first looked up).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ __all__ = [
 ENTRY_POINT_GROUP: Final = "tiercheck.tiers"
 
 _SELF: Final = "tiercheck"
+# Where a registration made with register_tier() comes from, in place of a distribution.
+_PROGRAMMATIC: Final = "register_tier()"
 
 # The built-ins, for when the distribution's entry points cannot be read.
 _BUILTIN: Final = {
@@ -73,7 +82,8 @@ def get_tier_class(name: str) -> type[Tier]:
     Raises :class:`~tiercheck.errors.UnknownTier` (listing the known names) if there is none,
     :class:`~tiercheck.errors.PluginImportError` if its module fails to import or the object it
     names is not a :class:`~tiercheck.tiers.Tier` subclass, and
-    :class:`~tiercheck.errors.ConfigError` if distributions disagree about the name.
+    :class:`~tiercheck.errors.ConfigError` if distributions disagree about the name or the class
+    declares another name than the one it is registered under.
     """
     if not isinstance(name, str):
         raise UnknownTier(f"a tier name must be a str, got {type(name).__name__}")
@@ -83,6 +93,7 @@ def get_tier_class(name: str) -> type[Tier]:
             return cached
         spec = _resolve(name)
         cls = _load(spec)
+        _check_declared_name(spec, cls)
         _loaded[name] = cls
         return cls
 
@@ -97,15 +108,18 @@ def register_tier(name: str, tier: type[Tier] | str, *, replace: bool = False) -
     """Register a tier class, or a ``"module:Class"`` / ``"module.Class"`` path imported lazily.
 
     Raises :class:`~tiercheck.errors.ConfigError` if ``name`` is already known (built-in, entry
-    point or registered) unless ``replace=True``, in which case the registration wins over them.
+    point or registered) unless ``replace=True``, in which case the registration wins over them,
+    and if ``name`` is not the name the class declares (:attr:`Tier.name
+    <tiercheck.tiers.Tier.name>`; for a path, when it is first looked up).
     """
     if not isinstance(name, str) or not name or name != name.strip():
         raise ConfigError(f"a tier name must be a non-empty str without outer spaces: {name!r}")
     if isinstance(tier, str):
         target = tier if ":" in tier else _dotted_to_target(tier)
-        spec = _Spec(name, target, "register_tier()")
+        spec = _Spec(name, target, _PROGRAMMATIC)
     elif isinstance(tier, type) and issubclass(tier, Tier):
-        spec = _Spec(name, f"{tier.__module__}:{tier.__qualname__}", "register_tier()", tier)
+        spec = _Spec(name, f"{tier.__module__}:{tier.__qualname__}", _PROGRAMMATIC, tier)
+        _check_declared_name(spec, tier)
     else:
         raise TypeError(
             f"register_tier needs a Tier subclass or a 'module:Class' path, got {tier!r}"
@@ -184,6 +198,30 @@ def _resolve(name: str) -> _Spec:
             "choose with register_tier(name, cls, replace=True)."
         )
     return claims[0]
+
+
+def _check_declared_name(spec: _Spec, cls: type[Tier]) -> None:
+    """Refuse a class registered under another name than the one it declares.
+
+    A checkpointer looks a tier up by the name it is given, but configures, commits and reports
+    the tier it built under that tier's own ``name``: two names would find no policy at opening.
+    """
+    declared = cls.name
+    if declared == spec.name:
+        return
+    if spec.distribution == _PROGRAMMATIC:
+        how = f"register it as register_tier({declared!r}, ...)"
+    else:
+        how = (
+            f"declare its entry point under {declared!r} (in the pyproject.toml of "
+            f'{spec.distribution!r}: [project.entry-points."{ENTRY_POINT_GROUP}"] '
+            f'{declared} = "{spec.target}")'
+        )
+    raise ConfigError(
+        f"the tier {spec.target} (from {spec.distribution}) is registered as {spec.name!r}, but "
+        f"its class declares the name {declared!r}; a tier is configured, built and reported "
+        f"under one name. To fix: {how}, or set `name = {spec.name!r}` on the class."
+    )
 
 
 def _load(spec: _Spec) -> type[Tier]:

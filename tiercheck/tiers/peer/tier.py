@@ -58,6 +58,7 @@ class PeerTier(_Requester, _Holding, Tier):
             tried again (default: ``timeout``).
     """
 
+    name = "peer"
     survives = FailureScope.NODE
 
     @classmethod
