@@ -10,7 +10,7 @@ integrations and the command line find the same places without re-deriving a pat
   (:func:`default_root`; under the temporary folder where ``/dev/shm`` cannot be written),
   laid out as :class:`NodeRoot` says: ``blobs/`` (the local tier), ``replicas/<job_id>/r<rank>/``
   (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the
-  journal of what happened to each version), ``identity.json`` (which incarnation of the job
+  node's manifest, an LMDB environment: what happened to each version), ``identity.json`` (which incarnation of the job
   the memory belongs to) and ``locks/`` (one ``r<rank>.lock`` per writer);
 * what a tier keeps and stores unless told, by its kind -- a *durable* tier (one that outlives
   the cluster) or a *memory* tier (:func:`default_keep`, :func:`default_encoding`);
@@ -83,7 +83,7 @@ MEMORY_DIR: Final = "tiercheck"
 BLOBS_DIR: Final = "blobs"
 #: A node root's folder of the replicas this node keeps for ranks on other nodes (peer tier).
 REPLICAS_DIR: Final = "replicas"
-#: A node root's manifest folder (its journal: tiercheck.consistency.manifest).
+#: A node root's manifest folder (its LMDB environment: tiercheck.consistency.manifest).
 MANIFEST_DIR: Final = "manifest"
 #: The node identity file, in a node root (not a tier key).
 IDENTITY_FILE: Final = "identity.json"

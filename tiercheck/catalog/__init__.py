@@ -15,7 +15,7 @@ for training code. It works on *locations*, each one tier's view of one job:
   ``manifest/``; the layout is :class:`tiercheck.defaults.NodeRoot`): the node's
   :class:`~tiercheck.tiers.LocalTier` (``blobs/``, usually ``full`` blobs, possibly
   ``quarantine/...`` too), the replicas it keeps for ranks of other nodes (``replicas/``, listed
-  with the node root, never a location of their own), its manifest (``manifest/journal``), its
+  with the node root, never a location of their own), its manifest (``manifest/data.mdb``), its
   identity (``identity.json``) and the writers' locks (``locks/``).
 
 One module per step, in the order a command takes them:
