@@ -2,12 +2,13 @@
 
 An operator's cleanup script, ``truncate``, a second job pointed at the same folder: anything
 that can open the files of a node's memory can cut them short while a training process uses
-them. A process that touches a mapping of such a file past its new end dies of ``SIGBUS``;
-tiercheck maps none of them, so these tests hunt the whole class rather than one case: a training
-loop in a child process saves every step while this process truncates files of every kind
-the node root holds (committed blobs, the blob being written, spares and prepared memory, the
-manifest's journal, the identity record, the writers' locks), picked by a seeded random
-schedule at random moments, to random sizes. Then:
+them. A process that touches a mapping of such a file past its new end dies of ``SIGBUS``; no
+training process maps any of them (the manifest's ``data.mdb`` is mapped by the node's manifest
+process alone, which may die of it and is started again), so these tests hunt the whole class
+rather than one case: a training loop in a child process saves every step while this process
+truncates files of every kind the node root holds (committed blobs, the blob being written,
+spares and prepared memory, the manifest's ``data.mdb``, the identity record, the writers'
+locks), picked by a seeded random schedule at random moments, to random sizes. Then:
 
 * the child never dies of a signal, finishes training, and every version still commits in the
   tier nobody touched (the durable one), while the local tier keeps committing what it can;
@@ -18,8 +19,8 @@ schedule at random moments, to random sizes. Then:
   the durable tier, :func:`test_a_damaged_identity_is_reported_as_damaged`).
 
 The manifest's own damage cases (cut to nothing, a few bytes, half; garbled) are in
-``tests/consistency/test_manifest.py``; the local tier's, one by one, in
-``tests/tiers/test_local.py``.
+``tests/consistency/test_manifest.py``, and under a real job in ``tests/test_manifest_faults.py``;
+the local tier's, one by one, in ``tests/tiers/test_local.py``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ from typing import Any
 import pytest
 
 from tiercheck import StaleMemory, SyncCheckpointer
-from tiercheck.consistency.manifest import JOURNAL
+from tiercheck.consistency.manifest import JOURNAL, Manifest
+from tiercheck.consistency.manifestd import DATA, LOCK
+from tiercheck.consistency.records import record_fields
+from tiercheck.testing.chaos.cluster import kill_manifest
 
+from .consistency.test_manifest import raw_frame
 from .test_never_lose import job, save_versions, state_of
 
 WORKER = r"""
@@ -108,7 +113,7 @@ KINDS = (
 def files_of(node: Path, kind: str) -> list[Path]:
     """The files of ``kind`` in the node root now (the tree changes while it is walked)."""
     if kind == "manifest":
-        found = [node / "manifest" / JOURNAL]
+        found = [node / "manifest" / DATA]
     elif kind == "identity":
         found = [node / "identity.json"]
     elif kind == "lock":
@@ -302,34 +307,56 @@ for folder in sys.argv[1:]:
             "exact": all(torch.equal(got.state[k], want[k]) for k in ("w", "h"))
             and got.state["step"] == want["step"],
             "manifest_errors": ckpt.stats.manifest_errors,
+            "set_aside": ckpt.stats.manifest_set_aside,
         }
         ckpt.save(got.version + 1, state_of(got.version + 1, 0))  # and the job goes on
         ckpt.wait()
 print(json.dumps(out))
 """
 
-MANIFEST_DAMAGE = ["zero", "few-bytes", "half", "garbled-format", "garbled-record", "old-lmdb"]
+JOURNAL_DAMAGE = ["zero", "few-bytes", "half", "garbled-format", "garbled-record", "lmdb-garbled"]
+
+
+def as_journal_of_0_1(node: Path) -> Path:
+    """Make the node root ``node`` one tiercheck 0.1 left: its manifest's records in a
+    ``journal`` (written from its specification), no LMDB environment. Returns the journal."""
+    folder = node / "manifest"
+    with Manifest(folder) as m:
+        records = list(m.log())
+    assert records
+    kill_manifest(folder)  # the job is over: nothing serves the environment any more
+    for name in (DATA, LOCK):
+        (folder / name).unlink()
+    path = folder / JOURNAL
+    path.write_bytes(
+        raw_frame({"meta": {"format": 1, "compacted": 0}})
+        + b"".join(raw_frame({"records": [record_fields(r)]}) for r in records)
+    )
+    return path
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_damaged_manifest_costs_history_never_data(tmp_path: Path) -> None:
-    """The node's manifest cut to nothing, to a few bytes, to half, garbled in its format frame
-    or in a record, or an old LMDB data file cut in half beside it: reopening the job (in a
-    child process, where a SIGBUS would be a negative return code) restores the newest version
-    bit-exact and goes on saving. A garbled journal is a ManifestError, counted
-    (``stats.manifest_errors``) and logged, and the job runs without it."""
+def test_a_damaged_journal_of_0_1_costs_history_never_data(tmp_path: Path) -> None:
+    """A node root tiercheck 0.1 left, its manifest journal cut to nothing, to a few bytes, to
+    half, garbled in its format frame or in a record -- or whole, beside an LMDB ``data.mdb`` of
+    garbage cut in half: reopening the job (in a child process, where a SIGBUS would be a
+    negative return code) restores the newest version bit-exact and goes on saving. What can be
+    read of the journal is carried over (``journal.carried-over``); one with nothing readable is
+    set aside (``journal.damaged-*``); the garbage environment is set aside
+    (``stats.manifest_set_aside``). None of it is a manifest error: the job never runs without
+    its manifest."""
     folders = []
-    for damage in MANIFEST_DAMAGE:
+    for damage in JOURNAL_DAMAGE:
         root = tmp_path / damage
         save_versions(root, 1, range(5))
-        path = root / "node0" / "manifest" / JOURNAL
+        path = as_journal_of_0_1(root / "node0")
         size = path.stat().st_size
         if damage in ("zero", "few-bytes", "half"):
             os.truncate(path, {"zero": 0, "few-bytes": 5, "half": size // 2}[damage])
-        elif damage == "old-lmdb":
-            (path.parent / "data.mdb").write_bytes(os.urandom(65536))
-            os.truncate(path.parent / "data.mdb", 32768)
+        elif damage == "lmdb-garbled":
+            (path.parent / DATA).write_bytes(os.urandom(65536))
+            os.truncate(path.parent / DATA, 32768)
         else:
             data = bytearray(path.read_bytes())
             data[2 if damage == "garbled-format" else size // 2] ^= 0xFF
@@ -344,12 +371,20 @@ def test_a_damaged_manifest_costs_history_never_data(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, f"rc={run.returncode}\n{run.stdout}\n{run.stderr[-4000:]}"
     got = json.loads(run.stdout.splitlines()[-1])
-    for damage, root in zip(MANIFEST_DAMAGE, folders, strict=True):
+    for damage, root in zip(JOURNAL_DAMAGE, folders, strict=True):
         outcome = got[str(root)]
         assert outcome["version"] == 4, (damage, outcome)
         assert outcome["exact"], damage
-        assert outcome["manifest_errors"] == (1 if damage.startswith("garbled") else 0), damage
-    assert "running without a manifest" in run.stderr
+        assert outcome["manifest_errors"] == 0, (damage, outcome)
+        assert outcome["set_aside"] == (damage == "lmdb-garbled"), (damage, outcome)
+        folder = root / "node0" / "manifest"
+        left = sorted(p.name for p in folder.iterdir() if p.name.startswith(JOURNAL))
+        readable = damage in ("half", "garbled-record", "lmdb-garbled")
+        assert len(left) == 1, (damage, left)
+        assert left[0].startswith(
+            f"{JOURNAL}.carried-over" if readable else f"{JOURNAL}.damaged-"
+        ), (damage, left)
+    assert "running without a manifest" not in run.stderr
     # And every one of them still restores in this process too, the saved version included.
     for root in folders:
         with job(root, 0, 1, None) as ckpt:

@@ -95,12 +95,29 @@ CATALOG: dict[str, Fault] = {
             1,
         ),
         Fault(
-            "journal-cut",
-            "SIGKILL every rank; one node's manifest journal is cut short at a random byte",
-            _ALL,
+            "manifest-cut",
+            "SIGKILL every rank and one node's manifest process; that node's manifest "
+            "(data.mdb) is cut short at a random byte, at rest",
+            _ALL,  # the manifest is history: restore trusts the tiers
             None,
             1,
-            degrades=True,
+        ),
+        Fault(
+            "manifest-kill",
+            "SIGKILL one node's manifest process while its ranks train: training goes on, "
+            "commits resume, and the node's manifest records them again",
+            None,
+            None,
+            1,
+        ),
+        Fault(
+            "manifest-cut-live",
+            "cut one node's manifest (data.mdb) short at a random byte while its ranks train "
+            "(its manifest process may die of it): training goes on, commits resume, and the "
+            "node's manifest records them again",
+            None,
+            None,
+            1,
         ),
         Fault(
             "fill-memory",
@@ -265,8 +282,11 @@ class Episode:
             f"#{self.pick} on node {self.node}",
             "damage-s3-blob": f"SIGKILL all, cut the newest S3 blob"
             f"{', wipe every memory root' if self.scale < 0.5 else ''}",
-            "journal-cut": f"SIGKILL all, cut node {self.node}'s journal at "
+            "manifest-cut": f"SIGKILL all, cut node {self.node}'s manifest at "
             f"{self.scale:.0%} of its length",
+            "manifest-kill": f"SIGKILL node {self.node}'s manifest process under its live ranks",
+            "manifest-cut-live": f"cut node {self.node}'s manifest at {self.scale:.0%} of its "
+            "length under its live ranks",
             "fill-memory": f"fill the memory tmpfs for {self.seconds(1, 4):.1f} s",
             "pause-short": f"SIGSTOP rank {self.rank} "
             f"{self.seconds(0.2 * peer_timeout, 0.6 * peer_timeout):.1f} s",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tiercheck.consistency.manifestd import DATA
 from tiercheck.testing.chaos.s3 import S3_ENV, free_port
 from tiercheck.testing.chaos.worker import PLANTS as WORKER_PLANTS
 
@@ -31,6 +32,8 @@ __all__ = [
     "JobSpec",
     "Launcher",
     "RankProcess",
+    "kill_manifest",
+    "manifest_processes",
     "stored_blobs",
     "wipe",
 ]
@@ -356,3 +359,42 @@ def stored_blobs(memory: Path) -> dict[str, tuple[int, int]]:
             st = path.stat()
             found[str(path.relative_to(memory))] = (st.st_size, st.st_mtime_ns)
     return found
+
+
+def manifest_processes(folder: Path, *, serving: bool = False) -> list[int]:
+    """The pids of the manifest processes of the manifest folder ``folder``, found by the end of
+    their command line (``--detach FOLDER``, as a client starts one: a starter about to fork one
+    matches too). ``serving``: only the one that maps the folder's environment now (not a
+    starter, nor a second server that found the folder taken)."""
+    want = os.path.realpath(folder).encode()
+    data = os.path.join(os.path.realpath(folder), DATA)
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                args = [a for a in f.read().split(b"\0") if a]
+            if args[-2:] != [b"--detach", want]:
+                continue
+            if serving:
+                with open(f"/proc/{name}/maps") as f:
+                    if not any(line.rstrip("\n").endswith(" " + data) for line in f):
+                        continue
+        except OSError:
+            continue  # gone meanwhile
+        if _running(int(name)):
+            found.append(int(name))
+    return found
+
+
+def kill_manifest(folder: Path, timeout: float = 10.0) -> list[int]:
+    """SIGKILL every manifest process of ``folder`` and wait until they are gone; their pids."""
+    pids = manifest_processes(folder)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pids

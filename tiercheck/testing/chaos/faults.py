@@ -9,18 +9,33 @@ fault, checks that commits resume (:meth:`~tiercheck.testing.chaos.soak.Soak.exp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tiercheck.consistency.manifest import Manifest
+from tiercheck.consistency.manifestd import DAMAGED_PREFIX, DATA
+from tiercheck.defaults import MANIFEST_DIR
+from tiercheck.errors import ManifestError
 from tiercheck.testing.chaos.catalog import CATALOG, TIERS, Episode
-from tiercheck.testing.chaos.cluster import stored_blobs, wipe
+from tiercheck.testing.chaos.cluster import (
+    kill_manifest,
+    manifest_processes,
+    stored_blobs,
+    wipe,
+)
 from tiercheck.testing.chaos.oracle import Finding
 from tiercheck.testing.chaos.soak import Soak, restores_of
 
-__all__ = ["HANDLERS", "finish", "lose_newest"]
+__all__ = ["HANDLERS", "MANIFEST_RESUME_S", "finish", "lose_newest"]
+
+#: Seconds within which a node's manifest must record commits again after a manifest fault
+#: (its process is started again at the next append; one that could not start is tried again
+#: 10 s later).
+MANIFEST_RESUME_S = 30.0
 
 
 def _restart(
@@ -204,16 +219,87 @@ def damage_s3_blob(soak: Soak, ep: Episode) -> None:
     _restart(soak, ep, survivors, floor)
 
 
-def journal_cut(soak: Soak, ep: Episode) -> None:
+def _manifest_folder(soak: Soak, ep: Episode) -> Path:
+    """The manifest folder of the node ``ep`` hits."""
+    return soak.spec.node_root(ep.node % soak.settings.nodes) / MANIFEST_DIR
+
+
+def _cut_data(soak: Soak, ep: Episode, folder: Path) -> None:
+    """Cut the environment's ``data.mdb`` in ``folder`` to :attr:`Episode.scale` of its length."""
+    data = folder / DATA
+    try:
+        size = data.stat().st_size
+        os.truncate(data, int(size * ep.scale))
+    except FileNotFoundError:  # set aside meanwhile (a new one is being made), or never made
+        soak.log(f"    no {DATA} in {folder.relative_to(soak.memory)} to cut")
+        return
+    soak.log(f"    cut {data.relative_to(soak.memory)} from {size} to {int(size * ep.scale)}")
+
+
+def _manifest_resumes(soak: Soak, folder: Path, after: int) -> None:
+    """The node's manifest records commits again: a version newer than ``after`` committed in
+    the local tier, within :data:`MANIFEST_RESUME_S` (the job's own commits resumed already).
+    History only -- but a manifest that never comes back would lose all of it from then on."""
+    deadline = time.monotonic() + MANIFEST_RESUME_S
+    newest: int | None = None
+    # The ranks append at every save: let them reach the node's new manifest process first (the
+    # first client it greets is told what it set aside: a rank, not this probe).
+    soak.wait(1.0)
+    while True:
+        try:
+            with Manifest(folder) as m:
+                newest = max(m.committed("local"), default=None)
+            for note in m.notes:
+                soak.log(f"    (told this probe, not a rank: {note})")
+        except ManifestError as exc:
+            soak.log(f"    (the manifest cannot be asked yet: {exc})")
+        if newest is not None and newest > after:
+            soak.log(f"    the node's manifest records commits again (v{newest} in local)")
+            return
+        if time.monotonic() > deadline:
+            raise Finding(
+                "manifest-stuck",
+                f"{MANIFEST_RESUME_S:.0f} s after the fault, the manifest at {folder} records no "
+                f"version newer than v{after} committed in the local tier (newest: {newest}), "
+                "though the job commits there again",
+            )
+        soak.wait(0.2)
+
+
+def manifest_cut(soak: Soak, ep: Episode) -> None:
     soak.crash(soak.job.ranks, signal.SIGKILL)
-    journal = soak.spec.node_root(ep.node % soak.settings.nodes) / "manifest" / "journal"
-    if journal.is_file():
-        size = journal.stat().st_size
-        os.truncate(journal, int(size * ep.scale))
-        soak.log(
-            f"    cut {journal.relative_to(soak.memory)} from {size} to {int(size * ep.scale)}"
-        )
+    folder = _manifest_folder(soak, ep)
+    # At rest: the node's manifest process goes too (it would exit by itself once idle).
+    killed = kill_manifest(folder)
+    soak.log(f"    node {ep.node % soak.settings.nodes}'s manifest process(es) {killed} killed")
+    _cut_data(soak, ep, folder)
     _restart(soak, ep)
+    aside = sorted(p.name for p in folder.glob(f"{DAMAGED_PREFIX}*"))
+    soak.log(f"    set aside in the manifest folder so far: {aside or 'nothing'}")
+
+
+def manifest_kill(soak: Soak, ep: Episode) -> None:
+    folder = _manifest_folder(soak, ep)
+    after = soak.job.max_step()
+    pids = manifest_processes(folder, serving=True)
+    waited = time.monotonic() + 2.0
+    while not pids and time.monotonic() < waited:  # a new one being started (after a wipe)
+        soak.wait(0.1)
+        pids = manifest_processes(folder, serving=True)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    soak.log(f"    killed {pids or 'nothing: no manifest process serves the node now'}")
+    soak.expect_resume(ep.describe(soak.settings.peer_timeout))
+    _manifest_resumes(soak, folder, after)
+
+
+def manifest_cut_live(soak: Soak, ep: Episode) -> None:
+    folder = _manifest_folder(soak, ep)
+    after = soak.job.max_step()
+    _cut_data(soak, ep, folder)
+    soak.expect_resume(ep.describe(soak.settings.peer_timeout))
+    _manifest_resumes(soak, folder, after)
 
 
 def fill_memory(soak: Soak, ep: Episode) -> None:
@@ -418,7 +504,9 @@ HANDLERS: dict[str, Callable[[Soak, Episode], None]] = {
     "wipe-live": wipe_live,
     "kill-closing": kill_closing,
     "damage-s3-blob": damage_s3_blob,
-    "journal-cut": journal_cut,
+    "manifest-cut": manifest_cut,
+    "manifest-kill": manifest_kill,
+    "manifest-cut-live": manifest_cut_live,
     "fill-memory": fill_memory,
     "world-size": world_size,
     "pause-short": pause,

@@ -20,9 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiercheck.defaults import SHM_DIR
+from tiercheck.defaults import MANIFEST_DIR, SHM_DIR
 from tiercheck.testing.chaos.catalog import TIERS
-from tiercheck.testing.chaos.cluster import VANISHED, Incarnation, JobSpec, Launcher, RankProcess
+from tiercheck.testing.chaos.cluster import (
+    VANISHED,
+    Incarnation,
+    JobSpec,
+    Launcher,
+    RankProcess,
+    kill_manifest,
+)
 from tiercheck.testing.chaos.model import Reference
 from tiercheck.testing.chaos.oracle import Finding, Oracle, Restore
 from tiercheck.testing.chaos.s3 import S3
@@ -366,6 +373,10 @@ class Soak:
 
 def remove_run(workdir: Path, memory: Path) -> None:
     """Remove a run's folder and its node roots (unmounting their tmpfs, if it has one)."""
+    # The nodes' manifest processes outlive the ranks (a few seconds idle) and hold their
+    # environment open: a tmpfs they are in cannot be unmounted until they are gone.
+    for folder in memory.glob(f"*/{MANIFEST_DIR}"):
+        kill_manifest(folder)
     shutil.rmtree(memory, ignore_errors=True)  # what is in it, a mount point stays
     if memory.is_dir() and os.path.ismount(memory):
         subprocess.run(["umount", str(memory)], check=False)
