@@ -32,8 +32,9 @@ a local socket: the first handle of a node starts it, the others find it, and it
 seconds after its last client. If it dies (a file cut short under it, a ``kill``), the handles
 say so once, start a new one and go on; an environment damaged at rest (cut short, garbled,
 another format, a ``lock.mdb`` of garbage) is found before anyone maps it, set aside as
-``manifest.damaged-<UTC time>`` in the manifest folder, and started anew. The handle that
-started that server is told (:attr:`Manifest.notes`: one WARNING, counted by the checkpointer).
+``manifest.damaged-<UTC time>`` in the manifest folder, and started anew. The first handle
+to connect to that new process -- on a node, usually the one that started it -- is told
+(:attr:`Manifest.notes`: one WARNING, counted by the checkpointer of that rank).
 
 The manifest knows keys and versions, never tensors. It is a record of the past, not the source
 of truth for recovery: recovery trusts only what the tiers themselves prove (blob checksums and
@@ -139,8 +140,8 @@ class Manifest:
         self._closed = False
         self._down_until = 0.0
         self._lost_logged = False
-        #: Damage the node's manifest process found and set aside when this handle started it
-        #: (one line each; logged at WARNING once, here).
+        #: Damage a new manifest process found and set aside, told to the first handle that
+        #: connected to it: this one (one line each; logged at WARNING once, here).
         self.notes: list[str] = []
         #: How many times this handle found its manifest process gone and started another.
         self.restarts = 0

@@ -45,8 +45,8 @@ class Journal:
             self.stats.manifest_errors += 1
             logger.error("tiercheck: running without a manifest: %s", exc)
             return
-        # Damage found and set aside by the manifest process this opening started (logged
-        # once, at WARNING, by the manifest handle).
+        # Damage found and set aside by a new manifest process this opening reached first
+        # (logged once, at WARNING, by the manifest handle).
         self.stats.manifest_set_aside += len(self.manifest.notes)
 
     def log(self, *records: Record) -> None:

@@ -81,8 +81,8 @@ class CheckpointerStats:
     evicted: dict[str, int] = field(default_factory=dict)
     stall_s_total: float = 0.0
     manifest_errors: int = 0
-    #: Node manifests found damaged when this opening started their manifest process, and set
-    #: aside (``manifest.damaged-<UTC time>``; a new one was started and refilled).
+    #: Node manifests found damaged by a new manifest process this rank was the first to reach,
+    #: and set aside (``manifest.damaged-<UTC time>``; a new one was started and refilled).
     manifest_set_aside: int = 0
     #: Times the node's manifest process was found gone (killed, or a file cut short under it)
     #: and a new one started.
