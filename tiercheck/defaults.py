@@ -10,8 +10,9 @@ integrations and the command line find the same places without re-deriving a pat
   (:func:`default_root`; under the temporary folder where ``/dev/shm`` cannot be written),
   laid out as :class:`NodeRoot` says: ``blobs/`` (the local tier), ``replicas/<job_id>/r<rank>/``
   (what this node keeps for the peer tier's ranks on other nodes), ``manifest/`` (the
-  node's manifest, an LMDB environment: what happened to each version), ``identity.json`` (which incarnation of the job
-  the memory belongs to) and ``locks/`` (one ``r<rank>.lock`` per writer);
+  node's manifest, an LMDB environment: what happened to each version), ``identity.json``
+  (which incarnation of the job the memory belongs to) and ``locks/`` (one ``r<rank>.lock``
+  per writer);
 * what a tier keeps and stores unless told, by its kind -- a *durable* tier (one that outlives
   the cluster) or a *memory* tier (:func:`default_keep`, :func:`default_encoding`);
 * the **name grammar** of job ids and node names (:func:`check_job_id`,

@@ -291,7 +291,11 @@ class Store:
     def dump_index(self) -> dict[str, Any]:
         """The whole index as plain data: ``blobs`` and ``commits`` as lists of records,
         ``versions`` as ``[version, entry]`` pairs."""
+        # One read transaction: one snapshot of the three tables.
         with self.env.begin() as txn:
             blobs = [self._logged(txn, v) for _k, v in txn.cursor(db=self.blobs)]
             commits = [self._logged(txn, v) for _k, v in txn.cursor(db=self.commits)]
-        return {"blobs": blobs, "commits": commits, "versions": self.versions_of()}
+            versions = [
+                [_V.unpack(k)[0], msgpack.unpackb(v)] for k, v in txn.cursor(db=self.versions)
+            ]
+        return {"blobs": blobs, "commits": commits, "versions": versions}

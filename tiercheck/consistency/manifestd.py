@@ -244,7 +244,9 @@ class _Server:
                     self.stopping = True
                     set_aside(self.folder, f"LMDB found it corrupt while serving: {exc}")
             return {"err": f"the manifest is damaged: {exc}", "kind": "damaged"}
-        except (lmdb.Error, TypeError, ValueError, KeyError) as exc:
+        except (lmdb.Error, OSError, TypeError, ValueError, KeyError) as exc:
+            # Answered, never a dropped connection: the client would take that for a dead
+            # process and send the request again.
             return {"err": f"{type(exc).__name__}: {exc}", "kind": "store"}
 
 
