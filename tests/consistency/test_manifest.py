@@ -22,6 +22,7 @@ import msgpack
 import pytest
 import xxhash
 
+from tests.helpers import mount_tmpfs, unmount
 from tiercheck.consistency.manifest import (
     JOURNAL,
     Abort,
@@ -156,6 +157,24 @@ def test_unopenable_manifest_is_a_typed_error(tmp_path: Path) -> None:
     target.write_bytes(b"a file where the manifest folder should be")
     with pytest.raises(ManifestError):
         Manifest(target)
+
+
+def test_a_manifest_process_that_cannot_start_says_so_at_once(tmp_path: Path) -> None:
+    """On a full filesystem the manifest process cannot make its environment: the handle is
+    told by the process it launched (not by waiting out START_TIMEOUT for an answer), and the
+    folder's files are left as they were."""
+    where = tmp_path / "mnt"
+    where.mkdir()
+    mount_tmpfs(where, 64 * 1024)
+    try:
+        (where / "m").mkdir()
+        with (where / "fill").open("wb") as f, contextlib.suppress(OSError):
+            f.write(b"x" * (1 << 20))  # until ENOSPC
+        with pytest.raises(ManifestError, match=r"could not start \(exit 1"):
+            Manifest(where / "m")
+        assert not damaged_folders(where / "m")
+    finally:
+        unmount(where)
 
 
 def test_crash_inside_an_append_leaves_nothing_half_written(

@@ -190,9 +190,15 @@ class Manifest:
                 )
             if time.monotonic() - started > 1.0:
                 # None answers: start one (again after a while: the one started may have
-                # found another still holding the folder, exiting).
-                _start_server(self.path)
+                # found another still holding the folder, exiting). One that cannot start
+                # says so at once: no waiting out the deadline for it.
+                try:
+                    _start_server(self.path)
+                except ManifestError:
+                    self._down_until = time.monotonic() + RETRY_AFTER
+                    raise
                 started = time.monotonic()
+                continue  # it answers now, unless another one holds the folder
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         self._sock = sock
@@ -404,7 +410,7 @@ def _start_server(path: str) -> None:
     log = os.path.join(path, "server.log")
     try:
         with open(log, "ab") as err:
-            subprocess.run(
+            done = subprocess.run(
                 [
                     sys.executable,
                     "-c",
@@ -424,6 +430,22 @@ def _start_server(path: str) -> None:
             )
     except (OSError, subprocess.SubprocessError) as exc:
         raise ManifestError(f"cannot start the manifest process for {path}: {exc}") from exc
+    if done.returncode != 0:
+        raise ManifestError(
+            f"the manifest process for {path} could not start (exit {done.returncode}; its "
+            f"error is in {log}: {_last_line(log)})"
+        )
+
+
+def _last_line(path: str) -> str:
+    """The last line of the text file ``path`` (its last 4 KiB read), or ``""``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 # --- a journal of tiercheck 0.1 ------------------------------------------------------------

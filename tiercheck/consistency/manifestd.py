@@ -47,6 +47,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -270,11 +271,14 @@ def _open_store(folder: str, notes: list[str]) -> Store:
     return Store(folder)
 
 
-def serve(folder: str) -> int:
+def serve(folder: str, ready: Callable[[bytes], None] | None = None) -> int:
     """Serve the manifest folder ``folder`` until idle (see the module docstring).
 
-    Returns 0 (served, or another server already serves it) or 1 (could not start).
+    ``ready`` is told ``b"ok"`` once the environment is open and the socket listens, or
+    ``b"busy"`` where another process serves the folder; an exception before either means
+    this process could not start. Returns 0.
     """
+    tell = ready or (lambda _word: None)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     lock_fd = os.open(
         os.path.join(folder, SERVER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
@@ -283,7 +287,8 @@ def serve(folder: str) -> int:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return 0  # another server holds it
+            tell(b"busy")  # another server holds it
+            return 0
         raise
     address = socket_address(folder)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -294,7 +299,8 @@ def serve(folder: str) -> int:
         listener.bind(address)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            return 0  # a server of an earlier folder at this path is still exiting
+            tell(b"busy")  # a server of an earlier folder at this path is still exiting
+            return 0
         raise
     listener.listen(64)
     notes: list[str] = []
@@ -302,6 +308,7 @@ def serve(folder: str) -> int:
     # holds only live processes' reader slots, so a sound one is reset by LMDB on open and a
     # garbled one is caught by check_at_rest.
     store = _open_store(folder, notes)
+    tell(b"ok")
     try:
         _Server(folder, listener, store, notes).run()
     finally:
@@ -314,32 +321,59 @@ def serve(folder: str) -> int:
     return 0
 
 
-def _detach() -> bool:
-    """Fork a server that outlives its starter: ``True`` in the server, ``False`` in the starter
-    (which exits at once, so the client that launched it reaps it and no zombie is left)."""
+def _detach() -> tuple[bool, Callable[[bytes], None] | None, int]:
+    """Fork a server that outlives its starter.
+
+    In the server: ``(True, ready, 0)``, ``ready`` telling the starter how the start went. In
+    the starter: ``(False, None, code)`` once the server said so (or died): 0 when it serves
+    the folder (or another does), 1 when it could not start -- so the client that launched the
+    starter learns that at once, and reaps it, leaving no zombie.
+    """
+    readable, writable = os.pipe()
     if os.fork():
-        return False
+        os.close(writable)
+        said = b""
+        while chunk := os.read(readable, 16):
+            said += chunk
+        os.close(readable)
+        return False, None, 0 if said in (b"ok", b"busy") else 1
+    os.close(readable)
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):
         os.dup2(null, fd)
     os.close(null)
-    return True
+
+    def ready(word: bytes) -> None:
+        os.write(writable, word)
+        os.close(writable)
+
+    return True, ready, 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python manifestd.py [--detach] FOLDER``: serve one manifest folder (the client starts
     it so). What goes wrong is written to standard error (the client points it at
-    ``server.log`` in the folder)."""
+    ``server.log`` in the folder). With ``--detach`` it returns once the server it forked
+    serves the folder (0) or failed to start (1)."""
     args = sys.argv[1:] if argv is None else argv
     detach = args[:1] == ["--detach"]
     args = args[1:] if detach else args
     if len(args) != 1:
         print("usage: manifestd.py [--detach] MANIFEST_FOLDER", file=sys.stderr)
         return 2
-    if detach and not _detach():
-        return 0
-    code = serve(os.path.realpath(args[0]))
+    ready = None
+    if detach:
+        server, ready, code = _detach()
+        if not server:
+            return code
+    try:
+        code = serve(os.path.realpath(args[0]), ready)
+    except BaseException:
+        if not detach:
+            raise
+        traceback.print_exc()
+        code = 1
     if detach:
         # Connections' threads may be inside an LMDB call; the environment is closed and
         # every transaction committed or never begun: leave without unwinding them.
