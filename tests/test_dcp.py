@@ -25,11 +25,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 
 def files(root: Path) -> dict[str, str]:
-    """Every file under ``root`` and the hash of its bytes."""
+    """Every file under ``root`` that holds stored data and the hash of its bytes.
+
+    The manifest's ``lock.mdb`` is left out: it is LMDB's table of live readers, which LMDB
+    rewrites whenever a process opens the environment (the manifest process a read starts
+    when the one the saves used has gone idle); it holds no checkpoint or manifest data, and
+    ``data.mdb`` beside it is compared."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != "lock.mdb"
     }
 
 

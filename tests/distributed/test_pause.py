@@ -162,7 +162,13 @@ def test_a_rank_stopped_past_peer_timeout_rejoins_and_commits_resume(
         for tier in tiers:
             assert f"WARNING tiercheck: the {tier!r} tier is behind: " in log, tier
             assert f"WARNING tiercheck: the {tier!r} tier commits again: " in log, tier
-            assert f"WARNING tiercheck: the coordination channel {tier!r} works again" in log
+            # The local and persistent rounds of the version that straddled the pause meet the
+            # stopped rank at once, so their channels break. The peer tier's round comes only
+            # after its write to the stopped rank timed out (3 s of the 4 s pause): where the
+            # rank is back by then the round meets it and the channel never breaks. Whichever
+            # channel broke works again.
+            if tier != "peer" or f"exchange on channel {tier!r} failed" in log:
+                assert f"WARNING tiercheck: the coordination channel {tier!r} works again" in log
 
         # A fresh job restores the newest version bit-exact: from memory, and from durable
         # storage alone (bases only go there).
