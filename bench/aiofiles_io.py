@@ -5,7 +5,8 @@ code through ``aiofiles`` (:func:`tiercheck.smallfile.read_small`: once when a c
 opens, once when the command line scans a node root), and checks that it is still there the same
 way (``aiofiles.os.path.exists``, after a commit). This measures what that costs against the
 plain alternative, in the same process, on the same file (written by
-:func:`tiercheck.guard.write_identity` into a folder under ``/dev/shm``, where node roots live):
+:func:`tiercheck.guards.node.write_identity` into a folder under ``/dev/shm``, where node roots
+live):
 
 * ``read``: ``read_small(path)`` (``aiofiles.open``, ``read``, close: three hops to the
   loop's default executor) against ``asyncio.to_thread(path.read_bytes)`` (one hop);
@@ -46,7 +47,7 @@ from _common import environment, load_snapshot, summary
 
 from tiercheck.consistency.identity import NodeIdentity
 from tiercheck.defaults import NodeRoot
-from tiercheck.guard import write_identity
+from tiercheck.guards import write_identity
 from tiercheck.smallfile import read_small
 
 RESULTS = Path(__file__).resolve().parent / "results"

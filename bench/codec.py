@@ -48,7 +48,7 @@ from tiercheck.codec import (
     snapshot,
     write_payload,
 )
-from tiercheck.codec.planes import join_planes, split_planes
+from tiercheck.codec.packed.planes import join_planes, split_planes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORPUS_BYTES = 8 << 20

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import tiercheck
-from tiercheck.codec.dtensor import DTensorShard
+from tiercheck.codec.format.dtensor import DTensorShard
 from tiercheck.testing import LocalGroup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -8,7 +8,7 @@ and the persistent tier. Then, alternating, ``--repeats`` times, for each tier (
 memory; the persistent tier once the memory is gone):
 
 * **tiercheck**: one rank opens the job with ``elastic=True`` and restores in place into
-  DTensors on a ``(1, 1)`` mesh (whole tensors): the region reshard of ``codec/boxes.py``;
+  DTensors on a ``(1, 1)`` mesh (whole tensors): the region reshard of ``codec/reshard/boxes.py``;
 * **DCP**: ``dcp.load`` into the same DTensors with DCP's own planner (``no_dist=True``),
   through the reader.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tiercheck.codec.dtensor import DTensorShard
+from tiercheck.codec.format.dtensor import DTensorShard
 from tiercheck.dcp import TiercheckStorageReader
 from tiercheck.testing import LocalGroup
 

@@ -514,7 +514,7 @@ def test_export_needs_a_rank_when_there_are_several(tmp_path: Path, run: Any) ->
 
 
 def test_export_full_puts_a_sharded_version_together(tmp_path: Path, run: Any) -> None:
-    from tests.engine.test_elastic import global_bias, global_weight, save_versions
+    from tests.engine.restore.test_elastic import global_bias, global_weight, save_versions
 
     save_versions(tmp_path, 4, range(2))  # DTensors sharded over 4 ranks, plus plain leaves
     durable = tmp_path / "durable" / "job"
@@ -535,7 +535,7 @@ def test_export_dcp_writes_a_folder_dcp_loads_anywhere(tmp_path: Path, run: Any)
     --force."""
     import torch.distributed.checkpoint as dcp
 
-    from tests.engine.test_elastic import global_bias, global_weight, save_versions
+    from tests.engine.restore.test_elastic import global_bias, global_weight, save_versions
 
     save_versions(tmp_path, 4, range(2))
     durable = tmp_path / "durable" / "job"
@@ -561,7 +561,7 @@ def test_export_hf_of_a_bare_state_dict_says_what_it_left_out(tmp_path: Path, ru
     it fits, with no index; what is not a tensor, and the missing config, are named."""
     from safetensors.torch import load_file
 
-    from tests.engine.test_elastic import global_bias, global_weight, save_versions
+    from tests.engine.restore.test_elastic import global_bias, global_weight, save_versions
     from tiercheck.catalog.hf import hf_model
     from tiercheck.errors import StateMismatch
 
@@ -589,7 +589,7 @@ def test_export_hf_of_a_bare_state_dict_says_what_it_left_out(tmp_path: Path, ru
 
 
 def test_ls_counts_each_version_against_the_world_that_saved_it(tmp_path: Path, run: Any) -> None:
-    from tests.engine.test_elastic import go_on, save_versions
+    from tests.engine.restore.test_elastic import go_on, save_versions
 
     save_versions(tmp_path, 4, range(2))
     go_on(tmp_path, 2, 2)  # restored on 2 ranks, version 2 saved by 2

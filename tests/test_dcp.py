@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.engine.test_elastic import COLS, ROWS, global_bias, global_weight, save_versions
+from tests.engine.restore.test_elastic import COLS, ROWS, global_bias, global_weight, save_versions
 from tiercheck import SyncCheckpointer
 from tiercheck.catalog import LocationError
 from tiercheck.dcp import TiercheckStorageReader

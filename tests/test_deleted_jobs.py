@@ -258,13 +258,12 @@ def test_openings_that_fail_leave_nothing_they_made(tmp_path: Path) -> None:
 
 KILLED_OPENING = r"""
 import os, signal, sys
-from tiercheck import guard, SyncCheckpointer
+from tiercheck import SyncCheckpointer
 
 async def dies(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
-guard.probe = dies
-import tiercheck.engine.claim as claim
+import tiercheck.engine.open.claim as claim
 claim.probe = dies
 SyncCheckpointer("killed", local_root=sys.argv[1], persistent=sys.argv[2]).open()
 """

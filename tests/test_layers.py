@@ -1,12 +1,14 @@
-"""The package's layering and size limits, read from the source (imports parsed with ``ast``).
+"""The package's floor plan, layering and size limits, read from the source (imports parsed
+with ``ast``).
 
-Layers, lowest first: the leaves (errors, buffer, defaults, topology, _threads); the tiers, the
-codec and consistency (each importing only the leaves); ``blobread`` and ``statetree`` (one
-blob read back, verified; a decoded state put into live objects), the guards (``guard``,
-``fence``); the engine and the catalog (neither importing the other); the public face
-(``checkpointer``, ``sync``, ``tiercheck``), the command line and the integrations, which reach
-the tiers and the engine only through the public face. Every import counts: at module level, in
-a function, or under ``TYPE_CHECKING``.
+Layers, lowest first: the leaves (errors, buffer, defaults, topology, _threads, _loop,
+smallfile); the tiers, the codec and consistency (each importing only the leaves); the guards
+of stored data (``guards``); the engine and the catalog (neither importing the other); the
+public face (``checkpointer``, ``sync``, ``dcp``, ``adapters``, ``tiercheck``), the command line
+and the integrations, which reach the tiers and the engine only through the public face. Every
+import counts: at module level, in a function, or under ``TYPE_CHECKING``; no module of the
+package imports itself back through others. Nothing lies loose at the package's root but the
+public face and the leaves.
 """
 
 from __future__ import annotations
@@ -92,14 +94,17 @@ RULES = {
     # The integrations use the public face, like any user.
     "integrations": ("tiers", "engine"),
     # The shared readers and the guards sit below both the engine and the catalog.
-    "blobread.py": ABOVE_THE_PARTS,
-    "statetree.py": ABOVE_THE_PARTS,
-    "guard.py": ABOVE_THE_PARTS,
-    "fence.py": ABOVE_THE_PARTS,
+    "codec/decode/blobread.py": ABOVE_THE_PARTS,
+    "codec/decode/statetree.py": ABOVE_THE_PARTS,
+    "guards/node.py": ABOVE_THE_PARTS,
+    "guards/durable.py": ABOVE_THE_PARTS,
 }
 
 #: What the tiers, the codec and consistency may import besides themselves: the leaves.
-LEAVES = ("errors", "buffer", "defaults", "topology", "_threads")
+LEAVES = ("errors", "buffer", "defaults", "topology", "_threads", "_loop", "smallfile")
+
+#: The public face: what users import by module path.
+PUBLIC_FACE = ("__init__", "__main__", "checkpointer", "sync", "errors", "dcp", "adapters")
 
 
 @pytest.mark.parametrize(("sources", "forbidden"), RULES.items(), ids=list(RULES))
@@ -112,7 +117,7 @@ def test_the_import_parser_sees_every_kind_of_import() -> None:
     source = (
         "from __future__ import annotations\n"
         "from typing import TYPE_CHECKING\n"
-        "import tiercheck.engine.read\n"
+        "import tiercheck.engine.restore.read\n"
         "from ..engine import restore\n"
         "from tiercheck import engine\n"
         "if TYPE_CHECKING:\n"
@@ -122,7 +127,7 @@ def test_the_import_parser_sees_every_kind_of_import() -> None:
     )
     found = [name for name, _line in imports_in(source, "tiercheck.catalog.probe")]
     assert found == [
-        "tiercheck.engine.read",
+        "tiercheck.engine.restore.read",
         "tiercheck.engine.restore",
         "tiercheck.engine",
         "tiercheck.engine.core.CheckpointerCore",
@@ -172,3 +177,114 @@ def oversized(sources: str) -> list[str]:
 @pytest.mark.parametrize("sources", SIZED)
 def test_modules_and_classes_stay_small(sources: str) -> None:
     assert oversized(sources) == []
+
+
+def test_nothing_lies_loose_at_the_root_but_the_public_face_and_the_leaves() -> None:
+    loose = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert [m for m in loose if m not in PUBLIC_FACE + LEAVES] == []
+
+
+def test_the_leaves_import_nothing_of_the_package_but_the_errors() -> None:
+    found = [
+        f"{m}.py:{line} imports {name}"
+        for m in LEAVES
+        for name, line in imported(ROOT / f"{m}.py")
+        if not under(name, "tiercheck.errors")
+    ]
+    assert found == []
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name."""
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def module_of(name: str, modules: dict[str, Path]) -> str | None:
+    """The module an imported dotted ``name`` (a module, or a name in one) belongs to."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports (anywhere in it, see :func:`imports_in`)."""
+    modules = all_modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = {module_of(n, modules) for n, _line in imported(path)}
+        edges[name] = {m for m in found if m is not None and m != name}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, successors = work[-1]
+            w = next(successors, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+
+
+def test_no_module_of_the_package_imports_itself_back() -> None:
+    edges = import_graph()
+    assert {"tiercheck.engine.open.claim", "tiercheck.codec.encode.flatten"} <= set(edges)
+    # A package's __init__ counts as a module: one of its modules importing names the __init__
+    # re-exports from another module of it is an edge like any other.
+    found = cycles(edges)
+    described = ["; ".join(f"{m} imports {sorted(edges[m] & set(c))}" for m in c) for c in found]
+    assert not found, "import circles in tiercheck/:\n" + "\n".join(described)
+
+
+def test_the_moved_modules_keep_their_old_import_paths() -> None:
+    """``tiercheck.guard``, ``tiercheck.stateful``... name the modules at their new homes."""
+    import importlib
+
+    import tiercheck
+
+    for old, new in tiercheck.MOVED_MODULES.items():
+        module = importlib.import_module(f"tiercheck.{old}")
+        assert module is importlib.import_module(new), old
+        assert getattr(tiercheck, old) is module
+    assert importlib.import_module("tiercheck.guard").RankLock is not None
+    assert (
+        importlib.import_module("tiercheck.fence").Fence
+        is importlib.import_module("tiercheck.guards").Fence
+    )

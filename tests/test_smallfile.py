@@ -13,10 +13,10 @@ import pytest
 
 from tiercheck.catalog import Location, OpenLocation
 from tiercheck.consistency.identity import IDENTITY_FILE, NodeIdentity
-from tiercheck.engine.claim import gather_facts, keep_identity
 from tiercheck.engine.core import CheckpointerCore
+from tiercheck.engine.open.claim import gather_facts, keep_identity
 from tiercheck.errors import FormatError
-from tiercheck.guard import RankLock, read_identity, write_identity
+from tiercheck.guards import RankLock, read_identity, write_identity
 from tiercheck.smallfile import read_small
 
 IDENTITY = NodeIdentity("job", "t0k3n", 1, None, 1.5)

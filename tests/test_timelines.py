@@ -44,7 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tests.test_never_lose import run_ranks
 from tiercheck import ReshardError, RestoreError, StateMismatch, SyncCheckpointer
-from tiercheck.codec.dtensor import DTensorShard
+from tiercheck.codec.format.dtensor import DTensorShard
 from tiercheck.testing import LocalGroup
 from tiercheck.testing.faults import abandon
 

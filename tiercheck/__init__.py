@@ -10,6 +10,10 @@ The public names are few; everything else may move between releases.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from types import ModuleType
+
 from tiercheck.checkpointer import (
     Checkpointer,
     CheckpointerStats,
@@ -20,6 +24,8 @@ from tiercheck.checkpointer import (
 )
 from tiercheck.codec import CodecOptions, DTensorShard
 from tiercheck.engine.health import Health, TierHealth
+from tiercheck.engine.save.staging import fence_before_forward, fence_before_step
+from tiercheck.engine.stateful import Replicated
 from tiercheck.errors import (
     BaseMismatch,
     BlobNotFound,
@@ -53,8 +59,6 @@ from tiercheck.errors import (
     VersionError,
     WorldSizeMismatch,
 )
-from tiercheck.staging import fence_before_forward, fence_before_step
-from tiercheck.stateful import Replicated
 from tiercheck.sync import SyncCheckpointer
 from tiercheck.tiers import LocalTier, PersistentTier
 from tiercheck.tiers.atomic import atomic_write_file
@@ -115,3 +119,24 @@ __all__ = [
     "fence_before_forward",
     "fence_before_step",
 ]
+
+#: Modules that lay loose at the package's root until the packages by phase: their old import
+#: paths (``import tiercheck.stateful``, ``from tiercheck.guard import RankLock``) name the same
+#: module objects at their new homes.
+MOVED_MODULES = {
+    "blobread": "tiercheck.codec.decode.blobread",
+    "fence": "tiercheck.guards.durable",
+    "guard": "tiercheck.guards",
+    "staging": "tiercheck.engine.save.staging",
+    "stateful": "tiercheck.engine.stateful",
+    "statetree": "tiercheck.codec.decode.statetree",
+}
+for _old, _new in MOVED_MODULES.items():
+    sys.modules.setdefault(f"tiercheck.{_old}", importlib.import_module(_new))
+
+
+def __getattr__(name: str) -> ModuleType:
+    # ``tiercheck.guard`` as an attribute, as an ``import tiercheck.guard`` binds it.
+    if name in MOVED_MODULES:
+        return sys.modules[f"tiercheck.{name}"]
+    raise AttributeError(f"module 'tiercheck' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Ready ``Stateful`` objects for the common parts of a training state.
 
-Put them in the state handed to ``save`` and ``restore`` (see :mod:`tiercheck.stateful`)::
+Put them in the state handed to ``save`` and ``restore`` (see :mod:`tiercheck.engine.stateful`)::
 
     from tiercheck.adapters import ModelAndOptimizer, RNGState
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tiercheck.codec.dtensor import place_like
+from tiercheck.codec.format.dtensor import place_like
 
 __all__ = ["ModelAndOptimizer", "RNGState"]
 

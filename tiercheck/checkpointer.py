@@ -4,14 +4,14 @@ Lifecycle of one save (the order things happen in)
 --------------------------------------------------
 1. ``await ckpt.save(version, state)`` -- on the caller's side, the only blocking part:
    the state is flattened (no pickle; a state shaped like the previous one reuses its layout,
-   see :mod:`tiercheck.codec.plan`) and its tensors are copied into host memory -- straight
+   see :mod:`tiercheck.codec.encode.plan`) and its tensors are copied into host memory -- straight
    into the local tier's shared memory where that tier can hand it out, else into a reused
    staging buffer. If the previous save is still being encoded, the ``on_busy`` policy decides:
    ``"wait"`` for it, or ``"skip"`` this one (counted). It returns a :class:`SaveHandle`;
    training may change its tensors at once. With ``overlap=True`` it returns once the copy is
    started, and the state may change once the copy is done (:meth:`SaveHandle.staged`, the
-   fence; see :mod:`tiercheck.staging`); the version is stored only once the caller's side
-   confirmed the state unchanged until the copy was done.
+   fence; see :mod:`tiercheck.engine.save.staging`); the version is stored only once the caller's
+   side confirmed the state unchanged until the copy was done.
 2. Background, in save order: the raw payload is hashed; the local blob is published; the
    state is encoded for the other tiers (a delta against the newest base, byte planes, zstd).
 3. Background, per tier, in version order: the blob is written; the manifest logs it (its
@@ -27,7 +27,7 @@ one of them can rebuild, each reads it from its fastest source, verifying checks
 back to the next tier on any missing or corrupt blob. A restore changes nothing stored: the
 first save after it takes the versions newer than the restored one off the run's timeline (set
 aside whole under ``abandoned/`` in durable tiers, dropped from memory tiers; see
-:mod:`tiercheck.engine.timeline`), so a later save can never be mixed with a blob of an
+:mod:`tiercheck.engine.restore.timeline`), so a later save can never be mixed with a blob of an
 abandoned future.
 
 Errors in the background never reach training: they are logged (logger ``"tiercheck"``),
@@ -50,8 +50,8 @@ is written once, as steps both faces drive, in ``engine/steps``
 option, is in ``engine/core``. The engine behind it is :mod:`tiercheck.engine`: configuration
 in ``options`` (:func:`~tiercheck.engine.options.resolve_options`), the parts put together in
 ``engine`` (:class:`~tiercheck.engine.engine.Engine`), step 1 in ``schedule`` and ``stage``, step
-2 in ``encode``, steps 3 and 4 in ``tier`` (one :class:`~tiercheck.engine.tier.TierPipeline` per
-tier), ``lane`` and ``commit``; restore in ``restore``, ``read`` and ``elastic``; the first save
+2 in ``encode``, steps 3 and 4 in ``tier`` (one :class:`~tiercheck.engine.commit.tier.TierPipeline`
+per tier), ``lane`` and ``commit``; restore in ``restore``, ``read`` and ``elastic``; the first save
 after a restore in ``timeline``; the checks on opening in ``claim``; closing in ``shutdown``; the
 flush on SIGTERM in ``preempt`` (its handler in ``sigterm``). The walk file by file:
 ``docs/architecture.md``.
@@ -143,10 +143,10 @@ class Checkpointer(CheckpointerCore):
 
         ``Stateful`` objects in ``state`` (``state_dict``/``load_state_dict``: a module, an
         optimizer, :mod:`tiercheck.adapters`) get their restored value through
-        ``load_state_dict`` (see :mod:`tiercheck.stateful`); DTensors are filled shard by shard
-        after their layout was checked. Without ``state``, stored DTensors come back as
-        DTensors where their mesh can be rebuilt from the default process group, else as their
-        local shards (see :func:`tiercheck.codec.dtensor.materialize`).
+        ``load_state_dict`` (see :mod:`tiercheck.engine.stateful`); DTensors are filled shard by
+        shard after their layout was checked. Without ``state``, stored DTensors come back as
+        DTensors where their mesh can be rebuilt from the default process group, else as their local
+        shards (see :func:`tiercheck.codec.format.dtensor.materialize`).
 
         A ``version`` that is not an int in ``[0, 10**12)`` (a string, a bool, a float) is a
         :class:`~tiercheck.errors.VersionError`, before anything is opened or exchanged.

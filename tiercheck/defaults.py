@@ -97,13 +97,20 @@ _LOCK_NAME = re.compile(r"^r(\d{5})\.lock$")
 _REPLICA_KEY = re.compile(r"^(?P<job>[^/]+)/r(?P<rank>\d{5})/(?P<key>.+)$")
 
 
+#: How a tier stores a version's blob: ``"full"`` (the raw payload as is) or ``"packed"``
+#: (XOR against a base, byte planes, zstd). The one declaration of the encodings: the blob
+#: header's kind, the key suffix (``r00000.full``) and a tier's ``encodings`` option name them.
+Encoding = Literal["full", "packed"]
+ENCODINGS: tuple[Encoding, ...] = ("full", "packed")
+
+
 def default_keep(durable: bool) -> int:
     """Versions a tier keeps when ``keep`` does not say: :data:`DURABLE_KEEP` for a durable
     tier, :data:`MEMORY_KEEP` for a memory tier, whatever the tier is named."""
     return DURABLE_KEEP if durable else MEMORY_KEEP
 
 
-def default_encoding(durable: bool) -> Literal["full", "packed"]:
+def default_encoding(durable: bool) -> Encoding:
     """How a tier stores blobs when ``encodings`` does not say, whatever it is named.
 
     A memory tier holds the raw payload (``"full"``): a restore from it is a memory read or the

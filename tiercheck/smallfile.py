@@ -1,8 +1,8 @@
 """Reading a small record file from an event loop, through ``aiofiles``.
 
 A node's identity record (``identity.json``, a few hundred bytes) is read from async code in
-two places: when a checkpointer opens (:func:`tiercheck.engine.claim.gather_facts`) and when the
-command line scans a node root (:mod:`tiercheck.catalog.scan`). Each happens once per opening or
+two places: when a checkpointer opens (:func:`tiercheck.engine.open.claim.gather_facts`) and when
+the command line scans a node root (:mod:`tiercheck.catalog.scan`). Each happens once per opening or
 scan, so ``aiofiles``' extra thread-pool hops (open, read and close are one each, where
 ``asyncio.to_thread(path.read_bytes)`` is one in all) cost nothing that matters: 0.2-0.3 ms
 a read, 2.7x the single hop (``python bench/aiofiles_io.py``, docs/architecture.md "Small

@@ -16,7 +16,6 @@ from tiercheck.codec import (
     MAGIC,
     CodecOptions,
     RawState,
-    blobformat,
     decode,
     encode_full,
     encode_packed,
@@ -29,7 +28,8 @@ from tiercheck.codec import (
     write_full_blob,
     write_payload,
 )
-from tiercheck.codec.flatten import align, flatten
+from tiercheck.codec.encode.flatten import align, flatten
+from tiercheck.codec.format import blobformat
 from tiercheck.errors import ChecksumMismatch, ConfigError, FormatError, UnsupportedFormat
 
 from ._helpers import assert_same, join, random_tensor

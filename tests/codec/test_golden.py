@@ -20,7 +20,7 @@ from tests.golden.make_golden import (
     golden_states,
 )
 from tiercheck.codec import decode, encode_full, read_meta, verify
-from tiercheck.codec.frames import LOW, ZSTD
+from tiercheck.codec.packed.frames import LOW, ZSTD
 
 from ._helpers import assert_same, join
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tiercheck.codec import decode, encode_full, encode_packed, flatten, read_meta, snapshot
-from tiercheck.codec.dtensor import DTensorShard
-from tiercheck.codec.flatten import Layout, ReplicaRef, replicated_record
-from tiercheck.codec.plan import Planner
-from tiercheck.codec.rebuild import unflatten
+from tiercheck.codec.decode.rebuild import unflatten
+from tiercheck.codec.encode.flatten import Layout, ReplicaRef, replicated_record
+from tiercheck.codec.encode.plan import Planner
+from tiercheck.codec.format.dtensor import DTensorShard
+from tiercheck.codec.format.skeleton import EXT_REPLICA
 from tiercheck.codec.replica import lean, referenced, resolve, resolve_all, skeleton_steps, take
-from tiercheck.codec.skeleton import EXT_REPLICA
 from tiercheck.errors import FormatError
 
 

@@ -1,4 +1,5 @@
-"""SIGTERM to a real two-rank job: what only memory held becomes durable (tiercheck.engine.sigterm).
+"""SIGTERM to a real two-rank job: what only memory held becomes durable
+(tiercheck.engine.close.sigterm).
 
 Two processes in one gloo group on loopback, as two nodes (local, peer and persistent tiers);
 only version 0 is a base, so the durable tier holds nothing newer unless the flush puts it

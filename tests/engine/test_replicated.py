@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.test_elastic import global_bias, global_weight, replicated, shard
+from tests.engine.restore.test_elastic import global_bias, global_weight, replicated, shard
 from tests.test_never_lose import flip_a_bit, run_ranks
 from tiercheck import Replicated, SyncCheckpointer
 from tiercheck.codec import decode, read_meta, unflatten
-from tiercheck.codec.dtensor import DTensorShard
+from tiercheck.codec.format.dtensor import DTensorShard
 from tiercheck.codec.replica import resolve, take
 from tiercheck.consistency.keys import version_prefix
 from tiercheck.testing import LocalGroup
@@ -429,7 +429,7 @@ def test_a_lean_blob_that_cannot_be_made_is_stored_whole_durably(
     save not failed -- and every rank restores from the persistent tier, then from a delta on
     that base made lean again."""
     from tiercheck.codec import replica
-    from tiercheck.engine import encode
+    from tiercheck.engine.save import encode
 
     def refuse(*_: Any) -> None:
         raise ValueError("refused for the test")

@@ -22,10 +22,11 @@ from tiercheck.catalog.read import decode_blob, decode_resolved
 from tiercheck.catalog.regions import whole_by_regions
 from tiercheck.catalog.scan import Catalog
 from tiercheck.codec import DTensorShard, unflatten
+from tiercheck.codec.decode.statetree import own_copy
+from tiercheck.codec.format.dtypes import safetensors_dtypes
 from tiercheck.codec.replica import resolve_all
-from tiercheck.codec.reshard import assemble, plan_reshard
+from tiercheck.codec.reshard.reshard import assemble, plan_reshard
 from tiercheck.errors import BlobNotFound, ReshardError
-from tiercheck.statetree import own_copy
 
 __all__ = [
     "EXPORT_MODE",
@@ -82,31 +83,7 @@ class ExportResult:
         }
 
 
-# Torch dtypes a safetensors file can hold, by name (looked up, as some builds lack a few).
-_SAFETENSORS_DTYPES = frozenset(
-    getattr(torch, name)
-    for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-)
+_SAFETENSORS_DTYPES = safetensors_dtypes()
 
 _JSON_SCALARS = (type(None), bool, int, float, str)
 
@@ -285,7 +262,7 @@ async def _assembled(
     """The whole state of ``version``: every rank's blob put together as one rank's, and how
     many tensors and values it holds.
 
-    DTensors become their full (unsharded) tensors: by :func:`~tiercheck.codec.reshard.
+    DTensors become their full (unsharded) tensors: by :func:`~tiercheck.codec.reshard.reshard.
     plan_reshard` onto a world of one where it applies (1-D meshes), else by region
     (:func:`~tiercheck.catalog.regions.whole_by_regions`: meshes of two dimensions, strided
     placements). State outside DTensors must be the same on every rank, or it is rank 0's (and

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from tiercheck.blobread import complete, read_blob
 from tiercheck.catalog.base import READS, NullProgress, Progress, bounded
 from tiercheck.catalog.locate import OpenLocation
 from tiercheck.catalog.scan import BlobEntry, Catalog
 from tiercheck.codec import RawState, read_meta
-from tiercheck.codec.assembled import Resharded
+from tiercheck.codec.decode.assembled import Resharded
+from tiercheck.codec.decode.blobread import complete, read_blob
 from tiercheck.errors import BlobNotFound, TiercheckError
 
 __all__ = ["decode_blob", "decode_resolved", "inspect_blobs"]
@@ -51,7 +51,7 @@ async def decode_blob(opened: OpenLocation, catalog: Catalog, blob: BlobEntry) -
 
     Decoding checks every blob's checksum and the payload against the digest recorded at save
     time, so what comes back is bit for bit what was saved, or an error (the reading rule of
-    restore: :func:`tiercheck.blobread.read_blob`).
+    restore: :func:`tiercheck.codec.decode.blobread.read_blob`).
     """
 
     async def find_base(version: int, rank: int) -> str:

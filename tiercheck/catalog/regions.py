@@ -1,12 +1,12 @@
 """A version's DTensors put together whole from their stored shards by region, on any mesh.
 
 Each stored shard says where it sits in its global tensor (its record's ``offset``, with the
-local tensor's shape: see :mod:`tiercheck.codec.dtensor`), whatever the mesh and placements
+local tensor's shape: see :mod:`tiercheck.codec.format.dtensor`), whatever the mesh and placements
 that gave it -- two dimensions (FSDP2 + tensor parallel, HSDP) included, as DCP reads them too.
 :func:`whole_by_regions` copies every shard into its place in the full tensor, once per region
 (ranks that hold one region, replicated on a mesh dimension, must agree bit for bit), and checks
 that the shards cover the tensor exactly. What :func:`tiercheck.catalog.export.whole_state` uses
-where the 1-D reshard (:mod:`tiercheck.codec.reshard`) does not apply.
+where the 1-D reshard (:mod:`tiercheck.codec.reshard.reshard`) does not apply.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ The one command that removes a job's records too (``tiercheck rm-job``; ``gc`` n
 so the one that must be sure nobody is writing the job:
 
 * in a **node root**, every writer holds an exclusive lock on ``locks/r<rank>.lock`` while it is
-  open (:class:`tiercheck.guard.RankLock`). The removal takes every one of those locks first and
-  holds them while it deletes: a live writer makes it fail with
-  :class:`~tiercheck.errors.JobLocked` before anything is deleted, and a writer starting
-  meanwhile is refused by the lock the removal holds. The whole node root goes: its blobs, the
+  open (:class:`tiercheck.guards.node.RankLock`). The removal takes every one of those locks first
+  and holds them while it deletes: a live writer makes it fail with
+  :class:`~tiercheck.errors.JobLocked` before anything is deleted, and a writer starting meanwhile
+  is refused by the lock the removal holds. The whole node root goes: its blobs, the
   replicas it keeps for other nodes, its manifest, its identity, its lock files; then the folder
   itself and its job folder where they are left empty.
 * in a **persistent job folder** a writer's lock lives in its node's memory. The job's memory on
@@ -16,7 +16,7 @@ so the one that must be sure nobody is writing the job:
   process of this host is writing right now refuses the removal too. A writer on another host
   cannot be seen: :attr:`JobRemoval.liveness` says so and names the newest writer generation;
   the caller decides -- and such a writer, should it still run, stops writing there at its next
-  write (:class:`tiercheck.guard.Fence` finds the tombstone). First a **tombstone** is written
+  write (:class:`tiercheck.guards.node.Fence` finds the tombstone). First a **tombstone** is written
   (``DELETED``: the incarnation deleted and its newest writer generation), so that memory of the
   deleted incarnation on any node -- those this command cannot reach -- is discarded, never
   restored, by the job's next opening. Then every tiercheck key goes: the writer generations
@@ -56,7 +56,7 @@ from tiercheck.consistency.identity import (
 from tiercheck.consistency.keys import parse_blob_key, parse_commit_key
 from tiercheck.defaults import NodeRoot, memory_base
 from tiercheck.errors import FormatError, JobLocked, TiercheckError
-from tiercheck.guard import NodeLocks, lock_files, read_tombstone, write_tombstone
+from tiercheck.guards import NodeLocks, lock_files, read_tombstone, write_tombstone
 from tiercheck.tiers import atomic
 from tiercheck.tiers.base import Leftover
 from tiercheck.tiers.persistent import PersistentTier
@@ -274,7 +274,7 @@ def _remove_node_root(root: NodeRoot, job: str) -> None:
             if atomic.process_verdict(temp.owner)[0] == "dead":
                 atomic.discard(temp.path)
         # Unlinked while held: a writer that opened one before finds, once it gets the lock,
-        # that the file is gone and takes a fresh one (see tiercheck.guard.RankLock).
+        # that the file is gone and takes a fresh one (see tiercheck.guards.node.RankLock).
         locks.remove_files()
     finally:
         locks.release()

@@ -14,8 +14,8 @@ and importable from here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tiercheck.catalog.base import LOCAL_TIER, REQUESTS, Location, LocationError
 from tiercheck.catalog.entries import (
@@ -58,7 +58,29 @@ from tiercheck.smallfile import read_small
 from tiercheck.tiers.local import LocalTier
 
 if TYPE_CHECKING:
-    from tiercheck.catalog.locate import OpenLocation
+    from tiercheck.consistency.manifest import Manifest
+    from tiercheck.tiers.base import Tier
+
+_T = TypeVar("_T")
+
+
+class Opened(Protocol):
+    """What a scan reads of an opened location (a
+    :class:`~tiercheck.catalog.locate.OpenLocation`, which runs the scan: named here by what it
+    offers, so this module does not import the one that imports it)."""
+
+    location: Location
+    tier: Tier
+    manifest: Manifest | None
+    manifest_error: str | None
+
+    @property
+    def node_root(self) -> NodeRoot | None:
+        """The node root's layout (``None`` for a persistent job folder)."""
+
+    async def in_manifest_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a manifest call on the manifest's own thread."""
+
 
 __all__ = [
     "AbandonedSetEntry",
@@ -72,7 +94,7 @@ __all__ = [
 ]
 
 
-async def scan_location(opened: OpenLocation) -> Catalog:
+async def scan_location(opened: Opened) -> Catalog:
     """List ``opened`` into a :class:`Catalog` (reads no blob, only small records).
 
     What every key is (:func:`_sort_keys`), then the records that describe the keys: ``COMMIT``
@@ -213,26 +235,26 @@ def _sort_abandoned(sets: dict[str, AbandonedSetEntry], key: str) -> bool:
     return True
 
 
-async def _read_record(opened: OpenLocation, key: str) -> bytes:
+async def _read_record(opened: Opened, key: str) -> bytes:
     """The small record under ``key``; raises what the tier raises."""
     return bytes(await opened.tier.get(key))
 
 
-async def _read_job_record(opened: OpenLocation, catalog: Catalog) -> None:
+async def _read_job_record(opened: Opened, catalog: Catalog) -> None:
     try:
         catalog.job_record = JobRecord.from_bytes(await _read_record(opened, JOB_KEY))
     except (FormatError, BlobNotFound, StorageError) as exc:
         catalog.job_record_error = f"{type(exc).__name__}: {exc}"
 
 
-async def _read_tombstone(opened: OpenLocation, catalog: Catalog) -> None:
+async def _read_tombstone(opened: Opened, catalog: Catalog) -> None:
     try:
         catalog.tombstone = Tombstone.from_bytes(await _read_record(opened, TOMBSTONE_KEY))
     except (FormatError, BlobNotFound, StorageError) as exc:
         catalog.tombstone_error = f"{type(exc).__name__}: {exc}"
 
 
-async def _read_newest_writer(opened: OpenLocation, catalog: Catalog) -> None:
+async def _read_newest_writer(opened: Opened, catalog: Catalog) -> None:
     generation = catalog.writer_generations[-1]
     key = writer_key(generation)
     try:
@@ -246,7 +268,7 @@ async def _read_newest_writer(opened: OpenLocation, catalog: Catalog) -> None:
     catalog.newest_writer = record
 
 
-async def _read_identity(opened: OpenLocation, catalog: Catalog) -> None:
+async def _read_identity(opened: Opened, catalog: Catalog) -> None:
     assert opened.node_root is not None  # a node root's scan
     path = opened.node_root.identity
     try:
@@ -263,7 +285,7 @@ async def _read_identity(opened: OpenLocation, catalog: Catalog) -> None:
 
 
 async def _read_commits(
-    opened: OpenLocation, catalog: Catalog, commit_keys: list[tuple[int, str]]
+    opened: Opened, catalog: Catalog, commit_keys: list[tuple[int, str]]
 ) -> None:
     sem = asyncio.Semaphore(REQUESTS)
 
@@ -299,7 +321,7 @@ async def _read_commits(
         entry.expected_ranks = tuple(range(entry.commit.world_size)) if entry.commit else job_ranks
 
 
-async def _read_abandoned(opened: OpenLocation, aside: AbandonedSetEntry) -> None:
+async def _read_abandoned(opened: Opened, aside: AbandonedSetEntry) -> None:
     """An abandoned set's ``SET`` record, its ``COMMIT`` copies (what they say of the blobs
     beside them, as :func:`_read_commits` does for live versions) and the sizes of its keys.
     What cannot be read is kept as an error for :func:`~tiercheck.catalog.verify`."""
@@ -352,7 +374,7 @@ async def _read_abandoned(opened: OpenLocation, aside: AbandonedSetEntry) -> Non
     aside.size = None if None in every else sum(n for n in every if n is not None)
 
 
-async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:
+async def _read_manifest(opened: Opened, catalog: Catalog) -> None:
     manifest = opened.manifest
     committed: set[int] = set()
     begun: set[int] = set()
@@ -383,7 +405,7 @@ async def _read_manifest(opened: OpenLocation, catalog: Catalog) -> None:
                 blob.base_known = True
 
 
-async def _fill_sizes(opened: OpenLocation, catalog: Catalog) -> None:
+async def _fill_sizes(opened: Opened, catalog: Catalog) -> None:
     sem = asyncio.Semaphore(REQUESTS)
 
     async def one(blob: BlobEntry) -> None:
@@ -406,7 +428,7 @@ async def _fill_sizes(opened: OpenLocation, catalog: Catalog) -> None:
     )
 
 
-async def _read_replicas(opened: OpenLocation, catalog: Catalog) -> None:
+async def _read_replicas(opened: Opened, catalog: Catalog) -> None:
     """Summarise ``replicas/``: what the node keeps for ranks of other nodes."""
     assert opened.node_root is not None  # a node root's scan
     folder = opened.node_root.replicas

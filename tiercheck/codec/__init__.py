@@ -8,8 +8,8 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
     blob  --decode(base=...)--> RawState (verified end to end) --state()--> state
     blob  --read_meta_ranged / read_tensors--> some tensors, reading only their byte ranges
 
-Putting a decoded state into live objects in place is :mod:`tiercheck.statetree`'s job, above the
-codec (``check_into``, ``load_into`` and ``own_copy``).
+Putting a decoded state into live objects in place is :mod:`tiercheck.codec.decode.statetree`'s job,
+above the codec (``check_into``, ``load_into`` and ``own_copy``).
 
 Modules: :mod:`.flatten` (a live state -> skeleton and tensors; the payload), :mod:`.skeleton`
 (the skeleton format's one home: its tags and the one walk over a stored skeleton),
@@ -44,21 +44,21 @@ from tiercheck.codec.blob import (
     verify,
     write_full_blob,
 )
-from tiercheck.codec.delta import match_base, xor_bits, xor_bytes
-from tiercheck.codec.digest import raw_digest
-from tiercheck.codec.dtensor import DTensorShard
-from tiercheck.codec.dtypes import supported_dtypes
-from tiercheck.codec.flatten import (
+from tiercheck.codec.decode.partial import RangedBlob, read_meta_ranged, read_tensors
+from tiercheck.codec.decode.rebuild import unflatten
+from tiercheck.codec.encode.flatten import (
     ALIGNMENT,
     Layout,
     TensorSpec,
     flatten,
     write_payload,
 )
+from tiercheck.codec.format.digest import raw_digest
+from tiercheck.codec.format.dtensor import DTensorShard
+from tiercheck.codec.format.dtypes import supported_dtypes
+from tiercheck.codec.format.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
 from tiercheck.codec.options import CodecOptions
-from tiercheck.codec.partial import RangedBlob, read_meta_ranged, read_tensors
-from tiercheck.codec.rebuild import unflatten
-from tiercheck.codec.stages import FlattenStage, PlanesStage, Stage, XorStage, ZstdStage
+from tiercheck.codec.packed.delta import match_base, xor_bits, xor_bytes
 
 __all__ = [
     "ALIGNMENT",

@@ -8,7 +8,15 @@ The names gathered here live in :mod:`.blobformat` (the byte layout, :class:`Blo
 
 from __future__ import annotations
 
-from tiercheck.codec.blobformat import (
+from tiercheck.codec.decode.decoder import decode, verify
+from tiercheck.codec.encode.encoder import (
+    encode_full,
+    encode_packed,
+    finalize_full_blob,
+    full_blob_size,
+    write_full_blob,
+)
+from tiercheck.codec.format.blobformat import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     MAGIC,
@@ -18,14 +26,6 @@ from tiercheck.codec.blobformat import (
     FrameExtent,
     frame_extents,
     read_meta,
-)
-from tiercheck.codec.decoder import decode, verify
-from tiercheck.codec.encoder import (
-    encode_full,
-    encode_packed,
-    finalize_full_blob,
-    full_blob_size,
-    write_full_blob,
 )
 from tiercheck.codec.rawstate import RawState, host_buffer, snapshot
 

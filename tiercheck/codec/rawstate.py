@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercheck.codec.digest import chunk_count, chunk_digests, tree_root
-from tiercheck.codec.flatten import flatten, write_payload
-from tiercheck.codec.layout import Layout
-from tiercheck.codec.rebuild import unflatten
+from tiercheck.codec.decode.rebuild import unflatten
+from tiercheck.codec.encode.flatten import flatten, write_payload
+from tiercheck.codec.format.digest import chunk_count, chunk_digests, tree_root
+from tiercheck.codec.format.layout import Layout
 
 __all__ = ["RawState", "host_buffer", "snapshot"]
 
@@ -41,7 +41,7 @@ class RawState:
     ``raw_digest`` its :func:`~tiercheck.codec.raw_digest` -- build one with :func:`snapshot`, or
     compute the digest yourself: encoders trust it, and decoding checks it end to end.
     ``chunk_digests``, when known, are the leaves of that digest
-    (:func:`~tiercheck.codec.digest.chunk_digests`): :func:`encode_full` then stores them, so
+    (:func:`~tiercheck.codec.format.digest.chunk_digests`): :func:`encode_full` then stores them, so
     that parts of the blob can be checked alone. They must add up to ``raw_digest`` (checked
     here, without reading the payload).
 
@@ -81,7 +81,8 @@ class RawState:
         """The nested state, rebuilt around views of the payload (no copy).
 
         The state's tensors live in ``payload``: copy them (or
-        :func:`~tiercheck.statetree.load_into` a live state) before the payload's memory is reused.
+        :func:`~tiercheck.codec.decode.statetree.load_into` a live state) before the payload's
+        memory is reused.
         """
         return unflatten(self.layout, self.tensors(), allow_pickle=allow_pickle)
 

@@ -1,9 +1,9 @@
 """Replicated state stored once: references between the blobs of one save, made and resolved.
 
 A rank that is not its node's first stores, in place of replicated state, a
-:class:`~tiercheck.codec.flatten.ReplicaRef` -- "rank ``L`` of this same save stores the value
-here" (see :class:`tiercheck.Replicated`). In the tiers that outlive the cluster a node's first
-rank ``L > 0`` stores a reference to rank 0 in turn (:func:`lean`), so those tiers hold the
+:class:`~tiercheck.codec.encode.flatten.ReplicaRef` -- "rank ``L`` of this same save stores the
+value here" (see :class:`tiercheck.Replicated`). In the tiers that outlive the cluster a node's
+first rank ``L > 0`` stores a reference to rank 0 in turn (:func:`lean`), so those tiers hold the
 value once in all: a reference may lead to a blob that refers on, and is followed to the blob
 that holds the value.
 
@@ -28,9 +28,8 @@ from typing import Any
 import msgpack
 import torch
 
-from tiercheck.codec.flatten import Layout, replicated_record
-from tiercheck.codec.resources import paused_gc
-from tiercheck.codec.skeleton import (
+from tiercheck.codec.encode.flatten import Layout, replicated_record
+from tiercheck.codec.format.skeleton import (
     EXT_NDARRAY,
     EXT_REPLICA,
     EXT_TENSOR,
@@ -45,6 +44,7 @@ from tiercheck.codec.skeleton import (
     where,
     write_tree,
 )
+from tiercheck.codec.resources import paused_gc
 from tiercheck.errors import FormatError
 
 __all__ = [

@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from tiercheck.codec.layout import align
-from tiercheck.codec.planes import BLOCK_BYTES, PlaneScratch
+from tiercheck.codec.format.layout import align
+from tiercheck.codec.packed.planes import BLOCK_BYTES, PlaneScratch
 
 __all__ = [
     "U8",

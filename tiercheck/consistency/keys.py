@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
 
+from tiercheck.defaults import ENCODINGS, Encoding
 from tiercheck.errors import VersionError
 
 __all__ = [
@@ -26,8 +26,8 @@ __all__ = [
     "version_prefix",
 ]
 
-BlobKind = Literal["full", "packed"]
-_BLOB = re.compile(r"^v(\d{12})/r(\d{5})\.(full|packed)$")
+BlobKind = Encoding
+_BLOB = re.compile(rf"^v(\d{{12}})/r(\d{{5}})\.({'|'.join(ENCODINGS)})$")
 _COMMIT = re.compile(r"^v(\d{12})/COMMIT$")
 _FOLDER = re.compile(r"^v(\d{12})$")
 MAX_VERSION = 10**12 - 1

@@ -22,7 +22,7 @@ the newest of them durable, as a new base, through four named steps on a channel
 4. **ack** -- with every rank's blob written, rank 0 writes the version's ``COMMIT`` record and
    every rank learns whether it landed (a :class:`~tiercheck.consistency.protocol.CommitAck`).
 
-Pure data and pure functions, no I/O: :mod:`tiercheck.engine.preempt` exchanges and stores.
+Pure data and pure functions, no I/O: :mod:`tiercheck.engine.close.preempt` exchanges and stores.
 """
 
 from __future__ import annotations

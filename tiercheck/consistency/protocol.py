@@ -201,7 +201,7 @@ class RestoreVerdict:
     ``ok``: the rank read its blob and it fits the caller's state. ``reasons`` say why each
     tier could not serve it; ``refusal`` (``(kind, message)``) says the caller's state cannot
     take the version at all (``kind`` is ``"StateMismatch"`` or ``"UnsupportedObject"``).
-    ``direct``: the rank has read only the blob's header yet (:mod:`tiercheck.engine.inplace`);
+    ``direct``: the rank read only the blob's header (:mod:`tiercheck.engine.restore.inplace`);
     if any rank has, all send a second verdict (step ``WRITTEN``) once the state is written.
     """
 
@@ -254,7 +254,7 @@ class SessionToken:
 @dataclass(frozen=True, slots=True)
 class OpenFacts:
     """Step ``OPEN_FACTS``: what one rank sees before the job opens, for
-    :meth:`tiercheck.engine.claim.Claim.judge`. A field left at its default is not sent."""
+    :meth:`tiercheck.engine.open.claim.Claim.judge`. A field left at its default is not sent."""
 
     node: int
     local_rank: int

@@ -135,7 +135,7 @@ def _position(envelope: object) -> tuple[str, int | None]:
 class Channels:
     """This rank's side of the exchanges: the coordinator, one serial thread per channel, and
     the session every rank agreed at opening. A :class:`Side`; it changes only through its
-    methods (the engine opens it, :mod:`~tiercheck.engine.shutdown` closes it)."""
+    methods (the engine opens it, :mod:`~tiercheck.engine.close.shutdown` closes it)."""
 
     def __init__(self) -> None:
         self._coordinator: Coordinator = SoloCoordinator()

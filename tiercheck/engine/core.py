@@ -155,7 +155,7 @@ class CheckpointerCore(CallSteps):
                 another rank is bounded by ``peer_timeout``).
             elastic: allow a job saved by another number of ranks to be opened here and
                 restored, resharded onto this world (DTensors on a one-dimensional mesh over
-                all ranks, FSDP2's; see :mod:`tiercheck.codec.reshard` for the rules). Off
+                all ranks, FSDP2's; see :mod:`tiercheck.codec.reshard.reshard` for the rules). Off
                 (default), such a job is refused with
                 :class:`~tiercheck.errors.WorldSizeMismatch` before anything is read. A job
                 opened on another number of ranks must ``restore()`` before its first save.
@@ -184,7 +184,7 @@ class CheckpointerCore(CallSteps):
                 long C++ call. The handler is installed when a checkpointer opens on the main
                 thread (an INFO line says when it cannot be) and put back when the last one
                 closes; one handler serves every checkpointer of the process (see
-                :mod:`tiercheck.engine.sigterm`). ``False``: no handler is installed and the
+                :mod:`tiercheck.engine.close.sigterm`). ``False``: no handler is installed and the
                 one in place is left alone. Every rank must use the same setting.
             preemption_grace: the longest the flush on SIGTERM may take, in seconds (default
                 20, under the 30 s that Kubernetes, Slurm and torchrun give before SIGKILL): a
@@ -309,8 +309,8 @@ class CheckpointerCore(CallSteps):
         including hooks (:func:`~tiercheck.fence_before_step`); never raises a copy's own
         failure, only :class:`TimeoutError` when ``timeout`` passes first. It confirms the
         copies it waited for: their versions fail if the state changed since ``save`` (see
-        :mod:`tiercheck.staging`), which it compares here, where the caller's in-place changes
-        made before it are all finished.
+        :mod:`tiercheck.engine.save.staging`), which it compares here, where the caller's in-place
+        changes made before it are all finished.
         """
         timeout = check_timeout(timeout)
         engine = self._engine

@@ -1,13 +1,13 @@
 """The engine: the parts of a checkpointer put together, on its private event loop.
 
 One save, in order (see also :mod:`tiercheck.checkpointer`): :meth:`Engine.save` checks the
-version and flattens the state (:class:`~tiercheck.codec.plan.Planner`), the
-:class:`~tiercheck.engine.schedule.Schedule` decides base or delta and applies back-pressure,
-the :class:`~tiercheck.engine.stage.Stager` copies the snapshot into host memory, and
-:meth:`Engine._launch` hands the job to the :class:`~tiercheck.engine.encode.Encoder` and to
-each target tier's :class:`~tiercheck.engine.tier.TierPipeline` (lane, then commit round).
-A restore is the :class:`~tiercheck.engine.restore.Restorer`'s; closing, the
-:class:`~tiercheck.engine.shutdown.Shutdown`'s.
+version and flattens the state (:class:`~tiercheck.codec.encode.plan.Planner`), the
+:class:`~tiercheck.engine.save.schedule.Schedule` decides base or delta and applies back-pressure,
+the :class:`~tiercheck.engine.save.stage.Stager` copies the snapshot into host memory, and
+:meth:`Engine._launch` hands the job to the :class:`~tiercheck.engine.save.encode.Encoder` and to
+each target tier's :class:`~tiercheck.engine.commit.tier.TierPipeline` (lane, then commit round).
+A restore is the :class:`~tiercheck.engine.restore.restore.Restorer`'s; closing, the
+:class:`~tiercheck.engine.close.shutdown.Shutdown`'s.
 """
 
 from __future__ import annotations
@@ -18,30 +18,30 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tiercheck.codec.flatten import ReplicaRef
-from tiercheck.codec.plan import Planner
+from tiercheck.codec.encode.flatten import ReplicaRef
+from tiercheck.codec.encode.plan import Planner
 from tiercheck.consistency.manifest import Abort
 from tiercheck.defaults import NodeRoot, persistent_job_url
-from tiercheck.engine.claim import Claim
+from tiercheck.engine.close.preempt import PREEMPT_CHANNEL, Preemption
+from tiercheck.engine.close.shutdown import Shutdown
 from tiercheck.engine.collectives import Channels
-from tiercheck.engine.elastic import ElasticReader
-from tiercheck.engine.encode import Encoder
+from tiercheck.engine.commit.tier import TierPipeline, build_tier, writes_commit_records
 from tiercheck.engine.health import Health
 from tiercheck.engine.jobs import InFlight, Job
 from tiercheck.engine.journal import Journal
-from tiercheck.engine.leftovers import sweep_leftovers, sweep_node_root
+from tiercheck.engine.open.claim import Claim
+from tiercheck.engine.open.leftovers import sweep_leftovers, sweep_node_root
+from tiercheck.engine.open.rejoin import Rejoin
 from tiercheck.engine.options import CloseMode, Options
-from tiercheck.engine.plan import SavePlan
-from tiercheck.engine.preempt import PREEMPT_CHANNEL, Preemption
-from tiercheck.engine.read import Reader
-from tiercheck.engine.rejoin import Rejoin
-from tiercheck.engine.restore import Agreement, Restorer, all_loaded
+from tiercheck.engine.restore.elastic import ElasticReader
+from tiercheck.engine.restore.read import Reader
+from tiercheck.engine.restore.restore import Agreement, Restorer, all_loaded
+from tiercheck.engine.restore.timeline import TIMELINE_CHANNEL, Timeline
 from tiercheck.engine.results import CheckpointerStats, Restored, SaveHandle, SaveStats
-from tiercheck.engine.schedule import Schedule
-from tiercheck.engine.shutdown import Shutdown
-from tiercheck.engine.stage import Stager
-from tiercheck.engine.tier import TierPipeline, build_tier, writes_commit_records
-from tiercheck.engine.timeline import TIMELINE_CHANNEL, Timeline
+from tiercheck.engine.save.encode import Encoder
+from tiercheck.engine.save.plan import SavePlan
+from tiercheck.engine.save.schedule import Schedule
+from tiercheck.engine.save.stage import Stager
 from tiercheck.errors import ConfigError, TierClosed
 from tiercheck.tiers.base import Tier, TierSetup
 
@@ -105,7 +105,7 @@ class Engine:
             timeline=self.timeline,
         )
         self.shutdown = Shutdown(self)
-        #: The flush on SIGTERM (see tiercheck.engine.sigterm).
+        #: The flush on SIGTERM (see tiercheck.engine.close.sigterm).
         self.preemption = Preemption(self)
         self.opened = False
         #: When :meth:`open` began (so a close before ``opened`` follows a failed opening).
@@ -122,7 +122,7 @@ class Engine:
         )
 
     def mark_closing(self) -> None:
-        """A close began (see :class:`~tiercheck.engine.shutdown.Shutdown`)."""
+        """A close began (see :class:`~tiercheck.engine.close.shutdown.Shutdown`)."""
         self.closing = True
 
     def mark_closed(self) -> None:
@@ -212,7 +212,7 @@ class Engine:
         """Snapshot ``state`` as ``version``; see :meth:`tiercheck.Checkpointer.save`.
 
         ``replicated_paths``: where :attr:`leans`, the paths of the state's ``Replicated``
-        values (from :func:`tiercheck.stateful.for_save`)."""
+        values (from :func:`tiercheck.engine.stateful.for_save`)."""
         # One save at a time: the schedule (version, base or delta) is decided in call order.
         async with self.save_lock:
             return await self._save(version, state, marks, replicated_paths)
@@ -234,7 +234,7 @@ class Engine:
         schedule = self.schedule
         schedule.check_version(version)
         # Inline: pure Python walking the state, shorter than a hop to a thread and back. A
-        # state shaped like the previous one reuses its layout (see tiercheck.codec.plan).
+        # state shaped like the previous one reuses its layout (see tiercheck.codec.encode.plan).
         flat = self.planner.flatten(state)
         layout = flat.layout
         await schedule.check_fresh_start(version)

@@ -14,8 +14,8 @@ from tiercheck.codec import Layout, RawState
 from tiercheck.consistency.manifest import Written
 from tiercheck.engine.options import TierEncoding
 from tiercheck.engine.results import SaveHandle
+from tiercheck.engine.save.staging import SnapshotCopy
 from tiercheck.errors import SaveSkipped, TierWriteFailed
-from tiercheck.staging import SnapshotCopy
 from tiercheck.tiers.base import Reservation
 
 __all__ = ["VERDICT_POLL_S", "BaseInMemory", "Holder", "InFlight", "Job", "LaneResult", "OwnBlob"]
@@ -65,7 +65,7 @@ class Job:
     started: float
     layout: Layout | None = None
     #: On a node's first rank other than rank 0: the paths of the ``Replicated`` values (see
-    #: :func:`tiercheck.stateful.for_save`), left out of its blobs in durable tiers.
+    #: :func:`tiercheck.engine.stateful.for_save`), left out of its blobs in durable tiers.
     replicated_paths: tuple[tuple[Any, ...], ...] | None = None
     payload: torch.Tensor | None = None
     # The snapshot copy still running after save returned (overlapped saves only).
@@ -165,7 +165,7 @@ class Job:
 
     def encode_as_base(self) -> None:
         """Planned as a delta, but its base is not in memory when it is encoded
-        (:func:`~tiercheck.engine.plan.base_unusable`): it is encoded, and reported, as a
+        (:func:`~tiercheck.engine.save.plan.base_unusable`): it is encoded, and reported, as a
         base. (:attr:`base_version` stays: it is what was planned.)"""
         self.kind = "base"
         self.handle.stats.kind = "base"

@@ -20,6 +20,8 @@ from typing import Any, Literal
 from tiercheck.codec import CodecOptions
 from tiercheck.consistency.coordinator import Coordinator
 from tiercheck.defaults import (
+    ENCODINGS,
+    Encoding,
     check_job_id,
     check_node_name,
     default_encoding,
@@ -53,17 +55,17 @@ __all__ = [
     "resolve_options",
 ]
 
-TierEncoding = Literal["full", "packed"]
+TierEncoding = Encoding
 BusyPolicy = Literal["wait", "skip"]
 StalePolicy = Literal["error", "discard", "adopt"]
 #: What an elastic restore does with leaves that are not DTensors and differ between the ranks
 #: that saved them: ``"refuse"`` (a :class:`~tiercheck.errors.ReshardError`) or ``"wrap"`` (new
-#: rank ``q`` takes old rank ``q % N``'s); see :mod:`tiercheck.codec.reshard`.
+#: rank ``q`` takes old rank ``q % N``'s); see :mod:`tiercheck.codec.reshard.reshard`.
 PerRankPolicy = Literal["refuse", "wrap"]
 VersionSelector = Literal["all", "base"] | Callable[[int], bool]
 #: Coordination channels that are not a tier's (each tier's rounds run on one named after it):
 #: the opening's, restores' and closes' exchanges, the flush on SIGTERM's, and the settling of the
-#: timeline after a restore (tiercheck.engine.timeline).
+#: timeline after a restore (tiercheck.engine.restore.timeline).
 RESERVED_CHANNELS = ("control", "preempt", "timeline")
 #: How a checkpointer closes: ``"collective"`` -- the normal end, every save finished and the
 #: ranks leaving the store and each other in order; ``"bounded"`` -- leaving on an exception,
@@ -94,7 +96,7 @@ class TierPolicy:
             raise ConfigError(
                 f"keep must be an int >= 1 (versions a tier retains), got keep={self.keep!r}"
             )
-        if self.encoding not in ("full", "packed"):
+        if self.encoding not in ENCODINGS:
             raise ConfigError(f"encoding must be 'full' or 'packed', got {self.encoding!r}")
         if not (self.versions in ("all", "base") or callable(self.versions)):
             raise ConfigError(
@@ -139,7 +141,7 @@ class TierOptions:
     local_capacity: int | None
     peer_replicas: int
     #: Encoded versions that may wait for one tier; beyond, the oldest are dropped for it
-    #: (see :func:`~tiercheck.engine.plan.make_room`).
+    #: (see :func:`~tiercheck.engine.save.plan.make_room`).
     tier_queue: int
 
     def policy(self, tier: str) -> TierPolicy:
@@ -179,7 +181,7 @@ class CoordinationOptions:
     close_timeout: float
     #: A durable tier that could not be reached at opening is tried again in the background,
     #: first after ``durable_retry_delay`` seconds, each wait twice the one before, up to
-    #: ``durable_retry_max`` (see :mod:`tiercheck.engine.rejoin`).
+    #: ``durable_retry_max`` (see :mod:`tiercheck.engine.open.rejoin`).
     durable_retry_delay: float = 1.0
     durable_retry_max: float = 60.0
 
@@ -196,7 +198,7 @@ class HealthOptions:
 
 @dataclass(frozen=True, slots=True)
 class PreemptionOptions:
-    """What happens on SIGTERM (see :mod:`tiercheck.engine.sigterm`)."""
+    """What happens on SIGTERM (see :mod:`tiercheck.engine.close.sigterm`)."""
 
     #: Whether a SIGTERM handler flushes the newest version committed in memory to the
     #: durable tiers before the process ends as it would have.
@@ -433,7 +435,7 @@ def resolve_options(given: Mapping[str, Any]) -> Options:
         for name, value in _tier_map("keep", keep, tier_names, "versions it retains").items():
             _count(f"keep[{name!r}]", value, 1, "versions the tier retains")
     for name, value in _tier_map("encodings", encodings, tier_names, "an encoding").items():
-        _choice(f"encodings[{name!r}]", value, ("full", "packed"))
+        _choice(f"encodings[{name!r}]", value, ENCODINGS)
     overrides = _tier_map("policies", policies, tier_names, "a TierPolicy")
     for name, value in overrides.items():
         if not isinstance(value, TierPolicy):

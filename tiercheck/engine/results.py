@@ -103,11 +103,11 @@ class CheckpointerStats:
     #: writing there; see :class:`~tiercheck.errors.Superseded`).
     superseded: bool = False
     #: Durable tiers this opening could not reach when it opened and has not claimed since (it
-    #: opened on the nodes' memory; see :mod:`tiercheck.engine.rejoin`), by name, with the
+    #: opened on the nodes' memory; see :mod:`tiercheck.engine.open.rejoin`), by name, with the
     #: error; empty once every one is claimed again.
     unreachable: dict[str, str] = field(default_factory=dict)
     #: Saves whose state had the structure of the save before it, so that its layout was
-    #: reused instead of walked and planned anew (see :mod:`tiercheck.codec.plan`).
+    #: reused instead of walked and planned anew (see :mod:`tiercheck.codec.encode.plan`).
     layouts_reused: int = 0
     #: Saves whose layout was planned anew (the first, and any whose structure changed).
     layouts_planned: int = 0
@@ -172,7 +172,7 @@ def _resolved() -> concurrent.futures.Future[None]:
 
 class _Point(Protocol):
     """The confirmation point a handle passes (the engine's stager; see
-    :mod:`tiercheck.staging`)."""
+    :mod:`tiercheck.engine.save.staging`)."""
 
     def settle(self, *, wait: bool, timeout: float | None = None) -> None: ...
 
@@ -191,8 +191,9 @@ class SaveHandle:
     With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
     ``await handle.staged_async()``) is the fence to pass before changing the state. Passing the
     fence, and waiting with :meth:`result` or :meth:`done`, also confirms the copies that are
-    done (the version counters are compared on the calling side, see :mod:`tiercheck.staging`):
-    no tier stores an overlapped version before it is confirmed.
+    done (the version counters are compared on the calling side, see
+    :mod:`tiercheck.engine.save.staging`): no tier stores an overlapped version before it is
+    confirmed.
     """
 
     def __init__(self, version: int, tiers: Sequence[str], stats: SaveStats) -> None:

@@ -21,16 +21,16 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
-from tiercheck import stateful
 from tiercheck._loop import LoopThread
 from tiercheck.consistency.keys import check_version
-from tiercheck.engine import sigterm
+from tiercheck.engine import stateful
+from tiercheck.engine.close import sigterm
 from tiercheck.engine.engine import Engine
 from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.results import Restored, SaveHandle
-from tiercheck.engine.stage import Stager
+from tiercheck.engine.save.stage import Stager
+from tiercheck.engine.save.staging import caller_marks
 from tiercheck.errors import ConfigError, StatefulError, TierClosed
-from tiercheck.staging import caller_marks
 
 __all__ = ["CallSteps", "Settle", "Step", "Steps", "drive", "drive_async", "restore_steps"]
 
@@ -42,7 +42,7 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Settle:
     """A step on the caller's side: wait for the overlapped snapshot copies in flight and
-    confirm them (a confirmation point, see :mod:`tiercheck.staging`).
+    confirm them (a confirmation point, see :mod:`tiercheck.engine.save.staging`).
 
     :func:`drive` blocks in :meth:`Stager.settle` (a :class:`TimeoutError`, thrown into the
     steps, when ``timeout`` passes first); :func:`drive_async` awaits :meth:`Stager.asettle`
@@ -304,7 +304,8 @@ class CallSteps:
             loop.stop()
             self._loop = None
 
-    # --- confirmation points (see tiercheck.staging) ------------------------------------------
+    # --- confirmation points (see tiercheck.engine.save.staging)
+    # ------------------------------------------
 
     def _settle(self) -> None:
         """Confirm the overlapped copies that are done, waiting for none."""
@@ -324,7 +325,8 @@ class CallSteps:
         finally:
             engine.stager.abandon(_ABANDONED)
 
-    # --- SIGTERM (see tiercheck.engine.sigterm) -------------------------------------------------
+    # --- SIGTERM (see tiercheck.engine.close.sigterm)
+    # -------------------------------------------------
 
     @property
     def preemption_grace(self) -> float:

@@ -27,7 +27,7 @@ from tiercheck.consistency.identity import JOB_KEY
 from tiercheck.consistency.keys import MAX_VERSION, check_version
 from tiercheck.defaults import check_job_id
 from tiercheck.errors import ConfigError, VersionError
-from tiercheck.guard import node_holds_data
+from tiercheck.guards import node_holds_data
 from tiercheck.sync import SyncCheckpointer
 
 __all__ = [

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercheck.codec.dtensor import is_dtensor, place_like
+from tiercheck.codec.format.dtensor import is_dtensor, place_like
 from tiercheck.errors import ConfigError, StateMismatch
 
 try:

@@ -93,6 +93,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tiercheck import atomic_write_file
 from tiercheck.checkpointer import Restored, SaveHandle
+from tiercheck.codec.decode.statetree import own_copy
 from tiercheck.consistency.keys import MAX_VERSION
 from tiercheck.errors import ConfigError, FormatError, RestoreError
 from tiercheck.integrations._common import (
@@ -115,7 +116,6 @@ from tiercheck.integrations._lightning_strategies import (
     _overridden_hooks,
     _save_on_every_rank,
 )
-from tiercheck.statetree import own_copy
 from tiercheck.sync import SyncCheckpointer
 
 try:

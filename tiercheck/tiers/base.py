@@ -359,7 +359,7 @@ class SupportsFileRead(Protocol):
     descriptor and must be done with it when it returns; it must not close it. A missing key
     raises :class:`~tiercheck.errors.BlobNotFound`; an ``OSError`` of ``fn`` comes back typed
     as the tier types its own. What ``fn`` reads is not checked by the tier: a reader checks
-    digests (:mod:`tiercheck.codec.scatter` reads a blob's payload straight into a restored
+    digests (:mod:`tiercheck.codec.decode.scatter` reads a blob's payload straight into a restored
     state's tensors this way, without a copy of the whole blob in between).
     """
 
