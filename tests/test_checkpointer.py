@@ -70,7 +70,7 @@ async def test_save_then_restore_is_bit_exact(tmp_path: Path) -> None:
             t.step()
             handle = await ckpt.save(step, t.state())
             saved[step] = clone_state(t.state())
-            await handle.done("local")
+            await handle.result_async("local")
         await ckpt.wait()
     async with _ckpt(tmp_path) as again:
         restored = await again.restore()
@@ -108,7 +108,7 @@ async def test_state_may_change_as_soon_as_save_returns(tmp_path: Path) -> None:
     async with _ckpt(tmp_path) as ckpt:
         handle = await ckpt.save(0, {"x": x})
         x.fill_(-1.0)  # training goes on before the pipeline has finished
-        await handle.done()
+        await handle.result_async()
         restored = await ckpt.restore()
     assert restored is not None
     assert torch.equal(restored.state["x"], torch.arange(1000, dtype=torch.float32))
@@ -118,7 +118,7 @@ async def test_restore_in_place_keeps_the_callers_tensors(tmp_path: Path) -> Non
     t = TinyTrainer()
     async with _ckpt(tmp_path) as ckpt:
         t.step()
-        await (await ckpt.save(1, t.state())).done()
+        await (await ckpt.save(1, t.state())).result_async()
         expected = clone_state(t.state())
         params = list(t.model.parameters())
         t.step()  # move away from the saved point
@@ -173,7 +173,7 @@ async def test_node_loss_restores_the_newest_persistent_base(tmp_path: Path) -> 
 async def test_a_corrupt_local_blob_falls_back_to_the_next_tier(tmp_path: Path) -> None:
     state = {"w": torch.randn(4096)}
     async with _ckpt(tmp_path, base_every=1) as ckpt:
-        await (await ckpt.save(0, state)).done()
+        await (await ckpt.save(0, state)).result_async()
     _damage(next((tmp_path / "shm" / "blobs").rglob("r00000.full")))
     async with _ckpt(tmp_path) as again:
         restored = await again.restore()
@@ -186,7 +186,7 @@ async def test_a_corrupt_local_blob_falls_back_to_the_next_tier(tmp_path: Path) 
 async def test_a_version_corrupt_everywhere_gives_way_to_an_older_one(tmp_path: Path) -> None:
     async with _ckpt(tmp_path, base_every=1, keep=3) as ckpt:
         for v in range(3):
-            await (await ckpt.save(v, {"w": torch.full((100,), float(v))})).done()
+            await (await ckpt.save(v, {"w": torch.full((100,), float(v))})).result_async()
     for blob in _blobs_of(tmp_path, 2):
         _damage(blob)
     async with _ckpt(tmp_path) as again:
@@ -229,7 +229,7 @@ async def test_whole_versions_the_manifest_missed_are_kept_after_a_restore(tmp_p
         assert restored is not None
         assert restored.version == 1
         handle = await again.save(2, {"w": torch.full((64,), 2.0)})
-        await handle.done("local")
+        await handle.result_async("local")
         await again.wait()
         # Retention keeps the newest two: the restored version is one of them.
         assert (await again.versions())["local"] == [1, 2]
@@ -261,10 +261,10 @@ async def test_done_on_a_tier_the_version_skips_is_an_error_at_once(tmp_path: Pa
         assert base.tiers == ("local", "persistent")
         assert delta.tiers == ("local",)
         with pytest.raises(TierNotTargeted):
-            await delta.done("persistent")
+            await delta.result_async("persistent")
         with pytest.raises(TierNotTargeted):
             delta.result("nonexistent")
-        await delta.done()
+        await delta.result_async()
         assert delta.committed("local")
 
 
@@ -465,9 +465,9 @@ async def test_a_failing_tier_never_reaches_training(tmp_path: Path) -> None:
         broken.down = True
         handles = [await ckpt.save(v, {"w": torch.full((16,), float(v))}) for v in range(3)]
         for h in handles:
-            await h.done("local")
+            await h.result_async("local")
             with pytest.raises(TierWriteFailed):
-                await h.done("persistent")
+                await h.result_async("persistent")
             assert h.stats.tiers["persistent"].state == "failed"
         assert ckpt.stats.failed["persistent"] == 3
         restored = await ckpt.restore()
@@ -512,13 +512,13 @@ async def test_skip_policy_skips_and_counts(tmp_path: Path) -> None:
         assert ckpt.stats.skipped == len(skipped)
         assert skipped, "saving back to back with one encoding slot must skip some"
         with pytest.raises(SaveSkipped):
-            await skipped[0].done()
+            await skipped[0].result_async()
         assert not handles[0].skipped
 
 
 async def test_manifest_logs_durable_and_commit(tmp_path: Path) -> None:
     async with _ckpt(tmp_path, base_every=1) as ckpt:
-        await (await ckpt.save(0, {"w": torch.zeros(4)})).done()
+        await (await ckpt.save(0, {"w": torch.zeros(4)})).result_async()
         await ckpt.wait()
     with Manifest(tmp_path / "shm" / "manifest") as m:
         ops = [(r.op, getattr(r, "tier", "")) for r in m.log()]
@@ -582,10 +582,10 @@ async def test_a_crash_before_commit_restores_the_previous_version(tmp_path: Pat
     await ckpt.open()  # writes records of its own (a probe, the job record, a writer's)
     opened = plan.count
     plan.die_at = opened + 4
-    await (await ckpt.save(0, {"w": torch.zeros(32)})).done()
+    await (await ckpt.save(0, {"w": torch.zeros(32)})).result_async()
     handle = await ckpt.save(1, {"w": torch.ones(32)})
     with pytest.raises(TierWriteFailed):
-        await handle.done("local")
+        await handle.result_async("local")
     assert plan.dead
     assert [op for _, op, _, _ in plan.log[opened:]] == ["commit", "put", "put", "commit"]
     abandon(ckpt)

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from tiercheck import BlobNotFound, Checkpointer, ConfigError, SyncCheckpointer, TierWriteFailed
+from tiercheck import (
+    BlobNotFound,
+    Checkpointer,
+    ConfigError,
+    SyncCheckpointer,
+    TierNotTargeted,
+    TierWriteFailed,
+)
 from tiercheck.tiers import FailureScope, LocalTier
 from tiercheck.tiers.base import Buffer, Tier
 
@@ -105,12 +112,35 @@ async def test_close_without_flush_waits_for_nothing(tmp_path: Path) -> None:
     ckpt = _ckpt(tmp_path, stuck, close_timeout=300.0)  # a wait would be for 300 s
     await ckpt.open()
     handle = await ckpt.save(0, {"w": torch.arange(64.0)})
-    await handle.done("local")
+    await handle.result_async("local")
     await _started(stuck)
     await asyncio.wait_for(ckpt.aclose(flush=False), GUARD_S)
     assert stuck.puts_cancelled == 1
     with pytest.raises(TierWriteFailed, match="abandoned"):
-        await asyncio.wait_for(handle.done("stuck"), GUARD_S)  # resolved, not left hanging
+        await asyncio.wait_for(handle.result_async("stuck"), GUARD_S)  # resolved, not left hanging
+
+
+async def test_done_answers_at_once_as_a_future_does(tmp_path: Path) -> None:
+    """``handle.done(tier)`` is :meth:`concurrent.futures.Future.done`: a bool, at once --
+    false while a write hangs, true once it committed or failed; ``await handle.done(tier)``
+    (a coroutine until 0.1) still waits, with a DeprecationWarning."""
+    stuck = _StuckTier()
+    ckpt = _ckpt(tmp_path, stuck, close_timeout=300.0)
+    await ckpt.open()
+    handle = await ckpt.save(0, {"w": torch.arange(64.0)})
+    with pytest.warns(DeprecationWarning, match="result_async"):
+        await asyncio.wait_for(handle.done("local"), GUARD_S)
+    await _started(stuck)
+    assert handle.done("local")
+    assert handle.done("local")
+    assert not handle.done("stuck")
+    assert not handle.done()
+    with pytest.raises(TierNotTargeted):
+        handle.done("nowhere")
+    await asyncio.wait_for(ckpt.aclose(flush=False), GUARD_S)
+    assert handle.done("stuck")
+    assert handle.done()
+    assert not handle.committed("stuck")
 
 
 def test_the_sync_checkpointer_leaves_an_exception_the_same_way(tmp_path: Path) -> None:

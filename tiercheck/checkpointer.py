@@ -19,8 +19,8 @@ Lifecycle of one save (the order things happen in)
 4. Background, per tier: the ranks exchange what was written (a side channel, never the
    training's own process group); a version is *committed* in a tier once every rank's blob of
    it, and of its base, is written there. For tiers that outlive the cluster a ``COMMIT`` record
-   listing every blob is written last. ``handle.done(tier)`` resolves; retention then trims the
-   tier (never a base a kept delta needs, never a version still in flight).
+   listing every blob is written last. ``handle.result_async(tier)`` resolves; retention then trims
+   the tier (never a base a kept delta needs, never a version still in flight).
 
 Restore: every rank inventories what it can reach, the ranks agree on the newest version every
 one of them can rebuild, each reads it from its fastest source, verifying checksums and falling
@@ -31,7 +31,7 @@ aside whole under ``abandoned/`` in durable tiers, dropped from memory tiers; se
 abandoned future.
 
 Errors in the background never reach training: they are logged (logger ``"tiercheck"``),
-counted in :attr:`Checkpointer.stats`, raised from ``handle.done(tier)``, and the version simply
+counted in :attr:`Checkpointer.stats`, raised from ``handle.result(tier)``, and the version simply
 does not commit in that tier. A tier that keeps not committing is said so loudly: a WARNING
 once its newest committed version falls more than ``behind_saves`` saves or ``behind_seconds``
 behind, another when it commits again, and :meth:`Checkpointer.health` has the figures. A rank

@@ -105,7 +105,7 @@ async def train(args: argparse.Namespace, events: Events) -> None:
                     # After this step's all-reduce: the other ranks save this version (their
                     # peer put then waits on a holder that is gone) before their next
                     # all-reduce fails.
-                    await handles[step - 1].done("peer")
+                    await handles[step - 1].result_async("peer")
                     # The node is lost, its memory too: at once, by a rename, as this rank's
                     # own retention may still be deleting in it (rmtree would then race).
                     lost = node_root.with_name(f"lost-{node_root.name}-{os.getpid()}")

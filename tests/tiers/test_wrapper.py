@@ -219,7 +219,7 @@ async def test_the_checkpointer_finds_the_storing_tier_through_inner(tmp_path: P
         async with Checkpointer("job", local_root=local_root, tiers=tiers(wrapped)) as ckpt:
             restored = await ckpt.restore()
             assert (restored.version if restored else None) == (step - 1 if step else None)
-            await (await ckpt.save(step, {"w": torch.full((8,), float(step))})).done()
+            await (await ckpt.save(step, {"w": torch.full((8,), float(step))})).result_async()
         shutil.rmtree(tmp_path / "durable")
 
 

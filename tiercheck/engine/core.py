@@ -9,6 +9,7 @@ properties. The public calls themselves are written once, as steps both faces dr
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -316,3 +317,7 @@ class CheckpointerCore(CallSteps):
         engine = self._engine
         if engine is not None:
             engine.fence(timeout)
+
+    async def fence_async(self, timeout: float | None = None) -> None:
+        """:meth:`fence` without blocking the event loop: it waits in a worker thread."""
+        await asyncio.to_thread(self.fence, timeout)

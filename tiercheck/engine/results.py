@@ -6,7 +6,8 @@ import asyncio
 import concurrent.futures
 import math
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol
 
@@ -179,19 +180,54 @@ class _Point(Protocol):
     async def asettle(self, timeout: float | None = None) -> None: ...
 
 
+class _Done:
+    """What :meth:`SaveHandle.done` answers: a bool, and for code written against 0.1, where
+    ``done`` was a coroutine, still awaitable (with a :class:`DeprecationWarning`)."""
+
+    __slots__ = ("_answer", "_handle", "_tier")
+
+    def __init__(self, answer: bool, handle: SaveHandle, tier: str | None) -> None:
+        self._answer = answer
+        self._handle = handle
+        self._tier = tier
+
+    def __bool__(self) -> bool:
+        return self._answer
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, bool) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._answer)
+
+    def __repr__(self) -> str:
+        return repr(self._answer)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        warnings.warn(
+            "`await handle.done(tier)` is deprecated: done() now answers at once, as "
+            "concurrent.futures.Future.done() does; wait with `await handle.result_async(tier)`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._handle.result_async(self._tier).__await__()
+
+
 class SaveHandle:
     """What ``save`` returns: a way to wait for the version to be committed in each tier.
 
-    ``await handle.done("local")`` resolves once the version is committed in that tier (for
-    every rank); ``handle.result("local", timeout)`` is the blocking form. Asking about a tier
+    Named as :class:`concurrent.futures.Future` taught: ``handle.result("local", timeout)``
+    blocks until the version is committed in that tier (for every rank) and raises why not;
+    ``await handle.result_async("local")`` is its non-blocking twin; ``handle.done("local")``
+    answers at once whether that outcome is decided. Asking about a tier
     the version does not go to raises :class:`~tiercheck.errors.TierNotTargeted` at once; a
     version that could not be committed raises :class:`~tiercheck.errors.TierWriteFailed`;
     a skipped save raises :class:`~tiercheck.errors.SaveSkipped`.
 
     With ``overlap=True`` the snapshot copy runs after ``save`` returned: :meth:`staged` (or
     ``await handle.staged_async()``) is the fence to pass before changing the state. Passing the
-    fence, and waiting with :meth:`result` or :meth:`done`, also confirms the copies that are
-    done (the version counters are compared on the calling side, see
+    fence, and waiting with :meth:`result` or :meth:`result_async`, also confirms the copies that
+    are done (the version counters are compared on the calling side, see
     :mod:`tiercheck.engine.save.staging`): no tier stores an overlapped version before it is
     confirmed.
     """
@@ -252,8 +288,9 @@ class SaveHandle:
                 f"(it goes to {list(self.tiers)}); check the tier's `versions` policy"
             ) from None
 
-    async def done(self, tier: str | None = None) -> None:
-        """Wait until the version is committed in ``tier`` (every targeted tier if ``None``).
+    async def result_async(self, tier: str | None = None) -> None:
+        """Wait, without blocking the event loop, until the version is committed in ``tier``
+        (every targeted tier if ``None``); raises as :meth:`result` does.
 
         Waits for the overlapped copies in flight first, and confirms them."""
         futures = self._futures_for(tier)
@@ -262,8 +299,20 @@ class SaveHandle:
         for fut in futures:
             await asyncio.wrap_future(fut)
 
+    def done(self, tier: str | None = None) -> _Done:
+        """Whether the version's outcome in ``tier`` (every targeted tier if ``None``) is
+        decided -- committed or failed -- answered at once, like
+        :meth:`concurrent.futures.Future.done`.
+
+        Until 0.1 this was the coroutine :meth:`result_async` is now; ``await handle.done(t)``
+        still waits as it did, with a :class:`DeprecationWarning`."""
+        futures = self._futures_for(tier)
+        return _Done(all(f.done() for f in futures), self, tier)
+
     def result(self, tier: str | None = None, timeout: float | None = None) -> None:
-        """Blocking form of :meth:`done`."""
+        """Block until the version is committed in ``tier`` (every targeted tier if ``None``);
+        raises :class:`~tiercheck.errors.TierWriteFailed` (or why not) where it failed,
+        :class:`TimeoutError` where ``timeout`` passes first."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         futures = self._futures_for(tier)

@@ -153,7 +153,7 @@ class Tier(ABC):
     operation.
     """
 
-    #: The tier's name, as used in configuration and in ``handle.done(name)``; a tier class is
+    #: The tier's name, as used in configuration and in ``handle.result(name)``; a tier class is
     #: registered (entry point, ``register_tier``) under this name.
     name: str = "tier"
     #: The widest failure this tier's contents outlive. It alone decides the tier's kind:

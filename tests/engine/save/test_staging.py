@@ -8,6 +8,7 @@ value the state had when ``save`` was called.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -21,7 +22,7 @@ import torch
 
 import tiercheck
 from tests.helpers import TinyTrainer, assert_state_equal, clone_state
-from tiercheck import ConfigError, StateChanged, SyncCheckpointer, TierWriteFailed
+from tiercheck import Checkpointer, ConfigError, StateChanged, SyncCheckpointer, TierWriteFailed
 from tiercheck.codec import decode, flatten, unflatten
 from tiercheck.codec.encode.plan import Planner
 from tiercheck.engine.save.staging import SnapshotCopy, StagingPool
@@ -124,6 +125,31 @@ def test_the_fence_waits_for_the_copy_and_the_bytes_are_the_saved_ones(
     assert restored is not None
     assert restored.version == 1
     assert_state_equal(restored.state, before)
+
+
+async def test_the_async_fence_waits_without_blocking_the_loop(tmp_path: Path, gate: Gate) -> None:
+    """``await ckpt.fence_async()`` is the fence for the asyncio face: the event loop runs on
+    while the copy is held, and it returns once the copy is done."""
+    t = TinyTrainer()
+    t.step()
+    async with Checkpointer(
+        "job", tiers=["local"], local_root=tmp_path / "shm", overlap=True, keep=100
+    ) as ckpt:
+        before = clone_state(t.state())
+        handle = await ckpt.save(1, t.state())
+        fence = asyncio.ensure_future(ckpt.fence_async())
+        ticks = 0
+        while ticks < 5:  # the loop is free while the fence waits for the held copy
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not fence.done()
+        assert not handle.is_staged
+        gate.open()
+        await asyncio.wait_for(fence, 30)
+        assert handle.is_staged
+        _scribble(t.state())
+        await handle.result_async("local")
+    assert_state_equal(_stored(tmp_path, 1), before)
 
 
 def test_changing_the_state_before_the_fence_fails_the_version(tmp_path: Path, gate: Gate) -> None:

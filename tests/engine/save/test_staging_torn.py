@@ -550,13 +550,13 @@ def test_the_async_checkpointer_confirms_where_its_caller_awaits(tmp_path: Path)
             w.add_(1.0)
             await handle.staged_async()
             with pytest.raises(TierWriteFailed) as info:
-                await handle.done()
+                await handle.result_async()
             assert isinstance(info.value.__cause__, StateChanged)
             before = w.clone()
             handle = await ckpt.save(2, {"w": w})
             await handle.staged_async()
             w.add_(1.0)
-            await handle.done()
+            await handle.result_async()
             return before
 
     before = asyncio.run(main())

@@ -38,10 +38,10 @@ change. Hence two steps:
 * a *confirmation point* compares them again once the copy is done (:meth:`SnapshotCopy.
   confirm`): the fence (``handle.staged()``, ``ckpt.fence()``, the hooks below, and every
   optimizer step while a copy is pending, see :class:`~tiercheck.engine.save.stage.Stager`), the
-  next ``save``, ``wait()``, ``restore()``, ``close()``, ``handle.result()`` and ``handle.done()``.
-  Equal: the version is confirmed. Different: it fails with :class:`~tiercheck.errors.StateChanged`.
-  Until then no tier makes it restorable (memory tiers
-  do not receive its blob, no tier commits it); a close decides what is left (confirmed where
+  next ``save``, ``wait()``, ``restore()``, ``close()``, ``handle.result()`` and
+  ``handle.result_async()``. Equal: the version is confirmed. Different: it fails with
+  :class:`~tiercheck.errors.StateChanged`. Until then no tier makes it restorable (memory tiers do
+  not receive its blob, no tier commits it); a close decides what is left (confirmed where
   the copy is done, abandoned where it is not).
 
 Tensors whose changes no counter shows are copied privately while ``save`` runs instead:
