@@ -305,7 +305,10 @@ REPORTED = textwrap.dedent(
     def one(rank):
         ckpt = job(root, rank, world, group)
         r = ckpt.restore()
-        print("restored", None if r is None else r.version, flush=True)
+        # One write per line: the ranks are threads of this process, and print() writes its
+        # words and its newline apart, so two ranks' lines could interleave.
+        sys.stdout.write("restored " + str(None if r is None else r.version) + "\\n")
+        sys.stdout.flush()
         for v in range(first, last + 1):
             ckpt.save(v, state_of(run, v, rank, world))
         ckpt.wait()

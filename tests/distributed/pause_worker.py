@@ -79,6 +79,11 @@ def main() -> int:
         else:
             handles = []
             for version in range(args.steps):
+                if version == args.pause_at:
+                    # Every round before the pause ends first, so that only the version saved
+                    # across it straddles it (on a loaded machine the durable rounds of the
+                    # bases before it could still be running when rank 1 stops).
+                    ckpt.wait()
                 grad = torch.ones(1)
                 dist.all_reduce(grad)  # training: every rank waits for the others here
                 if rank == 1 and version == args.pause_at:
