@@ -17,7 +17,8 @@ At the root, the few objects the phases share: :mod:`.engine` (the parts put tog
 :mod:`.core` and :mod:`.steps` (what both public faces drive), :mod:`.options`,
 :mod:`.results`, :mod:`.collectives` (the one way ranks talk), :mod:`.jobs` (a save in
 flight), :mod:`.stateful` (the state the caller hands in), :mod:`.stored`, :mod:`.journal`
-(the node's manifest) and :mod:`.health`.
+(the node's manifest), :mod:`.health` and :mod:`.part` (what the parts working on the
+tiers share).
 
 Private: the public names are re-exported by :mod:`tiercheck.checkpointer` and :mod:`tiercheck`.
 """

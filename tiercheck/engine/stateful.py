@@ -46,6 +46,7 @@ import torch
 
 from tiercheck.codec.decode.statetree import Lenient
 from tiercheck.codec.encode.flatten import MAX_DEPTH, ReplicaRef
+from tiercheck.codec.format.containers import CONTAINERS, MAPPINGS
 from tiercheck.codec.format.dtensor import materialize
 from tiercheck.errors import StatefulError, UnsupportedObject
 
@@ -61,7 +62,6 @@ __all__ = [
     "is_stateful",
 ]
 
-_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
 # Values that are never Stateful, tested first (most of a state's values are tensors).
 _PLAIN = frozenset(
     {torch.Tensor, torch.nn.Parameter, int, float, str, bytes, bool, type(None), np.ndarray}
@@ -113,7 +113,7 @@ def is_stateful(obj: object) -> bool:
     Stateful here.
     """
     t = type(obj)
-    if t in _PLAIN or t in _CONTAINERS or isinstance(obj, (torch.Tensor, np.ndarray, type)):
+    if t in _PLAIN or t in CONTAINERS or isinstance(obj, (torch.Tensor, np.ndarray, type)):
         return False
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
@@ -129,7 +129,7 @@ def _rebuild(obj: Any, convert: Any) -> Any:
     """
     plain = _PLAIN
     t = type(obj)
-    if t is dict or t is collections.OrderedDict:
+    if t in MAPPINGS:
         changed = {}
         for key, value in obj.items():
             if type(value) in plain:
@@ -194,7 +194,7 @@ def _nesting_error(state: Any, verb: str) -> UnsupportedObject | None:
             del on_path[id(obj)]
             continue
         t = type(obj)
-        if t not in _CONTAINERS and t is not Replicated:
+        if t not in CONTAINERS and t is not Replicated:
             continue
         if id(obj) in on_path:
             return UnsupportedObject(
@@ -209,7 +209,7 @@ def _nesting_error(state: Any, verb: str) -> UnsupportedObject | None:
         if t is Replicated:
             stack.append((False, obj.value, path))
             continue
-        items = list(obj.items() if t is dict or t is collections.OrderedDict else enumerate(obj))
+        items = list(obj.items() if t in MAPPINGS else enumerate(obj))
         for key, value in reversed(items):
             stack.append((False, value, f"{path}[{key!r}]"))
     if not deepest:
@@ -242,7 +242,7 @@ def for_save(
         t = type(obj)
         if t in _PLAIN:
             return obj
-        if t in _CONTAINERS:
+        if t in CONTAINERS:
             return _rebuild(obj, convert if replicated_paths is None else stepping)
         if t is Replicated:
             if replica is not None:
@@ -292,7 +292,7 @@ def for_restore(state: Any) -> Prepared:
         t = type(obj)
         if t in _PLAIN:
             return obj
-        if t in _CONTAINERS:
+        if t in CONTAINERS:
             new = _rebuild(obj, convert)
             if new is not obj:
                 copies[id(obj)] = new
@@ -321,7 +321,7 @@ def _write_back(orig: Any, filled: Any, prepared: Prepared) -> Any:
     if prepared.copies.get(id(orig)) is None:
         return filled  # not a copy: restored in place (or replaced) as any target
     t = type(orig)
-    if t is dict or t is collections.OrderedDict:
+    if t in MAPPINGS:
         for key, value in filled.items():
             if key in orig:
                 new = _write_back(orig[key], value, prepared)

@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
-from tiercheck._loop import LoopThread
 from tiercheck.consistency.keys import check_version
 from tiercheck.engine import stateful
 from tiercheck.engine.close import sigterm
 from tiercheck.engine.engine import Engine
+from tiercheck.engine.loop import LoopThread
 from tiercheck.engine.options import CloseMode, Options
 from tiercheck.engine.results import Restored, SaveHandle
 from tiercheck.engine.save.stage import Stager
@@ -62,8 +62,9 @@ Steps: TypeAlias = Generator[Step, Any, T]
 
 def drive(steps: Steps[T], call: Callable[[Coroutine[Any, Any, Any]], Any]) -> T:
     """Run ``steps`` to the end, blocking: each coroutine through ``call`` (the loop's
-    :meth:`~tiercheck._loop.LoopThread.call`), each :class:`Settle` on this thread; returns what
-    they return. An exception of a step is thrown into the generator at that step."""
+    :meth:`~tiercheck.engine.loop.LoopThread.call`), each :class:`Settle` on this thread;
+    returns what they return. An exception of a step is thrown into the generator at that
+    step."""
     result: Any = None
     error: BaseException | None = None
     while True:
@@ -86,7 +87,8 @@ async def drive_async(
     steps: Steps[T], run: Callable[[Coroutine[Any, Any, Any]], Awaitable[Any]]
 ) -> T:
     """:func:`drive` for an async caller: each coroutine is awaited through ``run`` (the loop's
-    :meth:`~tiercheck._loop.LoopThread.run`), each :class:`Settle` without blocking its loop."""
+    :meth:`~tiercheck.engine.loop.LoopThread.run`), each :class:`Settle` without blocking its
+    loop."""
     result: Any = None
     error: BaseException | None = None
     while True:

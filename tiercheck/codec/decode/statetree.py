@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiercheck.codec.format.containers import MAPPINGS
 from tiercheck.codec.format.dtensor import DTensorShard, is_dtensor
 from tiercheck.errors import StateMismatch
 
@@ -65,7 +66,7 @@ def _kind(obj: Any) -> str:
         return "stateful"
     if t is np.ndarray:
         return "array"
-    if t is dict or t is collections.OrderedDict:
+    if t in MAPPINGS:
         return "mapping"
     if t is list:
         return "list"

@@ -52,7 +52,6 @@ aliasing is kept as it was.
 
 from __future__ import annotations
 
-import collections
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ import msgpack
 import numpy as np
 import torch
 
+from tiercheck.codec.format.containers import CONTAINERS
 from tiercheck.codec.format.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.format.dtypes import is_supported_dtype
 from tiercheck.codec.format.layout import ALIGNMENT, Layout, TensorSpec, align
@@ -239,7 +239,7 @@ class _Flattener:
             return obj
         if t is int:
             return encode_int(obj)
-        if t is dict or t is list or t is tuple or t is collections.OrderedDict:
+        if t in CONTAINERS:
             active = self.active
             key = id(obj)
             if key in active:

@@ -50,6 +50,7 @@ from tiercheck.codec.encode.flatten import (
     ndarray_parts,
     replicated_record,
 )
+from tiercheck.codec.format.containers import CONTAINERS, MAPPINGS
 from tiercheck.codec.format.dtensor import DTensorShard, is_dtensor, layout_of
 from tiercheck.codec.format.dtypes import is_supported_dtype
 from tiercheck.codec.format.skeleton import (
@@ -362,16 +363,12 @@ class _Compiler:
 
     def slot(self, obj: Any, path: str) -> tuple[int, Any, bytes]:
         t = type(obj)
-        if t is dict or t is collections.OrderedDict or t is list or t is tuple:
+        if t in CONTAINERS:
             if id(obj) in self.active:
                 raise _Uncacheable  # a cycle (only reaches here when pickling is allowed)
             self.active.add(id(obj))
             try:
-                node: _Node = (
-                    _Map(obj, self, path)
-                    if t is dict or t is collections.OrderedDict
-                    else _Seq(obj, self, path)
-                )
+                node: _Node = _Map(obj, self, path) if t in MAPPINGS else _Seq(obj, self, path)
             finally:
                 self.active.discard(id(obj))
             return _NODE, node, node.enc
@@ -467,7 +464,7 @@ class StatePlan:
         ``tensors`` (with the same ``replica`` and ``world_size``); ``None`` where a plan cannot
         model it (it is then flattened every time)."""
         t = type(state)
-        if not (t is dict or t is collections.OrderedDict or t is list or t is tuple):
+        if t not in CONTAINERS:
             return None
         compiler = _Compiler(replica, world_size)
         try:

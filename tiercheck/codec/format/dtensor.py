@@ -29,7 +29,6 @@ program has imported it (no DTensor can exist before).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import sys
@@ -37,6 +36,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from tiercheck.codec.format.containers import MAPPINGS
 
 __all__ = ["DTensorShard", "dtensor_class", "layout_of", "materialize", "place_like"]
 
@@ -277,7 +278,7 @@ def materialize(state: Any) -> Any:
             if mesh is None:
                 mesh = meshes[key] = _world_mesh(*key)
             return obj.to_dtensor(mesh)
-        if t is dict or t is collections.OrderedDict:
+        if t in MAPPINGS:
             for key_, value in list(obj.items()):
                 new = convert(value)
                 if new is not value:

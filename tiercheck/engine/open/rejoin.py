@@ -44,6 +44,7 @@ from tiercheck.engine.open.claim import Claim, read_job_facts
 from tiercheck.engine.open.judgement import judge_rejoin
 from tiercheck.engine.open.leftovers import sweep_leftovers
 from tiercheck.engine.options import Options
+from tiercheck.engine.part import RankPart
 from tiercheck.engine.stored import location
 from tiercheck.errors import FormatError, StorageError, TiercheckError
 from tiercheck.guards import Fence, deletion_facts, probe, write_job_record
@@ -57,7 +58,7 @@ __all__ = ["Rejoin"]
 logger = logging.getLogger("tiercheck")
 
 
-class Rejoin:
+class Rejoin(RankPart):
     """Gets back the durable tiers this opening could not reach (see the module docstring)."""
 
     def __init__(
@@ -68,11 +69,8 @@ class Rejoin:
         pipes: Mapping[str, TierPipeline],
         timeline: Timeline,
     ) -> None:
-        self.options = options
-        self.rank = options.job.topology.rank
-        self.claim = claim
+        super().__init__(options, claim, pipes)
         self.channels = channels
-        self.pipes = pipes
         self.timeline = timeline
         # Pending tiers this rank's probe reached since it last failed to claim them.
         self._reached: set[str] = set()

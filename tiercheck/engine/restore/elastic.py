@@ -55,6 +55,7 @@ from tiercheck.defaults import NodeRoot
 from tiercheck.engine.commit.tier import writes_commit_records
 from tiercheck.engine.open.claim import Claim
 from tiercheck.engine.options import Options
+from tiercheck.engine.part import RankPart
 from tiercheck.engine.restore.kept import WithKeptReplicas
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.errors import BlobNotFound, ChecksumMismatch, FormatError, ReshardError
@@ -105,7 +106,7 @@ def targets_in(state: Any) -> dict[str, Target]:
     return out
 
 
-class ElasticReader:
+class ElasticReader(RankPart):
     """Reads versions another number of ranks saved, resharded for this rank."""
 
     def __init__(
@@ -118,15 +119,10 @@ class ElasticReader:
         pipes: Mapping[str, TierPipeline],
         reader: Reader,
     ) -> None:
-        self.options = options
-        self.topo = options.job.topology
-        self.rank = self.topo.rank
-        self.job_id = options.job.job_id
+        super().__init__(options, claim, pipes)
         self.stats = stats
-        self.claim = claim
         #: Worker threads for checking digests.
         self.cpu = cpu
-        self.pipes = pipes
         self.reader = reader
         # The peer replicas this node holds for the job (read in place; see engine/restore/kept.py),
         # and the other worlds' versions the local tier serves only with them.

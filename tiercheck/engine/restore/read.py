@@ -30,6 +30,7 @@ from tiercheck.engine.commit.tier import writes_commit_records
 from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.open.claim import Claim
 from tiercheck.engine.options import Options
+from tiercheck.engine.part import RankPart
 from tiercheck.engine.restore.inplace import Direct, open_direct, reads_files
 from tiercheck.engine.results import CheckpointerStats
 from tiercheck.errors import (
@@ -48,7 +49,7 @@ __all__ = ["Reader"]
 logger = logging.getLogger("tiercheck")
 
 
-class Reader:
+class Reader(RankPart):
     """Reads this rank's blobs of a version, fastest tier first."""
 
     def __init__(
@@ -59,13 +60,10 @@ class Reader:
         cpu: Executor,
         pipes: Mapping[str, TierPipeline],
     ) -> None:
-        self.topo = options.job.topology
-        self.rank = self.topo.rank
+        super().__init__(options, claim, pipes)
         self.stats = stats
-        self.claim = claim
         #: Worker threads for checking digests.
         self.cpu = cpu
-        self.pipes = pipes
 
     async def fetch(
         self, version: int, mine: Inventory, *, direct: bool = False

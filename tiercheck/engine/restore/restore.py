@@ -42,6 +42,7 @@ from tiercheck.engine.collectives import Channels, step
 from tiercheck.engine.commit.tier import commit_versions
 from tiercheck.engine.open.claim import Claim
 from tiercheck.engine.options import Options
+from tiercheck.engine.part import RankPart
 from tiercheck.engine.restore.elastic import ElasticReader, targets_in
 from tiercheck.engine.restore.inplace import Direct, rebuild, write_round
 from tiercheck.engine.restore.timeline import Continuation
@@ -283,7 +284,7 @@ async def all_loaded(channels: Channels, error: str | None) -> None:
         )
 
 
-class Restorer:
+class Restorer(RankPart):
     """The collective restore of one rank, in two steps: :meth:`agree` (what can be restored,
     if anything), then :meth:`restore` (read, check, copy in). Neither changes anything
     stored: what the run gives up by going on from the restored version is settled by its
@@ -302,13 +303,8 @@ class Restorer:
         encoder: Encoder,
         timeline: Timeline,
     ) -> None:
-        self.options = options
-        self.topo = options.job.topology
-        self.rank = self.topo.rank
-        self.job_id = options.job.job_id
-        self.claim = claim
+        super().__init__(options, claim, pipes)
         self.channels = channels
-        self.pipes = pipes
         self.reader = reader
         self.elastic = elastic
         self.schedule = schedule

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 from tiercheck.engine.collectives import Channels
 from tiercheck.engine.open.claim import Claim
 from tiercheck.engine.options import RESERVED_CHANNELS, Options
+from tiercheck.engine.part import RankPart
 from tiercheck.engine.restore.setaside import Continuation, SetAsideFailed, set_aside
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ TIMELINE_CHANNEL = RESERVED_CHANNELS[2]
 _STOPPED = "the checkpointer stopped settling the timeline after a restore"
 
 
-class Timeline:
+class Timeline(RankPart):
     """Settles, after a restore, the timeline the run continues: the memory tiers at the first
     save, the durable ones in the background (see the module docstring)."""
 
@@ -76,12 +77,8 @@ class Timeline:
         channels: Channels,
         pipes: Mapping[str, TierPipeline],
     ) -> None:
-        self.topo = options.job.topology
-        self.rank = self.topo.rank
-        self.job_id = options.job.job_id
-        self.claim = claim
+        super().__init__(options, claim, pipes)
         self.channels = channels
-        self.pipes = pipes
         self._pending: Continuation | None = None
         # What could not be settled yet: per durable tier, the continuation still owed there;
         # and whether the world-size record is still owed (it needs every durable tier).
