@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -372,6 +373,63 @@ def test_a_journal_is_carried_over_once(tmp_path: Path) -> None:
     assert (path / f"{JOURNAL}.carried-over").exists()
     with Manifest(path) as m:  # read once: not carried again
         assert m.log_size() == 10
+
+
+KILLED_CARRYING = r"""
+import os, signal, sys
+from tiercheck.consistency.manifest import Manifest
+
+def killed(self, *records):
+    os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of the carry-over
+
+Manifest.append = killed
+Manifest(sys.argv[1])
+"""
+
+
+def test_a_carry_over_killed_midway_is_taken_back_by_the_next_opening(tmp_path: Path) -> None:
+    """A process SIGKILLed while it carries the journal over leaves it as
+    ``journal.carrying-<pid>``; the next opening (its process gone) takes it back and carries
+    it. One of a process still alive is left to it."""
+    path = tmp_path / "m"
+    old_journal(path, 10)
+    data = journal(path).read_bytes()
+    killed = subprocess.run([sys.executable, "-c", KILLED_CARRYING, str(path)], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    [left] = [p for p in path.iterdir() if p.name.startswith(f"{JOURNAL}.carrying-")]
+    assert left.read_bytes() == data
+    with Manifest(path) as m:
+        assert sorted({r.version for r in m.log()}) == list(range(10))
+    assert not left.exists()
+    assert (path / f"{JOURNAL}.carried-over").read_bytes() == data
+    # A carry-over of a live process (here: this one) is not taken from it.
+    alive = tmp_path / "alive"
+    old_journal(alive, 3)
+    journal(alive).rename(alive / f"{JOURNAL}.carrying-{os.getpid()}")
+    with Manifest(alive) as m:
+        assert list(m.log()) == []
+    assert (alive / f"{JOURNAL}.carrying-{os.getpid()}").exists()
+
+
+def test_a_carry_over_the_manifest_process_fails_keeps_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every manifest process dies inside the carry-over's first append (for real, at the crash
+    point): the journal goes back under its name, nothing is set aside as damaged, and the
+    next opening carries it."""
+    path = tmp_path / "m"
+    old_journal(path, 4)
+    data = journal(path).read_bytes()
+    monkeypatch.setenv(KILL_AT_VARIABLE, "append:1")
+    with caplog.at_level(logging.WARNING, logger="tiercheck"), Manifest(path):
+        pass
+    monkeypatch.delenv(KILL_AT_VARIABLE)
+    assert "carried at the next opening" in caplog.text
+    assert journal(path).read_bytes() == data
+    assert [p.name for p in path.iterdir() if ".damaged-" in p.name or ".carrying-" in p.name] == []
+    with Manifest(path) as m:
+        assert sorted({r.version for r in m.log()}) == list(range(4))
+    assert not journal(path).exists()
 
 
 def test_a_journal_cut_or_garbled_carries_what_is_whole(tmp_path: Path) -> None:

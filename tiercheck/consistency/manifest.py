@@ -452,8 +452,15 @@ def _last_line(path: str) -> str:
 
 
 def _carry_over(manifest: Manifest) -> None:
-    """Carry the records of a ``journal`` of tiercheck 0.1 over into the environment, once."""
+    """Carry the records of a ``journal`` of tiercheck 0.1 over into the environment, once.
+
+    The handle that renames it ``journal.carrying-<pid>`` carries it; one killed meanwhile
+    leaves that name, which the next handle of a process that outlives it takes back
+    (:func:`_take_back_abandoned`). Records carried twice are in the log twice; the index is
+    the same. Where the manifest process fails meanwhile, the journal goes back under its name
+    for the next opening: nothing is set aside that was not found damaged."""
     journal = os.path.join(manifest.path, JOURNAL)
+    _take_back_abandoned(journal)
     if not os.path.exists(journal):
         return
     mine = f"{journal}.carrying-{os.getpid()}"
@@ -469,10 +476,20 @@ def _carry_over(manifest: Manifest) -> None:
         with open(mine, "rb") as f:
             data = f.read()
         records, damage = _journal_records(data, journal)
+    except OSError as exc:
+        records, damage = [], repr(exc)
+    try:
         for i in range(0, len(records), _CARRY_BATCH):
             manifest.append(*records[i : i + _CARRY_BATCH])
-    except (OSError, ManifestError) as exc:
-        records, damage = [], repr(exc)
+    except ManifestError as exc:
+        _give_back(mine, journal)
+        logger.warning(
+            "tiercheck: carrying the journal %s over failed (%s); it is carried at the next "
+            "opening",
+            journal,
+            exc,
+        )
+        return
     if records:
         os.rename(mine, f"{journal}.carried-over")
         logger.info(
@@ -491,6 +508,42 @@ def _carry_over(manifest: Manifest) -> None:
             damage or "empty",
             aside,
         )
+
+
+def _take_back_abandoned(journal: str) -> None:
+    """Put back under its name a journal whose carrying process is gone (killed mid-way)."""
+    folder, name = os.path.split(journal)
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in sorted(entries):
+        pid = entry.removeprefix(f"{name}.carrying-")
+        if entry == pid or not pid.isdigit() or _alive(int(pid)):
+            continue
+        _give_back(os.path.join(folder, entry), journal)
+
+
+def _give_back(taken: str, journal: str) -> None:
+    """Rename ``taken`` back to ``journal``, never over one that is there again."""
+    try:
+        os.link(taken, journal)  # fails where a journal is back under the name
+        os.unlink(taken)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        logger.warning("tiercheck: cannot put the journal %s back: %s", taken, exc)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _blob_order(record: Written) -> tuple[str, int, int]:
