@@ -203,3 +203,41 @@ def test_the_step_table_lists_every_step_with_its_message() -> None:
     rows = [m.groups() for line in table.splitlines() if (m := _ROW.match(line))]
     assert [step for step, _ in rows] == [s.value for s in Step]
     assert dict(rows) == {s.value: STEP_MESSAGES[s].__name__ for s in Step}
+
+
+def _floor_plan() -> list[str]:
+    """The lines of the floor plan's diagram in ``docs/architecture.md``."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page[page.index("## Floor plan") :]
+    block = section[section.index("```\n") + 4 :]
+    return block[: block.index("```")].splitlines()
+
+
+def test_the_floor_plan_names_every_package_and_module() -> None:
+    """The diagram names every package of ``tiercheck/``, every phase of the engine and every
+    part of the codec with each of its modules, and every module at their roots and the
+    package's: the floor plan matches the tree."""
+    lines = _floor_plan()
+    text = "\n".join(lines)
+    words = set(re.findall(r"[A-Za-z_]+", text))
+    missing = []
+    for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        if f"{package.name}/" not in text:
+            missing.append(f"{package.name}/")
+    for module in sorted(PACKAGE.glob("*.py")):
+        if module.stem not in ("__init__", "__main__") and module.stem not in words:
+            missing.append(module.name)
+    for part in ("engine", "codec"):
+        folder = PACKAGE / part
+        for module in sorted(folder.glob("*.py")):
+            if module.stem != "__init__" and f"{module.name}" not in text:
+                missing.append(f"{part}/{module.name}")
+        for sub in sorted(p for p in folder.iterdir() if (p / "__init__.py").exists()):
+            [line] = [line for line in lines if re.match(rf"^\s+{sub.name}/\s", line)] or [""]
+            named = set(re.findall(r"[a-z_]+", line))
+            missing += [
+                f"{part}/{sub.name}/{m.name}"
+                for m in sorted(sub.glob("*.py"))
+                if m.stem != "__init__" and m.stem not in named
+            ]
+    assert not missing, f"the floor plan (docs/architecture.md) does not name {missing}"
