@@ -1,7 +1,7 @@
 """The package's floor plan, layering and size limits, read from the source (imports parsed
 with ``ast``).
 
-Layers, lowest first: the leaves (errors, buffer, defaults, topology, _threads,
+Layers, lowest first: the leaves (errors, buffer, defaults, topology, _threads, _process,
 smallfile); the tiers, the codec and consistency (each importing only the leaves); the guards
 of stored data (``guards``); the engine and the catalog (neither importing the other); the
 public face (``checkpointer``, ``sync``, ``dcp``, ``adapters``, ``tiercheck``), the command line
@@ -101,7 +101,7 @@ RULES = {
 }
 
 #: What the tiers, the codec and consistency may import besides themselves: the leaves.
-LEAVES = ("errors", "buffer", "defaults", "topology", "_threads", "smallfile")
+LEAVES = ("errors", "buffer", "defaults", "topology", "_threads", "_process", "smallfile")
 
 #: The public face: what users import by module path.
 PUBLIC_FACE = ("__init__", "__main__", "checkpointer", "sync", "errors", "dcp", "adapters")

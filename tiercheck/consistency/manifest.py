@@ -65,6 +65,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from tiercheck._process import pid_alive
 from tiercheck.consistency import manifestd
 from tiercheck.consistency.records import (
     Abort,
@@ -519,7 +520,7 @@ def _take_back_abandoned(journal: str) -> None:
         return
     for entry in sorted(entries):
         pid = entry.removeprefix(f"{name}.carrying-")
-        if entry == pid or not pid.isdigit() or _alive(int(pid)):
+        if entry == pid or not pid.isdigit() or pid_alive(int(pid)):
             continue
         _give_back(os.path.join(folder, entry), journal)
 
@@ -533,17 +534,6 @@ def _give_back(taken: str, journal: str) -> None:
         return
     except OSError as exc:
         logger.warning("tiercheck: cannot put the journal %s back: %s", taken, exc)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _blob_order(record: Written) -> tuple[str, int, int]:

@@ -48,6 +48,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from tiercheck._process import pid_alive
+
 __all__ = [
     "INTERNAL_MARK",
     "TempFile",
@@ -226,20 +228,6 @@ def process_verdict(owner: TempOwner) -> tuple[Verdict, str]:
         if start is not None and start != owner.start:
             return "dead", f"its writer, {who}, has exited (the pid now belongs to another process)"
     return "live", f"its writer, {who}, is running"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (in this pid namespace)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        # It exists but belongs to another user.
-        return True
-    return True
 
 
 def owned_by_dead_process(name: str) -> bool:
