@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,13 @@ BAD_OPTIONS: list[tuple[str, object]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("option", "value"), BAD_OPTIONS, ids=lambda x: repr(x)[:30])
+def _id(value: object) -> str:
+    """A test id that is the same in every process (no memory address: pytest-xdist's workers
+    must collect the same tests)."""
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))[:30]
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_OPTIONS, ids=_id)
 def test_every_bad_option_is_a_config_error_at_construction(
     tmp_path: Path, option: str, value: object
 ) -> None:
