@@ -133,6 +133,7 @@ MOVED_MODULES = {
 }
 for _old, _new in MOVED_MODULES.items():
     sys.modules.setdefault(f"tiercheck.{_old}", importlib.import_module(_new))
+del _old, _new
 
 
 def __getattr__(name: str) -> ModuleType:

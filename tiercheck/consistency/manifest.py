@@ -491,8 +491,17 @@ def _carry_over(manifest: Manifest) -> None:
             exc,
         )
         return
+    done = f"{journal}.carried-over" if records else f"{journal}.damaged-{stamp}"
+    try:
+        os.rename(mine, done)
+    except OSError as exc:
+        # Taken back meanwhile by a handle that could not see this process (another pid
+        # namespace), or a folder that refuses the rename: the records are in the environment
+        # either way; a journal left as carrying-<pid> is taken back once this process is gone
+        # and carried again (the log gets the records twice, the index stays the same).
+        logger.warning("tiercheck: cannot rename the carried journal %s: %s", mine, exc)
+        return
     if records:
-        os.rename(mine, f"{journal}.carried-over")
         logger.info(
             "tiercheck: carried %d records of the journal %s over into the LMDB manifest%s",
             len(records),
@@ -500,14 +509,12 @@ def _carry_over(manifest: Manifest) -> None:
             f" (the rest is damaged: {damage})" if damage else "",
         )
     else:
-        aside = f"{journal}.damaged-{stamp}"
-        os.rename(mine, aside)
         logger.warning(
             "tiercheck: the journal %s holds no record that can be read (%s); set aside as "
             "%s (its history is lost, checkpoints are not)",
             journal,
             damage or "empty",
-            aside,
+            done,
         )
 
 
