@@ -94,7 +94,7 @@ def named_in_files(pages: list[Path], root: Path, index: Index) -> list[str]:
     """The names the pages place in a file (``path.py` `name``) that the file does not define
     (at its top level, or as a member of a class it defines)."""
     found = []
-    sources = [*PACKAGE.rglob("*.py"), *root.glob("tests/**/*.py")]
+    sources = python_files(root)
     for page in pages:
         for number, line in enumerate(page.read_text().splitlines(), 1):
             for m in _BESIDE.finditer(line):
@@ -122,18 +122,19 @@ def _spans(page: Path) -> list[tuple[int, str]]:
     ]
 
 
-def python_files(root: Path) -> list[str]:
-    """The Python files of the repository at ``root`` and of the package, as posix paths."""
-    found = [*root.glob("*.py"), *PACKAGE.rglob("*.py")]
-    for part in ("tests", "bench", "tiercheck"):
+def python_files(root: Path) -> list[Path]:
+    """The Python files of the package and of the repository at ``root`` (its tests, its
+    benchmarks and its top level), each once."""
+    found = [*PACKAGE.rglob("*.py"), *root.glob("*.py")]
+    for part in ("tests", "bench"):
         found += (root / part).rglob("*.py")
-    return [p.as_posix() for p in found]
+    return list(dict.fromkeys(found))
 
 
 def drifted(pages: list[Path], index: Index, root: Path = ROOT) -> list[str]:
     """The code names in ``pages`` (under ``root``) that the source does not have."""
     found = []
-    known = python_files(root)
+    known = [p.as_posix() for p in python_files(root)]
     for page in pages:
         for line, text in _spans(page):
             where = f"{page.relative_to(root)}:{line}: `{text}`"

@@ -276,8 +276,7 @@ def _history(
             )
         token = tokens.pop()
         known = [i for i in identities.values() if i is not None and i.token == token]
-        best = max(known, key=lambda i: (i.revision, len(i.worlds)))
-        return _History(token, best.world_size, best.worlds, best.revision, "in the nodes' memory")
+        return _remembered(token, known)
     # No durable tier: the memory's is the only history.
     tokens = {i.token for i in identities.values() if i is not None}
     if len(tokens) > 1:
@@ -291,10 +290,15 @@ def _history(
     token = tokens.pop() if tokens else first.fresh_token or ""
     known = [i for i in identities.values() if i is not None]
     if known:
-        # Nodes that joined later, or missed an update, know less: the newest wins.
-        best = max(known, key=lambda i: (i.revision, len(i.worlds)))
-        return _History(token, best.world_size, best.worlds, best.revision, "in the nodes' memory")
+        return _remembered(token, known)
     return _History(token, ranks, (), 0, "in the nodes' memory")
+
+
+def _remembered(token: str, known: Sequence[NodeIdentity]) -> _History:
+    """The history the nodes' memory holds of incarnation ``token``: nodes that joined later,
+    or missed an update, know less, so the newest identity wins."""
+    best = max(known, key=lambda i: (i.revision, len(i.worlds)))
+    return _History(token, best.world_size, best.worlds, best.revision, "in the nodes' memory")
 
 
 def _history_of_the_record(
