@@ -194,3 +194,64 @@ def test_an_accepted_id_saves_restores_and_is_listed(job_id: str) -> None:
             restored = again.restore()
         assert restored is not None
         assert torch.equal(restored.state["w"], state["w"])
+
+
+# --- the encodings -------------------------------------------------------------------------
+
+
+def test_every_encoding_has_its_encoder_header_byte_and_read_order() -> None:
+    from tiercheck.codec.encode.encoder import ENCODERS
+    from tiercheck.codec.format.blobformat import KINDS
+
+    kinds = defaults.ENCODING_KINDS
+    assert tuple(kinds) == defaults.ENCODINGS
+    assert len(kinds) >= 2
+    assert all(kinds[name].name == name for name in kinds)
+    assert set(ENCODERS) == set(kinds)
+    assert {k.header_byte: k.name for k in kinds.values()} == KINDS
+    assert len(KINDS) == len(kinds)  # one byte each
+    assert len({k.read_order for k in kinds.values()}) == len(kinds)  # a restore never ties
+
+
+@pytest.mark.parametrize("name", defaults.ENCODINGS)
+def test_each_encoding_round_trips_through_its_encoder_key_and_header(name: str) -> None:
+    from tiercheck.codec import encode, read_meta, snapshot
+    from tiercheck.codec.decode.decoder import decode
+    from tiercheck.consistency.keys import blob_key, parse_blob_key
+
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 3}
+    raw = snapshot(state, version=7)
+    parts, meta = encode(raw, name, rank=2)
+    blob = b"".join(memoryview(p).cast("B").tobytes() for p in parts)
+    assert meta.kind == name
+    assert read_meta(blob).kind == name
+    assert meta.encoding is defaults.encoding_kind(name)
+    assert decode(blob).raw_digest == raw.raw_digest
+    parsed = parse_blob_key(blob_key(7, 2, meta.kind))
+    assert parsed is not None
+    assert parsed.kind == name
+
+
+def test_a_name_that_is_no_encoding_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"'zip' is not an encoding: expected one of full, packed"):
+        defaults.encoding_kind("zip")
+
+
+def test_no_module_branches_on_an_encoding_name() -> None:
+    """What differs between encodings is asked of :class:`~tiercheck.defaults.EncodingKind`,
+    never decided by comparing a name: a new encoding is then one entry, its encoder and its
+    decoder, not a hunt through every module that once wrote ``== "full"``."""
+    import ast
+
+    root = Path(defaults.__file__).parent
+    names = set(defaults.ENCODINGS)
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            for side in (node.left, *node.comparators):
+                elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                if any(isinstance(e, ast.Constant) and e.value in names for e in elements):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

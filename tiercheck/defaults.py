@@ -15,6 +15,7 @@ integrations and the command line find the same places without re-deriving a pat
   per writer);
 * what a tier keeps and stores unless told, by its kind -- a *durable* tier (one that outlives
   the cluster) or a *memory* tier (:func:`default_keep`, :func:`default_encoding`);
+* the **encodings** a tier may store blobs in, and what each decides (:class:`EncodingKind`);
 * the **name grammar** of job ids and node names (:func:`check_job_id`,
   :func:`check_node_name`): each is always exactly one folder name and one URL path segment.
 
@@ -41,6 +42,8 @@ __all__ = [
     "DEFAULT_KEEP",
     "DEFAULT_PERSISTENT_DIR",
     "DURABLE_KEEP",
+    "ENCODINGS",
+    "ENCODING_KINDS",
     "IDENTITY_FILE",
     "LOCKS_DIR",
     "MANIFEST_DIR",
@@ -50,6 +53,8 @@ __all__ = [
     "NAME_GRAMMAR",
     "REPLICAS_DIR",
     "SHM_DIR",
+    "Encoding",
+    "EncodingKind",
     "NodeRoot",
     "check_job_id",
     "check_node_name",
@@ -57,6 +62,7 @@ __all__ = [
     "default_keep",
     "default_persistent_url",
     "default_root",
+    "encoding_kind",
     "memory_base",
     "persistent_job_url",
 ]
@@ -98,10 +104,49 @@ _REPLICA_KEY = re.compile(r"^(?P<job>[^/]+)/r(?P<rank>\d{5})/(?P<key>.+)$")
 
 
 #: How a tier stores a version's blob: ``"full"`` (the raw payload as is) or ``"packed"``
-#: (XOR against a base, byte planes, zstd). The one declaration of the encodings: the blob
-#: header's kind, the key suffix (``r00000.full``) and a tier's ``encodings`` option name them.
+#: (XOR against a base, byte planes, zstd). The blob header's kind, the key suffix
+#: (``r00000.full``) and a tier's ``encodings`` option name them; :data:`ENCODING_KINDS` says
+#: what each one decides.
 Encoding = Literal["full", "packed"]
-ENCODINGS: tuple[Encoding, ...] = ("full", "packed")
+
+
+@dataclass(frozen=True)
+class EncodingKind:
+    """What one encoding decides, in one place: every part that treats encodings differently
+    asks this object, never the name, so that a new encoding is one entry here, its encoder
+    (:func:`tiercheck.codec.encode`) and its decoder.
+    """
+
+    #: The name: the key suffix and the tier option's value.
+    name: Encoding
+    #: The blob header's kind byte (:mod:`tiercheck.codec.format.blobformat`).
+    header_byte: int
+    #: Whether the blob's body is the raw payload byte for byte. Such a blob needs no base, is
+    #: encoded without work (its parts are views of the snapshot, which stays held until the
+    #: lane has written them), can be staged in place in a tier's memory, and is read by byte
+    #: ranges or scattered into place without decoding.
+    as_is: bool
+    #: Which encoding a restore reads when a rank has two blobs of one version in one tier
+    #: (lowest first: the cheaper read).
+    read_order: int
+
+
+#: Every encoding, by name.
+ENCODING_KINDS: Mapping[Encoding, EncodingKind] = MappingProxyType(
+    {
+        "full": EncodingKind("full", header_byte=1, as_is=True, read_order=0),
+        "packed": EncodingKind("packed", header_byte=2, as_is=False, read_order=1),
+    }
+)
+ENCODINGS: tuple[Encoding, ...] = tuple(ENCODING_KINDS)
+
+
+def encoding_kind(name: str) -> EncodingKind:
+    """The :class:`EncodingKind` named ``name``; :class:`ValueError` for a name that is none."""
+    for kind in ENCODING_KINDS.values():
+        if kind.name == name:
+            return kind
+    raise ValueError(f"{name!r} is not an encoding: expected one of {', '.join(ENCODINGS)}")
 
 
 def default_keep(durable: bool) -> int:

@@ -8,6 +8,8 @@ damaged, and that DTensors replicated over the whole world are stored once witho
 
 from __future__ import annotations
 
+import itertools
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from tiercheck.codec import decode, read_meta, unflatten
 from tiercheck.codec.format.dtensor import DTensorShard
 from tiercheck.codec.replica import resolve, take
 from tiercheck.consistency.keys import version_prefix
+from tiercheck.defaults import ENCODINGS
 from tiercheck.testing import LocalGroup
 
 WORLD = 4
@@ -81,11 +84,13 @@ def job(
     )
 
 
-def save(root: Path, versions: range, *, hint: bool = True, per_node: int = WORLD) -> None:
+def save(
+    root: Path, versions: range, *, hint: bool = True, per_node: int = WORLD, **kw: Any
+) -> None:
     group = LocalGroup(WORLD)
 
     def one(r: int) -> None:
-        with job(root, r, group, per_node=per_node) as ckpt:
+        with job(root, r, group, per_node=per_node, **kw) as ckpt:
             for v in versions:
                 ckpt.save(v, state_of(v, r, hint=hint))
             ckpt.wait()
@@ -217,6 +222,29 @@ def test_two_nodes_store_one_copy_each_in_memory_and_one_in_all_durably(
     assert_restored(results[2:], newest, "local", first=2)
     shutil.rmtree(tmp_path / "node1")
     assert_restored(restore(tmp_path, per_node=2), newest, "persistent")
+
+
+def test_every_hold_on_a_snapshot_is_given_back_once_whatever_the_encodings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lanes hold the staged snapshot while they write blobs that are views of it, and give
+    each hold back once. Found wanting: a durable tier storing blobs as is (``"full"``) from
+    node 1's lean state (its own memory, never held) gave back a hold it had not taken, so
+    the snapshot's memory went back to the pool while the local tier's lane still wrote from
+    it. Every pair of encodings, on one node and on two (where rank 2 stores a lean state)."""
+    caplog.set_level(logging.ERROR, logger="tiercheck")
+    newest = 2
+    for local, persistent in itertools.product(ENCODINGS, repeat=2):
+        for per_node in (WORLD, 2):
+            root = tmp_path / f"{local}-{persistent}-{per_node}"
+            encodings = {"local": local, "persistent": persistent}
+            save(root, range(newest + 1), per_node=per_node, encodings=encodings)
+            kw: dict[str, Any] = {"per_node": per_node, "encodings": encodings}
+            assert_restored(restore(root, **kw), newest, "local")
+            for node in root.glob("node*"):
+                shutil.rmtree(node)
+            assert_restored(restore(root, **kw), newest, "persistent")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize("damaged", [0, 2])  # the storing rank; node 1's first, which refers on

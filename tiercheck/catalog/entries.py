@@ -18,8 +18,9 @@ from tiercheck.codec import BlobMeta
 from tiercheck.consistency.abandoned import ABANDONED_PREFIX, AbandonedSet
 from tiercheck.consistency.commit import CommitRecord
 from tiercheck.consistency.identity import JobRecord, NodeIdentity, Tombstone, WriterRecord
-from tiercheck.consistency.keys import BlobKind
+from tiercheck.consistency.keys import BlobKey, BlobKind
 from tiercheck.consistency.manifest import Written
+from tiercheck.defaults import encoding_kind
 from tiercheck.tiers.base import Leftover
 
 __all__ = [
@@ -54,13 +55,27 @@ class BlobEntry:
     #: The blob's header, once read (:func:`inspect_blobs`, :func:`verify`).
     meta: BlobMeta | None = None
 
+    def __post_init__(self) -> None:
+        # A blob stored as is has no base: its name tells.
+        if encoding_kind(self.encoding).as_is:
+            self.base_known = True
+
+    @classmethod
+    def listed(cls, key: str, where: BlobKey) -> BlobEntry:
+        """The entry of blob ``key`` found in a listing (``where``: its parsed key)."""
+        return cls(key, where.version, where.rank, where.kind)
+
+    @property
+    def read_order(self) -> tuple[int, str]:
+        """Sorts a rank's blobs of one version: the one a restore reads first comes first
+        (:attr:`tiercheck.consistency.keys.BlobKey.read_order`)."""
+        return encoding_kind(self.encoding).read_order, self.key
+
     @property
     def kind(self) -> BlobKindName:
         """``full``, ``base``, ``delta``, or ``packed`` when not known without reading."""
-        if self.encoding == "full":
-            return "full"
-        if not self.base_known:
-            return "packed"
+        if encoding_kind(self.encoding).as_is or not self.base_known:
+            return self.encoding
         return "base" if self.base is None else "delta"
 
     def learn(self, meta: BlobMeta) -> None:
@@ -86,6 +101,13 @@ class VersionEntry:
     commit_error: str | None = None
     #: The ranks that should each have a blob.
     expected_ranks: tuple[int, ...] = ()
+
+    def add(self, blob: BlobEntry) -> None:
+        """File ``blob`` as its rank's. Of two encodings of a rank's version in one tier, the
+        one a restore reads is kept (the cheaper read)."""
+        held = self.blobs.get(blob.rank)
+        if held is None or blob.read_order < held.read_order:
+            self.blobs[blob.rank] = blob
 
     @property
     def missing_ranks(self) -> list[int]:

@@ -24,7 +24,7 @@ from tiercheck.codec import BlobMeta
 from tiercheck.consistency.abandoned import parse_abandoned_key, set_record_key
 from tiercheck.consistency.identity import JOB_KEY, TOMBSTONE_KEY, writer_key
 from tiercheck.consistency.keys import blob_key, commit_key
-from tiercheck.defaults import IDENTITY_FILE
+from tiercheck.defaults import IDENTITY_FILE, default_encoding
 
 __all__ = [
     "FINDING_CODES",
@@ -228,7 +228,7 @@ def version_findings(
                 "problem",
                 "torn-committed",
                 f"version {v} is committed but rank {rank}'s blob is missing{where}",
-                key=blob_key(v, rank, "packed" if loc.kind == "persistent" else "full"),
+                key=blob_key(v, rank, default_encoding(loc.kind == "persistent")),
                 rank=rank,
             )
     elif missing:

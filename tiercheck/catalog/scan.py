@@ -187,14 +187,9 @@ def _sort_keys(loc: Location, keys: Iterable[str]) -> tuple[Catalog, list[tuple[
             continue
         parsed = parse_blob_key(key)
         if parsed is not None:
-            entry = versions.setdefault(parsed.version, VersionEntry(parsed.version))
-            blob = BlobEntry(key, parsed.version, parsed.rank, parsed.kind)
-            if parsed.kind == "full":
-                blob.base_known = True
-            # Two encodings of one rank's version in one tier: keep the full one, as the
-            # checkpointer's restore does (the cheaper read).
-            if parsed.rank not in entry.blobs or parsed.kind == "full":
-                entry.blobs[parsed.rank] = blob
+            versions.setdefault(parsed.version, VersionEntry(parsed.version)).add(
+                BlobEntry.listed(key, parsed)
+            )
             continue
         v = parse_commit_key(key)
         if v is not None:
@@ -225,11 +220,9 @@ def _sort_abandoned(sets: dict[str, AbandonedSetEntry], key: str) -> bool:
     if inner == SET_NAME:
         aside.has_record = True
     elif where is not None:
-        entry = aside.versions.setdefault(where.version, VersionEntry(where.version))
-        blob = BlobEntry(key, where.version, where.rank, where.kind)
-        blob.base_known = where.kind == "full"
-        if where.rank not in entry.blobs or where.kind == "full":
-            entry.blobs[where.rank] = blob
+        aside.versions.setdefault(where.version, VersionEntry(where.version)).add(
+            BlobEntry.listed(key, where)
+        )
     elif copied is not None:
         aside.versions.setdefault(copied, VersionEntry(copied)).committed = True
     return True

@@ -5,6 +5,7 @@ Pipeline (each stage a versioned name in the blob header, see :mod:`.stages`)::
     state --flatten--> Layout + tensors --write_payload--> raw payload (RawState)
           --encode_full--> full blob (payload as is)
           --encode_packed--> packed blob: xor vs base -> byte planes -> zstd where it pays
+          (encode(state, name) picks one by the encoding's name)
     blob  --decode(base=...)--> RawState (verified end to end) --state()--> state
     blob  --read_meta_ranged / read_tensors--> some tensors, reading only their byte ranges
 
@@ -35,6 +36,7 @@ from tiercheck.codec.blob import (
     BlobMeta,
     RawState,
     decode,
+    encode,
     encode_full,
     encode_packed,
     finalize_full_blob,
@@ -79,6 +81,7 @@ __all__ = [
     "XorStage",
     "ZstdStage",
     "decode",
+    "encode",
     "encode_full",
     "encode_packed",
     "finalize_full_blob",

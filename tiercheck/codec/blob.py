@@ -2,14 +2,16 @@
 
 The names gathered here live in :mod:`.blobformat` (the byte layout, :class:`BlobMeta`,
 :func:`read_meta`), :mod:`.rawstate` (:class:`RawState`, :func:`snapshot`), :mod:`.encoder`
-(:func:`encode_full`, :func:`encode_packed`, the in-place full blob) and :mod:`.decoder`
-(:func:`decode`, :func:`verify`); importing them from here keeps working.
+(:func:`encode` by name, :func:`encode_full`, :func:`encode_packed`, the in-place full
+blob) and :mod:`.decoder` (:func:`decode`, :func:`verify`); importing them from here keeps
+working.
 """
 
 from __future__ import annotations
 
 from tiercheck.codec.decode.decoder import decode, verify
 from tiercheck.codec.encode.encoder import (
+    encode,
     encode_full,
     encode_packed,
     finalize_full_blob,
@@ -39,6 +41,7 @@ __all__ = [
     "FrameExtent",
     "RawState",
     "decode",
+    "encode",
     "encode_full",
     "encode_packed",
     "finalize_full_blob",

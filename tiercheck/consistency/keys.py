@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tiercheck.defaults import ENCODINGS, Encoding
+from tiercheck.defaults import ENCODINGS, Encoding, encoding_kind
 from tiercheck.errors import VersionError
 
 __all__ = [
@@ -59,6 +59,12 @@ class BlobKey:
     rank: int
     kind: BlobKind
 
+    @property
+    def read_order(self) -> tuple[int, str]:
+        """Sorts a rank's blobs of one version so that the cheaper read comes first
+        (:attr:`~tiercheck.defaults.EncodingKind.read_order`), whatever their names."""
+        return encoding_kind(self.kind).read_order, str(self)
+
     def __str__(self) -> str:
         return blob_key(self.version, self.rank, self.kind)
 
@@ -83,8 +89,7 @@ def parse_blob_key(key: str) -> BlobKey | None:
     m = _BLOB.match(key)
     if m is None:
         return None
-    kind: BlobKind = "full" if m.group(3) == "full" else "packed"
-    return BlobKey(int(m.group(1)), int(m.group(2)), kind)
+    return BlobKey(int(m.group(1)), int(m.group(2)), encoding_kind(m.group(3)).name)
 
 
 def parse_commit_key(key: str) -> int | None:

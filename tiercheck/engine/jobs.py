@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,6 +20,8 @@ from tiercheck.errors import SaveSkipped, TierWriteFailed
 from tiercheck.tiers.base import Reservation
 
 __all__ = ["VERDICT_POLL_S", "BaseInMemory", "Holder", "InFlight", "Job", "LaneResult", "OwnBlob"]
+
+logger = logging.getLogger("tiercheck")
 
 #: The longest interval at which the pipeline looks whether an overlapped snapshot was
 #: confirmed (see :meth:`Job.unconfirmed`).
@@ -39,6 +42,10 @@ class Holder:
     def drop(self) -> None:
         """One user fewer; the last one frees the memory."""
         self._refs -= 1
+        if self._refs < 0:
+            # More drops than holds: the memory was freed while a user still read it. A bug
+            # in tiercheck; said loudly, never raised into the save that found it.
+            logger.error("tiercheck: a snapshot's memory was given back more often than held")
         if self._refs == 0 and self._release is not None:
             # Forget the callback too: it references the memory, which must not outlive this.
             release, self._release = self._release, None

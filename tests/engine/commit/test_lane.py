@@ -117,12 +117,8 @@ class _Version:
         self.released = True
 
     def offer(self, lane: Lane) -> bool:
-        """Offer the blob, holding the memory for the lane as the encoder does."""
-        taken = lane.offer(self.job, self.parts, self.meta)
-        if taken:
-            assert self.job.holder is not None
-            self.job.holder.acquire()
-        return taken
+        """Offer the blob as the encoder does: its parts are views of the job's memory."""
+        return lane.offer(self.job, self.parts, self.meta, views=True)
 
     def let_go(self) -> None:
         """The encoder lets go of the job's own hold on its memory."""

@@ -52,9 +52,11 @@ class _Lane:
         self.name = name
         self.offers = offers
 
-    def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta) -> bool:
+    def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta, *, views: bool) -> bool:
         blob = b"".join(memoryview(p).cast("B").tobytes() for p in parts)
         self.offers.append((self.name, job.version, blob, meta))
+        if views and job.holder is not None:
+            job.holder.acquire()  # as the real lane holds the memory its parts view
         return True
 
 

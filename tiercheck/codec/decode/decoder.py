@@ -150,7 +150,7 @@ def decode(
     layout = meta.layout
     n = layout.payload_nbytes
     body = view[meta.body_offset :]
-    if meta.kind == "full":
+    if meta.encoding.as_is:
         if out is None and not view.readonly and n:
             payload = torch.frombuffer(body, dtype=torch.uint8)
         else:

@@ -445,7 +445,7 @@ def _read_bytes(
 ) -> dict[int, U8]:
     """Per wanted tensor (the keys of ``spans``, ascending), its bytes in fresh memory, those
     in its span read and checked (see the module docstring)."""
-    if meta.kind == "full":
+    if meta.encoding.as_is:
         return _read_full(meta, fetch, spans, max_read)
     return _read_packed(
         meta, fetch, spans, base, max_read=max_read, threads=threads, executor=executor

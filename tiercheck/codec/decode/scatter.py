@@ -103,7 +103,7 @@ def plan_scatter(
 def scatterable(meta: BlobMeta) -> bool:
     """Whether ``meta``'s blob can be read by :func:`read_scattered`: a full blob with chunk
     digests, self-contained."""
-    return meta.kind == "full" and meta.chunk_digests is not None and meta.base is None
+    return meta.encoding.as_is and meta.chunk_digests is not None and meta.base is None
 
 
 def _describe(meta: BlobMeta) -> str:

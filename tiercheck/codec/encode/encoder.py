@@ -5,8 +5,9 @@ The format they write is :mod:`.blobformat`'s; :mod:`.decoder` reads it back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,11 @@ from tiercheck.codec.packed.frames import (
 )
 from tiercheck.codec.rawstate import RawState
 from tiercheck.codec.resources import OutputArena, ScratchPool, run_bounded
+from tiercheck.defaults import Encoding, encoding_kind
 from tiercheck.errors import FormatError
 
 __all__ = [
+    "encode",
     "encode_full",
     "encode_packed",
     "finalize_full_blob",
@@ -297,3 +300,56 @@ def encode_packed(
 def _digest_chunks(data: memoryview, executor: Executor | None) -> list[int]:
     # For functions whose parameter ``chunk_digests`` hides the function of that name.
     return chunk_digests(data, executor=executor)
+
+
+# --- by name ---------------------------------------------------------------------------------
+
+#: An encoder: ``(state, rank, base, options, executor) -> (parts, meta)``.
+Encoder = Callable[
+    [RawState, int, RawState | None, CodecOptions, Executor | None],
+    tuple[list[Buffer], BlobMeta],
+]
+
+
+def _full(
+    state: RawState,
+    rank: int,
+    base: RawState | None,
+    options: CodecOptions,
+    executor: Executor | None,
+) -> tuple[list[Buffer], BlobMeta]:
+    # Stored as is: no base, nothing to tune, no work for the executor.
+    return encode_full(state, rank=rank)
+
+
+def _packed(
+    state: RawState,
+    rank: int,
+    base: RawState | None,
+    options: CodecOptions,
+    executor: Executor | None,
+) -> tuple[list[Buffer], BlobMeta]:
+    return encode_packed(state, rank=rank, base=base, options=options, executor=executor)
+
+
+#: Each encoding's encoder (:data:`tiercheck.defaults.ENCODING_KINDS` names them all).
+ENCODERS: Mapping[Encoding, Encoder] = MappingProxyType({"full": _full, "packed": _packed})
+
+
+def encode(
+    state: RawState,
+    encoding: str,
+    *,
+    rank: int,
+    base: RawState | None = None,
+    options: CodecOptions = CodecOptions(),  # noqa: B008 -- frozen, so sharing it is safe
+    executor: Executor | None = None,
+) -> tuple[list[Buffer], BlobMeta]:
+    """``state`` as a blob in ``encoding`` (a name of :data:`~tiercheck.defaults.ENCODINGS`),
+    as parts: :func:`encode_full` or :func:`encode_packed` (a delta against ``base`` where the
+    encoding takes one). :class:`ValueError` for a name that is no encoding.
+
+    An encoding stored as is (:attr:`~tiercheck.defaults.EncodingKind.as_is`) does no work
+    worth a thread; the others do, and release the GIL while they do it.
+    """
+    return ENCODERS[encoding_kind(encoding).name](state, rank, base, options, executor)

@@ -77,7 +77,7 @@ from tiercheck.codec.format.stages import (
     parse_stage,
 )
 from tiercheck.codec.packed.frames import Buffer, Frame, frame_entry_count, plan_frames
-from tiercheck.defaults import Encoding
+from tiercheck.defaults import ENCODING_KINDS, Encoding, EncodingKind, encoding_kind
 from tiercheck.errors import ChecksumMismatch, FormatError, UnsupportedFormat
 
 __all__ = [
@@ -122,11 +122,12 @@ PREAMBLE_NBYTES = 64
 HEAD = struct.Struct("<8sHHB3xQQ")
 #: Bytes 32..64: raw_digest, body_digest, header_digest, checksum.
 DIGESTS = struct.Struct("<QQQQ")
+#: The kinds by their byte, as :attr:`BlobMeta.kind` names them
+#: (:data:`tiercheck.defaults.ENCODING_KINDS` gives each its byte).
+KINDS: dict[int, Encoding] = {k.header_byte: k.name for k in ENCODING_KINDS.values()}
 #: The kind byte of a full blob (the raw payload as is) and of a packed one.
-KIND_FULL = 1
-KIND_PACKED = 2
-#: The kinds by their byte, as :attr:`BlobMeta.kind` names them.
-KINDS: dict[int, Encoding] = {KIND_FULL: "full", KIND_PACKED: "packed"}
+KIND_FULL = ENCODING_KINDS["full"].header_byte
+KIND_PACKED = ENCODING_KINDS["packed"].header_byte
 #: Low bits of a frame table entry that hold the plane's mode (the rest: its stored size).
 MODE_BITS = 2
 
@@ -189,6 +190,11 @@ class BlobMeta:
     def packed(self) -> PackedInfo | None:
         """The body's frame table and digests for a packed blob (``None`` for a full one)."""
         return self._packed
+
+    @property
+    def encoding(self) -> EncodingKind:
+        """What the blob's encoding decides (:class:`~tiercheck.defaults.EncodingKind`)."""
+        return encoding_kind(self.kind)
 
 
 # --- header -----------------------------------------------------------------------------------

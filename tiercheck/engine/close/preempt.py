@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from tiercheck.codec import BlobMeta, RawState, encode_full, encode_packed
+from tiercheck.codec import RawState
 from tiercheck.consistency.keys import blob_key, commit_key
 from tiercheck.consistency.preempt import (
     FlushVote,
@@ -57,14 +57,14 @@ from tiercheck.engine.commit.tier import TierPipeline
 from tiercheck.engine.jobs import InFlight
 from tiercheck.engine.journal import Journal
 from tiercheck.engine.open.claim import Claim
-from tiercheck.engine.options import RESERVED_CHANNELS, Options, TierEncoding
+from tiercheck.engine.options import RESERVED_CHANNELS, Options
 from tiercheck.engine.restore.read import Reader
 from tiercheck.engine.restore.restore import Restorer
 from tiercheck.engine.restore.timeline import Timeline
 from tiercheck.engine.results import CheckpointerStats
+from tiercheck.engine.save.encode import encode_blob
 from tiercheck.engine.save.schedule import Schedule
 from tiercheck.errors import PeerUnavailable, Superseded
-from tiercheck.tiers.base import Buffer
 
 __all__ = ["PREEMPT_CHANNEL", "FlushReport", "Flushable", "Preemption"]
 
@@ -335,8 +335,9 @@ class Preemption:
         unreadable: str,
         deadline: float,
     ) -> FlushVote:
-        """This rank's part in ``pipe``'s tier: its blob written (as a base), or the version
-        found committed there meanwhile, or why not."""
+        """This rank's part in ``pipe``'s tier: its blob written (as a base: the tier may lack
+        the base a delta would need), or the version found committed there meanwhile, or why
+        not."""
         name = pipe.name
         own = next(
             (
@@ -363,10 +364,11 @@ class Preemption:
         pipe.flushing.add(version)
         await pipe.retention_idle.wait()
         try:
-            parts, meta = await _encode_base(
-                raw, pipe.policy.encoding, self.rank, self.options, self.cpu
+            codec, encoding = self.options.encode.codec, pipe.policy.encoding
+            parts, meta = await encode_blob(
+                raw, encoding, rank=self.rank, options=codec, cpu=self.cpu
             )
-            key = blob_key(version, self.rank, "full" if meta.kind == "full" else "packed")
+            key = blob_key(version, self.rank, meta.kind)
             await self.claim.check(pipe.tier)
             await pipe.tier.putv(key, parts)
         except Exception as exc:
@@ -424,17 +426,6 @@ class Preemption:
             )
             return False, "error"
         return True, ""
-
-
-async def _encode_base(
-    raw: RawState, encoding: TierEncoding, rank: int, options: Options, cpu: ThreadPoolExecutor
-) -> tuple[list[Buffer], BlobMeta]:
-    """``raw`` as a base in ``encoding`` (no delta: its base may not be in the tier)."""
-    if encoding == "full":
-        return encode_full(raw, rank=rank)
-    return await asyncio.to_thread(
-        encode_packed, raw, rank=rank, base=None, options=options.encode.codec, executor=cpu
-    )
 
 
 def _read_outcome(task: asyncio.Future[Any]) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tiercheck.codec import BlobMeta
-from tiercheck.consistency.keys import BlobKind, blob_key
-from tiercheck.engine.jobs import Job
+from tiercheck.consistency.keys import blob_key
+from tiercheck.engine.jobs import Holder, Job
 from tiercheck.engine.save.plan import Kept, Waiting, catch_up, make_room, queue_full
 from tiercheck.errors import PeerUnavailable, Superseded, TierWriteFailed
 from tiercheck.tiers.base import Buffer
@@ -34,8 +35,23 @@ __all__ = ["Lane", "LaneItem"]
 
 logger = logging.getLogger("tiercheck")
 
-#: What waits in a tier's lane: the job, the blob's parts, and its metadata.
-LaneItem = tuple[Job, list[Buffer], BlobMeta]
+
+@dataclass(eq=False, slots=True)
+class LaneItem:
+    """What waits in a tier's lane: the job, the blob's parts and its metadata."""
+
+    job: Job
+    parts: list[Buffer]
+    meta: BlobMeta
+    #: The staged snapshot's holder, while the parts are views of its memory: taken when the
+    #: lane queues them, given back once when they are written or passed over.
+    hold: Holder | None = None
+
+    def let_go(self) -> None:
+        """Give back the hold on the snapshot's memory, if this item still has one."""
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            hold.drop()
 
 
 class Lane:
@@ -48,17 +64,26 @@ class Lane:
         #: The version the worker is writing now, if any.
         self.writing: int | None = None
 
-    def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta) -> bool:
+    def offer(self, job: Job, parts: list[Buffer], meta: BlobMeta, *, views: bool) -> bool:
         """Queue an encoded version for writing; ``False`` when it is dropped for this tier
         (the tier is blocked, or ``tier_queue`` versions behind and it is not among the newest
-        whole ones: :func:`~tiercheck.engine.save.plan.make_room`)."""
+        whole ones: :func:`~tiercheck.engine.save.plan.make_room`).
+
+        ``views``: the parts are views of the job's staged snapshot (a blob stored as is,
+        :attr:`~tiercheck.defaults.EncodingKind.as_is`): the lane holds that memory while the
+        blob waits and is written, and gives it back exactly once.
+        """
         tier_queue = self.pipe.options.tiers.tier_queue
         if self.pipe.blocked is not None and self.pipe.timeline_ready.is_set():
             self.pipe.skip(job, self.pipe.refusal())
             return False
+        item = LaneItem(job, parts, meta)
+        if views and job.holder is not None:
+            job.holder.acquire()
+            item.hold = job.holder
         if queue_full(self.queue.qsize(), tier_queue):
-            return self._keep(make_room, f"it is {tier_queue} versions behind", (job, parts, meta))
-        self.queue.put_nowait((job, parts, meta))
+            return self._keep(make_room, f"it is {tier_queue} versions behind", item)
+        self.queue.put_nowait(item)
         return True
 
     def _keep(
@@ -82,12 +107,13 @@ class Lane:
             items.append(offered)
         held = {*pipe.committed, *pipe.own, *([] if self.writing is None else [self.writing])}
         waiting = [
-            Waiting(j.version, None if m.base is None else m.base.version) for j, _, m in items
+            Waiting(i.job.version, None if i.meta.base is None else i.meta.base.version)
+            for i in items
         ]
         kept = rule(waiting, held, pipe.options.tiers.tier_queue).keep
         keeps = f"it keeps {', '.join(map(str, kept))}" if kept else "none waiting is whole"
         for item in items:
-            job, _, meta = item
+            job = item.job
             if job.version in kept:
                 queue.put_nowait(item)
                 continue
@@ -99,11 +125,10 @@ class Lane:
                     f"and the newest whole versions go first ({keeps})"
                 ),
             )
-            if item is not offered and meta.kind == "full" and job.holder is not None:
-                job.holder.drop()  # the hold the encoder took for the lane (see run)
+            item.let_go()
         if ended:
             queue.put_nowait(None)
-        return offered is not None and offered[0].version in kept
+        return offered is not None and offered.job.version in kept
 
     async def run(self) -> None:
         """Write blobs to the tier, one at a time, in version order."""
@@ -113,9 +138,8 @@ class Lane:
             item = await queue.get()
             if item is None:
                 return
-            job, parts, meta = item
-            kind: BlobKind = "full" if meta.kind == "full" else "packed"
-            key = blob_key(job.version, pipe.rank, kind)
+            job, parts, meta = item.job, item.parts, item.meta
+            key = blob_key(job.version, pipe.rank, meta.kind)
             self.writing = job.version
             try:
                 # After a restore, nothing of the run's new versions is written here before
@@ -157,7 +181,6 @@ class Lane:
                 job.lane_done(tier.name, pipe.record_written(job, key, meta))
             finally:
                 self.writing = None
-                if kind == "full" and job.holder is not None:
-                    job.holder.drop()
+                item.let_go()
                 # Do not keep the last blob alive while waiting for the next one.
                 del item, parts

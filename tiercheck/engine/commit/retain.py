@@ -19,6 +19,7 @@ from tiercheck.consistency.keys import commit_key, parse_blob_key, parse_commit_
 from tiercheck.consistency.manifest import Commit, Evict
 from tiercheck.consistency.resync import unsure_kept
 from tiercheck.consistency.retention import UNKNOWN_BASE, evictable
+from tiercheck.defaults import encoding_kind
 from tiercheck.engine.health import CommitLag
 from tiercheck.engine.jobs import OwnBlob
 from tiercheck.engine.journal import Journal
@@ -278,7 +279,7 @@ def sort_blob_keys(
                 others.setdefault(parsed.version, []).append(key)
             continue
         if parsed.rank == rank:
-            if parsed.kind == "full":
+            if encoding_kind(parsed.kind).as_is:
                 base = None
             elif parsed.version in bases:
                 base = bases[parsed.version]

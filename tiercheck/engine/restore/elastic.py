@@ -286,14 +286,14 @@ class ElasticReader(RankPart):
                     f"the job's history says {old_world} saved it"
                 )
             return {e.rank: e.key for e in record.entries}
-        found: dict[int, tuple[str, str]] = {}
+        found: dict[int, tuple[int, str]] = {}
         async for key in tier.list(version_prefix(version)):
             parsed = parse_blob_key(key)
             if parsed is None or parsed.rank >= old_world:
                 continue
-            # "full" sorts before "packed": the cheaper read.
-            if parsed.rank not in found or (parsed.kind, key) < found[parsed.rank]:
-                found[parsed.rank] = (parsed.kind, key)
+            # The cheaper read first.
+            if parsed.rank not in found or parsed.read_order < found[parsed.rank]:
+                found[parsed.rank] = parsed.read_order
         missing = sorted(set(wanted) - set(found))
         if missing:
             raise BlobNotFound(

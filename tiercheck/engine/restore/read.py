@@ -205,11 +205,11 @@ class Reader(RankPart):
         )
         keys = [k async for k in listing]
         mine = sorted(
-            (p.kind, k) for k in keys if (p := parse_blob_key(k)) is not None and p.rank == rank
+            p.read_order for k in keys if (p := parse_blob_key(k)) is not None and p.rank == rank
         )
         if not mine:
             raise BlobNotFound(f"rank {rank} has no blob of version {version} in {tier.name!r}")
-        return mine[0][1]  # "full" sorts before "packed": the cheaper read
+        return mine[0][1]  # the cheaper read
 
     async def quarantine(self, tier: Tier, key: str, blob: Buffer, exc: Exception) -> None:
         """Set a blob that failed verification aside, so no cleanup can ever delete it."""

@@ -33,16 +33,11 @@ from collections.abc import Mapping
 from concurrent.futures import Executor
 from typing import Any
 
-from tiercheck.codec import (
-    BlobMeta,
-    RawState,
-    encode_full,
-    encode_packed,
-    finalize_full_blob,
-)
+from tiercheck.codec import BlobMeta, CodecOptions, RawState, encode, finalize_full_blob
 from tiercheck.codec.format.digest import chunk_digests, tree_root
 from tiercheck.codec.replica import Lean, lean, skeleton_steps
 from tiercheck.consistency.manifest import Abort, Begin
+from tiercheck.defaults import encoding_kind
 from tiercheck.engine.commit.tier import TierPipeline, writes_commit_records
 from tiercheck.engine.jobs import BaseInMemory, Job
 from tiercheck.engine.journal import Journal
@@ -52,7 +47,7 @@ from tiercheck.engine.save.schedule import Schedule
 from tiercheck.errors import FormatError, StateChanged, TierClosed, TierWriteFailed
 from tiercheck.tiers.base import Buffer
 
-__all__ = ["Encoder"]
+__all__ = ["Encoder", "encode_blob"]
 
 logger = logging.getLogger("tiercheck")
 
@@ -201,13 +196,11 @@ class Encoder:
                 parts, meta = encoded[encoding, durable]
                 # A memory tier's lane waits for the confirmation before it writes; a durable
                 # tier's writes at once, and its commit round waits
-                # (tiercheck.engine.commit.commit).
-                if (
-                    self.pipes[name].lane.offer(job, parts, meta)
-                    and encoding == "full"
-                    and source is raw
-                ):
-                    job.holder.acquire()  # the parts reference the staged payload
+                # (tiercheck.engine.commit.commit). A blob stored as is from the staged
+                # snapshot is views of it (not of the lean state, which is its own memory).
+                self.pipes[name].lane.offer(
+                    job, parts, meta, views=meta.encoding.as_is and source is raw
+                )
             if job.kind == "base":
                 # Held at once, for the next save's deltas (if it is not confirmed, the save
                 # after it is a base: see _settle).
@@ -327,16 +320,33 @@ class Encoder:
     async def _encode(
         self, raw: RawState, encoding: TierEncoding, base: RawState | None
     ) -> tuple[list[Buffer], BlobMeta]:
-        if encoding == "full":
-            return encode_full(raw, rank=self.rank)
-        return await asyncio.to_thread(
-            encode_packed,
+        return await encode_blob(
             raw,
+            encoding,
             rank=self.rank,
             base=base,
             options=self.options.encode.codec,
-            executor=self.cpu,
+            cpu=self.cpu,
         )
+
+
+async def encode_blob(
+    raw: RawState,
+    encoding: TierEncoding,
+    *,
+    rank: int,
+    options: CodecOptions,
+    cpu: Executor,
+    base: RawState | None = None,
+) -> tuple[list[Buffer], BlobMeta]:
+    """``raw`` as a blob in ``encoding`` (:func:`tiercheck.codec.encode`; a delta against
+    ``base`` where given and the encoding takes one), off the event loop unless it is stored
+    as is (views of the payload and a header: no work worth a thread)."""
+    if encoding_kind(encoding).as_is:
+        return encode(raw, encoding, rank=rank, base=base, options=options)
+    return await asyncio.to_thread(
+        encode, raw, encoding, rank=rank, base=base, options=options, executor=cpu
+    )
 
 
 async def _publish_when_confirmed(

@@ -31,6 +31,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from tiercheck.defaults import encoding_kind
 from tiercheck.engine.options import BusyPolicy, TierEncoding, TierPolicy
 
 __all__ = [
@@ -130,9 +131,10 @@ def plan_save(inputs: SaveInputs) -> SavePlan:
     - Otherwise it is a base when scheduled as one, when no base is planned yet, or when a
       delta's base vanished (``force_base``); else a delta against ``planned_base``.
     - The snapshot is copied into the memory of the first reservable tier that stores the
-      version as is (``"full"``) -- provided the state is on the host, or the pool lends no
-      pinned memory (a GPU state goes to a pinned buffer: a device copy into shared memory
-      could not be asynchronous). Else into a staging buffer.
+      version as is (:attr:`~tiercheck.defaults.EncodingKind.as_is`: ``"full"``) -- provided
+      the state is on the host, or the pool lends no pinned memory (a GPU state goes to a
+      pinned buffer: a device copy into shared memory could not be asynchronous). Else into a
+      staging buffer.
     """
     scheduled_base = inputs.count % inputs.base_every == 0
     targets = tuple(
@@ -146,7 +148,10 @@ def plan_save(inputs: SaveInputs) -> SavePlan:
     encodings = dict(targets)
     stage_in = None
     if inputs.on_host or not inputs.pinned:
-        stage_in = next((n for n in inputs.reservable if encodings.get(n) == "full"), None)
+        stage_in = next(
+            (n for n in inputs.reservable if n in encodings and encoding_kind(encodings[n]).as_is),
+            None,
+        )
     return SavePlan(
         inputs.version,
         "base" if base else "delta",

@@ -92,7 +92,7 @@ class _Requester(_Link):
             text = f"rank {dst}: {reply.get('error', 'unknown error')}"
             if kind == "missing":
                 raise BlobNotFound(text)
-            if kind == "full":
+            if kind == "tier-full":
                 raise TierFull(text)
             raise StorageError(text)
         return reply

@@ -188,7 +188,7 @@ class _Holding(_Link):
         kind = (
             "missing"
             if isinstance(exc, FileNotFoundError)
-            else "full"
+            else "tier-full"
             if isinstance(exc, TierFull)
             else "error"
         )
