@@ -247,6 +247,66 @@ def test_damage_found_midway_with_no_other_copy_says_what_the_state_holds(
     assert_state_equal(target, big_state(1))
 
 
+def misfit(state: dict[str, Any], rng: random.Random) -> None:
+    """Make ``state`` unfit to restore into, in one to three of the ways a state can be."""
+    for _ in range(rng.randrange(1, 4)):
+        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()]
+        how = rng.choice(["shape", "dtype", "missing", "extra", "meta", "leaf"])
+        if how == "extra" or not keys:
+            state[f"extra{rng.randrange(99)}"] = torch.zeros(2)
+            continue
+        key = rng.choice(keys)
+        value = state[key]
+        if how == "shape":
+            state[key] = torch.zeros(value.numel() + 1, dtype=value.dtype)
+        elif how == "dtype":
+            other = torch.float64 if value.dtype != torch.float64 else torch.int32
+            state[key] = torch.zeros(value.shape, dtype=other)
+        elif how == "missing":
+            del state[key]
+        elif how == "meta":
+            state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        else:
+            state[key] = "not a tensor"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_direct_path_refuses_what_the_ordinary_path_refuses_in_the_same_words(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct path checks the state against the layout's records, not against tensors
+    rebuilt from the blob: whatever does not fit, both say so alike and write nothing."""
+    with ckpt(tmp_path) as c:
+        c.save(1, random_state(random.Random(seed), None))
+        c.wait()
+    said = []
+    stood: list[int] = []
+    real = inplace.Direct.stand_in
+
+    def counted(self: inplace.Direct) -> Any:
+        stood.append(1)
+        return real(self)
+
+    monkeypatch.setattr(inplace.Direct, "stand_in", counted)
+    for direct in (True, False):
+        stood.clear()
+        target = random_state(random.Random(seed), 0.0)
+        misfit(target, random.Random(seed))
+        before = {
+            k: v.clone() for k, v in target.items() if isinstance(v, torch.Tensor) and not v.is_meta
+        }
+        if not direct:
+            no_direct(monkeypatch)
+        with ckpt(tmp_path) as c, pytest.raises(StateMismatch) as refused:
+            c.restore(target)
+        said.append(str(refused.value))
+        assert bool(stood) == direct, "the first restore did not check the direct way"
+        for key, value in before.items():
+            assert torch.equal(target[key], value), key
+    assert said[0] == said[1]
+    assert "nothing was written" in said[0]
+
+
 def test_a_state_that_does_not_fit_gets_nothing_written(tmp_path: Path) -> None:
     with ckpt(tmp_path) as c:
         c.save(1, big_state(1))

@@ -24,6 +24,7 @@ import torch
 
 from tiercheck.codec.encode.flatten import Layout, ReplicaRef
 from tiercheck.codec.format.dtensor import DTensorShard
+from tiercheck.codec.format.layout import TensorSpec
 from tiercheck.codec.format.skeleton import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -46,19 +47,27 @@ __all__ = ["unflatten"]
 
 
 class _Unflattener:
-    def __init__(self, tensors: Sequence[torch.Tensor], allow_pickle: bool) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor | TensorSpec], allow_pickle: bool) -> None:
         self.tensors = tensors
         self.allow_pickle = allow_pickle
 
     def unpack(self, data: bytes) -> Any:
         return unpack(data, self.ext_hook)
 
-    def tensor(self, index: object) -> torch.Tensor:
+    def tensor(self, index: object) -> torch.Tensor | TensorSpec:
         if type(index) is not int or not 0 <= index < len(self.tensors):
             raise FormatError(
                 f"skeleton refers to tensor {index!r}; the layout has {len(self.tensors)}"
             )
         return self.tensors[index]
+
+    def real(self, index: object) -> torch.Tensor:
+        """The tensor ``index`` where an object is rebuilt around its bytes (an array, a
+        DTensor shard): never a stand-in (:func:`unflatten` refuses those up front)."""
+        leaf = self.tensor(index)
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"tensor {index!r} is a stand-in; this object needs its bytes")
+        return leaf
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
@@ -100,7 +109,7 @@ class _Unflattener:
             index, record = self.unpack(data)
             if type(record) is not dict:
                 raise FormatError(f"skeleton holds a malformed DTensor record {record!r}")
-            return DTensorShard.from_record(self.tensor(index), record)
+            return DTensorShard.from_record(self.real(index), record)
         if code == EXT_REPLICA:
             rank, record = self.unpack(data)
             if type(rank) is not int or not (record is None or type(record) is dict):
@@ -117,7 +126,7 @@ class _Unflattener:
 
     def ndarray(self, fields: Any) -> Any:
         index, dtype_str, shape, scalar = fields
-        tensor = self.tensor(index)
+        tensor = self.real(index)
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         if dtype_str is None:
@@ -131,7 +140,7 @@ class _Unflattener:
 
 
 def unflatten(
-    layout: Layout, tensors: Sequence[torch.Tensor], *, allow_pickle: bool = False
+    layout: Layout, tensors: Sequence[torch.Tensor | TensorSpec], *, allow_pickle: bool = False
 ) -> Any:
     """Rebuild the state of ``layout`` around ``tensors`` (one per spec, typically its views).
 
@@ -139,9 +148,17 @@ def unflatten(
     memory. A skeleton holding pickled objects needs ``allow_pickle=True``, else
     :class:`~tiercheck.errors.UnsupportedObject`; a malformed skeleton raises
     :class:`~tiercheck.errors.FormatError`.
+
+    The layout's own :class:`~tiercheck.codec.format.layout.TensorSpec` records may stand for
+    the tensors (the structure alone, to check a live state against) where the state holds no
+    numpy array and no DTensor, which are rebuilt around tensors (else :class:`ValueError`).
     """
     if len(tensors) != len(layout.specs):
         raise ValueError(f"got {len(tensors)} tensors for a layout of {len(layout.specs)}")
+    if (layout.has_arrays or layout.has_dtensors) and any(type(t) is TensorSpec for t in tensors):
+        raise ValueError(
+            "a state with numpy arrays or DTensors is rebuilt around tensors, not TensorSpecs"
+        )
     try:
         return _Unflattener(tensors, allow_pickle).unpack(layout.skeleton)
     except (msgpack.UnpackException, ValueError, TypeError, KeyError) as exc:

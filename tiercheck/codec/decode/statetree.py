@@ -29,6 +29,7 @@ import torch
 
 from tiercheck.codec.format.containers import MAPPINGS
 from tiercheck.codec.format.dtensor import DTensorShard, is_dtensor
+from tiercheck.codec.format.layout import TensorSpec
 from tiercheck.errors import StateMismatch
 
 __all__ = ["Lenient", "check_into", "copy_all", "load_into", "own_copy", "pair_into"]
@@ -60,6 +61,8 @@ def _kind(obj: Any) -> str:
     t = type(obj)
     if t is DTensorShard:
         return "dtensor"
+    if t is TensorSpec:
+        return "tensor"
     if isinstance(obj, torch.Tensor):
         return "tensor" if t in _PLAIN_TENSORS or not is_dtensor(obj) else "dtensor"
     if t is Lenient:
@@ -83,8 +86,8 @@ def _items(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
-def _typed_shape(obj: torch.Tensor | np.ndarray[Any, Any]) -> str:
-    if isinstance(obj, torch.Tensor):
+def _typed_shape(obj: torch.Tensor | TensorSpec | np.ndarray[Any, Any]) -> str:
+    if isinstance(obj, (torch.Tensor, TensorSpec)):
         return f"{str(obj.dtype).removeprefix('torch.')}{tuple(obj.shape)}"
     return f"{obj.dtype}{tuple(obj.shape)}"
 
@@ -126,6 +129,10 @@ def _where(path: _Path) -> str:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: What a version's tensor may be in a rebuilt state: a tensor (its bytes, or on the ``meta``
+#: device its structure alone) or the layout's :class:`TensorSpec` (its structure, where the
+#: bytes are read straight into the target later: no tensor is made for it).
+_SOURCE_TENSORS = (torch.Tensor, TensorSpec)
 _IS_CPU = operator.attrgetter("is_cpu")
 
 
@@ -140,7 +147,7 @@ def _meta_target(path: _Path, target: Any) -> str:
 
 
 def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) -> None:
-    if type(source) is torch.Tensor and type(target) in _PLAIN_TENSORS:
+    if type(source) in _SOURCE_TENSORS and type(target) in _PLAIN_TENSORS:
         # The common case, first (a restored tensor into a live one): same test as below.
         if target.shape != source.shape or target.dtype != source.dtype:
             out.append(
@@ -272,7 +279,9 @@ def check_into(target: Any, source: Any, *, strict: bool = True) -> list[str]:
     return out
 
 
-_Copies = tuple[list[torch.Tensor], list[torch.Tensor]]
+#: Targets and, in the same order, what each is filled from: a tensor, or a layout's
+#: :class:`TensorSpec` where the bytes are read into the target later (:func:`pair_into`).
+_Copies = tuple[list[torch.Tensor], list[Any]]
 
 
 def _apply(
@@ -284,12 +293,12 @@ def _apply(
     of the walk, for :func:`copy_all` to make in few calls. ``own(value)`` makes what a key
     only the version holds becomes in the target (default :func:`own_copy`).
     """
-    if type(target) in _PLAIN_TENSORS and type(source) is torch.Tensor:
+    if type(target) in _PLAIN_TENSORS and type(source) in _SOURCE_TENSORS:
         copies[0].append(target)
         copies[1].append(source)
         return target
     kind = _kind(target)
-    if kind == "tensor" and isinstance(source, torch.Tensor):
+    if kind == "tensor" and isinstance(source, _SOURCE_TENSORS):
         copies[0].append(target)
         copies[1].append(source)
         return target
@@ -416,16 +425,19 @@ def load_into(target: Any, source: Any, *, strict: bool = True, checked: bool = 
     return result
 
 
-def pair_into(target: Any, source: Any) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+def pair_into(
+    target: Any, source: Any
+) -> tuple[Any, list[torch.Tensor], list[torch.Tensor | TensorSpec]]:
     """:func:`load_into` without its copies: ``(result, targets, sources)``.
 
     ``target`` is updated as :func:`load_into` updates it (containers merged, values replaced;
     the caller has run :func:`check_into` and found nothing), except that no tensor's data is
     copied: the pairs are returned, in walk order, for the caller to fill each target with its
     source's bytes (``target.copy_(source)`` in order is what :func:`load_into` would do).
-    ``source``'s tensors need no data (they may be on the ``meta`` device): where a key only
-    the version holds is added, its tensors are new empty host tensors, paired with their
-    sources like the others.
+    ``source``'s tensors need no data (they may be on the ``meta`` device, or be the layout's
+    :class:`~tiercheck.codec.format.layout.TensorSpec` records): where a key only the version
+    holds is added, its tensors are new empty host tensors, paired with their sources like the
+    others.
     """
     copies: _Copies = ([], [])
 
@@ -439,7 +451,7 @@ def pair_into(target: Any, source: Any) -> tuple[Any, list[torch.Tensor], list[t
 def _own_empty(obj: Any, copies: _Copies) -> Any:
     """:func:`own_copy`'s structure with new empty host tensors, each listed in ``copies``."""
 
-    def fresh(source: torch.Tensor) -> torch.Tensor:
+    def fresh(source: torch.Tensor | TensorSpec) -> torch.Tensor:
         made = torch.empty(source.shape, dtype=source.dtype)
         copies[0].append(made)
         copies[1].append(source)
@@ -463,15 +475,14 @@ def own_copy(obj: Any) -> Any:
     return _rebuild(obj, torch.Tensor.clone, np.ndarray.copy)
 
 
-def _rebuild(
-    obj: Any, tensor: Callable[[torch.Tensor], torch.Tensor], array: Callable[[Any], Any]
-) -> Any:
+def _rebuild(obj: Any, tensor: Callable[[Any], torch.Tensor], array: Callable[[Any], Any]) -> Any:
     """``obj`` with its containers rebuilt (dicts, lists, tuples; an ``OrderedDict`` keeps its
-    ``_metadata``), each tensor (a DTensor shard's local one too) replaced by ``tensor(t)`` and
-    each numpy array by ``array(a)``; other leaves as they are."""
+    ``_metadata``), each tensor (a DTensor shard's local one too, a layout's
+    :class:`~tiercheck.codec.format.layout.TensorSpec` standing for one) replaced by
+    ``tensor(t)`` and each numpy array by ``array(a)``; other leaves as they are."""
     if type(obj) is DTensorShard:
         return dataclasses.replace(obj, local=tensor(obj.local))
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, _SOURCE_TENSORS):
         return tensor(obj)
     if isinstance(obj, np.ndarray):
         return array(obj)

@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -58,7 +58,7 @@ from tiercheck.codec.decode.scatter import (
 )
 from tiercheck.codec.decode.statetree import check_into, copy_all, load_into, pair_into
 from tiercheck.codec.format.blobformat import PREAMBLE_NBYTES, BlobMeta
-from tiercheck.codec.format.layout import align
+from tiercheck.codec.format.layout import TensorSpec, align
 from tiercheck.codec.rawstate import host_buffer
 from tiercheck.codec.resources import paused_gc
 from tiercheck.consistency.protocol import RestoreVerdict, Step
@@ -145,11 +145,17 @@ class Direct:
     #: The blob's first bytes as its meta was parsed from (the read checks they are unchanged).
     preamble: bytes
 
-    def stand_in(self) -> RawState:
-        """The version with its tensors on the ``meta`` device: its structure, no bytes."""
-        meta = self.meta
-        payload = torch.empty(meta.layout.payload_nbytes, dtype=torch.uint8, device="meta")
-        return RawState(meta.version, meta.layout, payload, meta.raw_digest, meta.chunk_digests)
+    def stand_in(self) -> Sequence[torch.Tensor | TensorSpec]:
+        """What stands for the version's tensors while the caller's state is checked and paired
+        with it: their structure, no bytes. The layout's own records (no tensor is made) where
+        the version holds no DTensor; else views of a payload on the ``meta`` device (a DTensor
+        record is rebuilt around a tensor)."""
+        layout = self.meta.layout
+        if not layout.has_dtensors:
+            return layout.specs
+        with torch.inference_mode():  # only read from, as a decoded version's views are
+            payload = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device="meta")
+            return layout.views(payload)
 
 
 def reads_files(tier: Tier) -> bool:
@@ -249,14 +255,22 @@ def _direct(targets: Sequence[torch.Tensor]) -> list[bool]:
 
 
 def _plan(
-    layout_nbytes: int, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
+    layout_nbytes: int,
+    targets: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor | TensorSpec],
 ) -> _Plan:
     n = len(targets)
     Tensor = torch.Tensor
     sizes = np.fromiter(map(operator.attrgetter("nbytes"), sources), np.int64, n)
-    offsets = np.fromiter(map(Tensor.storage_offset, sources), np.int64, n) * np.fromiter(
-        map(Tensor.element_size, sources), np.int64, n
-    )
+    if all(type(s) is TensorSpec for s in sources):
+        # The layout's records (the stand-in of a state without DTensors): their offsets.
+        offsets = np.fromiter(map(operator.attrgetter("offset"), sources), np.int64, n)
+    else:
+        # Views of the stand-in payload: where each starts in it.
+        views = cast(Sequence[torch.Tensor], sources)
+        offsets = np.fromiter(map(Tensor.storage_offset, views), np.int64, n) * np.fromiter(
+            map(Tensor.element_size, views), np.int64, n
+        )
     direct = _direct(targets)
     if all(direct):
         starts = np.fromiter(map(Tensor.data_ptr, targets), np.int64, n)
@@ -379,7 +393,9 @@ def rebuild(
     structure to check ``state`` against, with tensors of no data.
     """
     if isinstance(raw, Direct):
-        raw = raw.stand_in()
+        assert state is not None  # a Direct is read for a state to restore into
+        stood = unflatten(raw.meta.layout, raw.stand_in(), allow_pickle=allow_pickle)
+        return _checked(state, stood, strict, raw.meta.version)
     if state is not None:
         # Views only read from, to be copied into the state (and cloned where strict=False
         # adds a key): inference tensors, which cost less to make than tracked views.
@@ -393,19 +409,24 @@ def rebuild(
         # Large ones stay views of the payload: no second copy.
         tensors = [t.clone() if t.nbytes <= OWN_STORAGE_BYTES else t for t in tensors]
     rebuilt = unflatten(raw.layout, tensors, allow_pickle=allow_pickle)
-    if state is not None:
-        mismatches = check_into(state, rebuilt, strict=strict)
-        if mismatches:
-            shown = mismatches[:50]
-            more = len(mismatches) - len(shown)
-            raise StateMismatch(
-                f"the state to restore into does not match version {raw.version}; nothing "
-                "was written into it:\n  "
-                + "\n  ".join(shown)
-                + (f"\n  ... and {more} more" if more else "")
-                + "\nRestore without a state (restore()) and load what fits yourself, or "
-                "pass strict=False to allow keys present on one side only."
-            )
+    return rebuilt if state is None else _checked(state, rebuilt, strict, raw.version)
+
+
+def _checked(state: Any, rebuilt: Any, strict: bool, version: int) -> Any:
+    """``rebuilt``, once :func:`check_into` found that ``state`` fits it; else
+    :class:`~tiercheck.errors.StateMismatch` naming every place that does not."""
+    mismatches = check_into(state, rebuilt, strict=strict)
+    if mismatches:
+        shown = mismatches[:50]
+        more = len(mismatches) - len(shown)
+        raise StateMismatch(
+            f"the state to restore into does not match version {version}; nothing "
+            "was written into it:\n  "
+            + "\n  ".join(shown)
+            + (f"\n  ... and {more} more" if more else "")
+            + "\nRestore without a state (restore()) and load what fits yourself, or "
+            "pass strict=False to allow keys present on one side only."
+        )
     return rebuilt
 
 
