@@ -8,6 +8,8 @@ does. Measured in one process, a new job (``job_id``) per round, on a state of `
 
 * ``copy``: ``copy_`` of every tensor into buffers allocated once (the floor);
 * ``fresh``: the first save of a new job (nothing restored);
+* ``prepared``: the first save of a new job that called ``ckpt.prepare(state)`` first, then
+  paused 2 s (its model built, its first step);
 * ``after_restore``: a job that saved, closed and reopened restores, pauses 2 s (a restarted
   job's first step), then saves: that save's stall;
 * ``steady``: the save after that.
@@ -75,6 +77,16 @@ def one_round(root: Path, state: dict[str, Any], i: int) -> dict[str, float]:
     out["fresh"] = time.perf_counter() - t0
     ckpt.wait()
     ckpt.close()
+    ready = open_job(root, f"{job}-prepared")
+    if not ready.prepare(state, version=1):
+        raise RuntimeError("prepare readied nothing")
+    time.sleep(PAUSE_S)
+    t0 = time.perf_counter()
+    ready.save(1, state)
+    out["prepared"] = time.perf_counter() - t0
+    ready.wait()
+    ready.close()
+    shutil.rmtree(root / f"{job}-prepared")
     ckpt = open_job(root, job)
     t0 = time.perf_counter()
     restored = ckpt.restore(state)
@@ -112,7 +124,7 @@ def main() -> None:
     print(f"state {args.mb} MB, 8 tensors; medians of {args.repeats} rounds (seconds):")
     for k, v in med.items():
         print(f"  {k:18s} {v:8.3f}")
-    for k in ("fresh", "after_restore", "steady"):
+    for k in ("fresh", "prepared", "after_restore", "steady"):
         print(f"  {k:18s} / copy floor: {med[k] / med['copy']:.2f}x")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "first_save.json").write_text(

@@ -379,6 +379,34 @@ def test_the_overlap_example_runs(tmp_path: Path) -> None:
     assert "StateChanged" not in run.stderr  # the fence kept every snapshot whole
 
 
+def test_the_first_save_example_readies_memory_and_saves(tmp_path: Path) -> None:
+    code = example("first-save")
+    job = f"readme-{uuid.uuid4().hex[:8]}"
+    assert '"file:///tmp/tiercheck-ckpt"' in code
+    assert '"run-3"' in code
+    code = code.replace('"file:///tmp/tiercheck-ckpt"', repr((tmp_path / "ckpt").as_uri()))
+    code = code.replace('"run-3"', repr(job))
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    readied = re.search(r"readied (\d+) bytes", run.stdout)
+    assert readied is not None, run.stdout
+    assert int(readied.group(1)) > 4 * 256 * 256 * 3  # the weights and both moments
+    # Only bases go to the persistent tier by default: the first save was one.
+    assert "newest: {'local': 200, 'persistent': 100}" in run.stdout
+
+
 def test_the_health_example_says_the_tier_keeps_committing(tmp_path: Path) -> None:
     code = example("health")
     job = f"readme-{uuid.uuid4().hex[:8]}"

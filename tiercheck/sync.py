@@ -34,6 +34,11 @@ class SyncCheckpointer(CheckpointerCore):
         self._drive(self._open_steps())
         return self
 
+    def prepare(self, state: Any, *, version: int = 0) -> int:
+        """Ready the memory the first save of ``state`` will be copied into, ahead of it, in
+        the background; see :meth:`Checkpointer.prepare`."""
+        return self._drive(self._prepare_steps(state, version))
+
     def save(self, version: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` as ``version``; returns once training may modify it again
         (with ``overlap=True``: once the copy is started; see :meth:`SaveHandle.staged`)."""

@@ -263,6 +263,17 @@ class CallSteps:
         handle: SaveHandle = yield engine.save(version, state, marks, replicated_paths)
         return handle
 
+    def _prepare_steps(self, state: Any, version: int) -> Steps[int]:
+        """``prepare``: the state walked as a save walks it, then the stager readies the room
+        for its blob (:meth:`~tiercheck.engine.save.stage.Stager.prepare`, on the loop: the
+        save's planner is the loop's)."""
+        self._check_save_args(version)
+        engine = yield from self._open_steps()
+        replicated_paths: list[tuple[Any, ...]] | None = [] if engine.leans else None
+        state = stateful.for_save(state, engine.replica, replicated_paths)
+        readied: int = yield engine.stager.prepare(engine.planner, state, version)
+        return readied
+
     def _restore_steps(
         self, state: Any, version: int | None, strict: bool
     ) -> Steps[Restored | None]:

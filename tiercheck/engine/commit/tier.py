@@ -53,6 +53,7 @@ __all__ = [
     "commit_versions",
     "location",
     "prepare_after",
+    "prepare_for",
     "writes_commit_records",
 ]
 
@@ -382,3 +383,22 @@ def prepare_after(pipe: TierPipeline, version: int) -> None:
             logger.exception("tiercheck: preparing memory in %r failed", pipe.name)
 
     pipe.workers.append(asyncio.create_task(prepare()))
+
+
+def prepare_for(pipe: TierPipeline, size: int) -> bool:
+    """Where ``pipe``'s tier prepares memory for a reservation
+    (:class:`~tiercheck.tiers.SupportsPrepare`) and no save has reserved there yet, ready
+    ``size`` bytes for the first one in the background; whether it was started."""
+    tier = pipe.tier
+    if pipe.reserve_size or not isinstance(tier, SupportsPrepare):
+        return False
+    pipe.reserve_size = size
+
+    async def prepare() -> None:
+        try:
+            await tier.prepare(size)
+        except Exception:
+            logger.exception("tiercheck: preparing memory in %r failed", pipe.name)
+
+    pipe.workers.append(asyncio.create_task(prepare()))
+    return True

@@ -31,12 +31,15 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tiercheck.codec import full_blob_size, write_full_blob
-from tiercheck.codec.encode.plan import Flat
+from tiercheck.codec.encode.plan import Flat, Planner
 from tiercheck.consistency.keys import blob_key
+from tiercheck.defaults import encoding_kind
+from tiercheck.engine.commit.tier import prepare_for
 from tiercheck.engine.jobs import Holder, Job
 from tiercheck.engine.options import Options
 from tiercheck.engine.save.staging import SnapshotCopy, StagingBuffer, StagingPool
 from tiercheck.errors import TiercheckError, TierWriteFailed
+from tiercheck.tiers.base import SupportsReserve
 
 if TYPE_CHECKING:
     from tiercheck.engine.commit.tier import TierPipeline
@@ -116,6 +119,23 @@ class Stager:
         if self._step_fence is not None:
             self._step_fence.remove()
         self.pool.clear()
+
+    async def prepare(self, planner: Planner, state: Any, version: int) -> int:
+        """Ready the memory a save of ``state`` as ``version`` will be copied into, ahead of it
+        (:meth:`tiercheck.Checkpointer.prepare`): the state is flattened as the save will
+        flatten it (the save then reuses that layout), and the tier a save's plan would copy
+        it into (:func:`~tiercheck.engine.save.plan.plan_save`: the first that reserves memory
+        and stores blobs as is, for a state on the host or without pinned staging) sizes,
+        backs and faults in room for its blob in the background. Returns the bytes readied
+        (0 where no tier will be copied into, or a save has reserved already)."""
+        flat = planner.flatten(state)
+        if not flat.on_host and self.pool.pin:
+            return 0  # a GPU state is staged through pinned buffers
+        size, _ = full_blob_size(flat.layout, version=version, rank=self.rank)
+        for pipe in self.pipes.values():
+            if isinstance(pipe.tier, SupportsReserve) and encoding_kind(pipe.policy.encoding).as_is:
+                return size if prepare_for(pipe, size) else 0
+        return 0
 
     async def stage(
         self, job: Job, flat: Flat, marks: dict[int, Any] | None, *, into: str | None
