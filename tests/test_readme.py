@@ -94,13 +94,14 @@ def example(name: str) -> str:
 
 
 def _names_run_here() -> set[str]:
-    """The example names this module's tests run: the string given to ``example(...)``, and
-    the second argument of ``_script(...)`` (which calls ``example`` with it)."""
+    """The example names this module's tests run: the string given to ``example(...)`` or to
+    ``run_alone(...)``, and the second argument of ``_script(...)`` (both call ``example``
+    with it)."""
     names = set()
     for node in ast.walk(ast.parse(Path(__file__).read_text())):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
             continue
-        position = {"example": 0, "_script": 1}.get(node.func.id)
+        position = {"example": 0, "run_alone": 0, "_script": 1}.get(node.func.id)
         if position is None or len(node.args) <= position:
             continue
         arg = node.args[position]
@@ -353,14 +354,15 @@ def test_the_fsdp2_example_resumes_every_shard_under_torchrun(tmp_path: Path) ->
             assert torch.equal(whole["optim"][index][key], joined), (index, key)
 
 
-@pytest.mark.multiprocess
-def test_the_overlap_example_runs(tmp_path: Path) -> None:
-    code = example("overlap")
+def run_alone(name: str, job_id: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run example ``name`` in a fresh interpreter, storing under ``tmp_path`` and as a job of
+    its own instead of its ``job_id`` and ``file:///tmp/tiercheck-ckpt``."""
+    code = example(name)
     job = f"readme-{uuid.uuid4().hex[:8]}"
     assert '"file:///tmp/tiercheck-ckpt"' in code
-    assert '"run-2"' in code
+    assert f'"{job_id}"' in code
     code = code.replace('"file:///tmp/tiercheck-ckpt"', repr((tmp_path / "ckpt").as_uri()))
-    code = code.replace('"run-2"', repr(job))
+    code = code.replace(f'"{job_id}"', repr(job))
     script = tmp_path / "train.py"
     script.write_text(code)
     try:
@@ -375,31 +377,18 @@ def test_the_overlap_example_runs(tmp_path: Path) -> None:
     finally:
         shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+@pytest.mark.multiprocess
+def test_the_overlap_example_runs(tmp_path: Path) -> None:
+    run = run_alone("overlap", "run-2", tmp_path)
     assert "newest durable version: 90" in run.stdout
     assert "StateChanged" not in run.stderr  # the fence kept every snapshot whole
 
 
 def test_the_first_save_example_readies_memory_and_saves(tmp_path: Path) -> None:
-    code = example("first-save")
-    job = f"readme-{uuid.uuid4().hex[:8]}"
-    assert '"file:///tmp/tiercheck-ckpt"' in code
-    assert '"run-3"' in code
-    code = code.replace('"file:///tmp/tiercheck-ckpt"', repr((tmp_path / "ckpt").as_uri()))
-    code = code.replace('"run-3"', repr(job))
-    script = tmp_path / "train.py"
-    script.write_text(code)
-    try:
-        run = subprocess.run(
-            [sys.executable, str(script)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            check=False,
-        )
-    finally:
-        shutil.rmtree(Path("/dev/shm/tiercheck") / job, ignore_errors=True)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run = run_alone("first-save", "run-3", tmp_path)
     readied = re.search(r"readied (\d+) bytes", run.stdout)
     assert readied is not None, run.stdout
     assert int(readied.group(1)) > 4 * 256 * 256 * 3  # the weights and both moments
