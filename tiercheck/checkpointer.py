@@ -121,9 +121,10 @@ class Checkpointer(CheckpointerCore):
         a restore this is done in the background already). Called once the state has the
         shape it will have at that save, ``prepare`` walks it as a save would (each
         ``Stateful`` object's ``state_dict()`` is called, and the save then reuses the layout
-        found) and readies the room in the background; it copies nothing and returns at once.
-        Returns the bytes readied: 0 where no tier copies the state into its own memory (a
-        GPU state is staged through pinned buffers), or where a save has already reserved.
+        found) and readies the room in the background; it copies nothing, and does not wait
+        for the room. Returns the bytes readied: 0 where no tier copies the state into its own
+        memory (a GPU state is staged through pinned buffers), or where a save has already
+        reserved.
 
         Call it where the state is final: after the model and optimizer exist *and* the
         optimizer has stepped once (``torch.optim`` optimizers create their moments at their
