@@ -46,6 +46,11 @@ from tiercheck.errors import FormatError, UnsupportedObject
 __all__ = ["unflatten"]
 
 
+class _NeedsBytes(Exception):
+    """A stand-in met where an object is rebuilt around a tensor's bytes (kept apart from the
+    errors a malformed skeleton raises: the caller's input is wrong, not the blob)."""
+
+
 class _Unflattener:
     def __init__(self, tensors: Sequence[torch.Tensor | TensorSpec], allow_pickle: bool) -> None:
         self.tensors = tensors
@@ -63,10 +68,13 @@ class _Unflattener:
 
     def real(self, index: object) -> torch.Tensor:
         """The tensor ``index`` where an object is rebuilt around its bytes (an array, a
-        DTensor shard): never a stand-in (:func:`unflatten` refuses those up front)."""
+        DTensor shard): never a stand-in (:func:`unflatten` says so with a ValueError)."""
         leaf = self.tensor(index)
         if not isinstance(leaf, torch.Tensor):
-            raise ValueError(f"tensor {index!r} is a stand-in; this object needs its bytes")
+            raise _NeedsBytes(
+                "a state with numpy arrays or DTensors is rebuilt around tensors, not "
+                f"TensorSpecs (tensor {index!r})"
+            )
         return leaf
 
     def ext_hook(self, code: int, data: bytes) -> Any:
@@ -155,12 +163,12 @@ def unflatten(
     """
     if len(tensors) != len(layout.specs):
         raise ValueError(f"got {len(tensors)} tensors for a layout of {len(layout.specs)}")
-    if (layout.has_arrays or layout.has_dtensors) and any(type(t) is TensorSpec for t in tensors):
-        raise ValueError(
-            "a state with numpy arrays or DTensors is rebuilt around tensors, not TensorSpecs"
-        )
     try:
         return _Unflattener(tensors, allow_pickle).unpack(layout.skeleton)
+    except _NeedsBytes as exc:
+        # Found on the way, not by a scan up front: a scan of the skeleton's tags would cost
+        # every decode a walk of thousands of extensions.
+        raise ValueError(str(exc)) from None
     except (msgpack.UnpackException, ValueError, TypeError, KeyError) as exc:
         if isinstance(exc, (FormatError, UnsupportedObject)):
             raise
