@@ -45,6 +45,7 @@ __all__ = [
     "make_room",
     "plan_save",
     "queue_full",
+    "staging_tier",
     "waits_for_slot",
 ]
 
@@ -145,13 +146,9 @@ def plan_save(inputs: SaveInputs) -> SavePlan:
     if inputs.busy and inputs.on_busy == "skip":
         return SavePlan(inputs.version, "skipped", None, scheduled_base, targets)
     base = scheduled_base or inputs.planned_base is None or inputs.force_base
-    encodings = dict(targets)
-    stage_in = None
-    if inputs.on_host or not inputs.pinned:
-        stage_in = next(
-            (n for n in inputs.reservable if n in encodings and encoding_kind(encodings[n]).as_is),
-            None,
-        )
+    stage_in = staging_tier(
+        inputs.reservable, dict(targets), on_host=inputs.on_host, pinned=inputs.pinned
+    )
     return SavePlan(
         inputs.version,
         "base" if base else "delta",
@@ -159,6 +156,19 @@ def plan_save(inputs: SaveInputs) -> SavePlan:
         scheduled_base,
         targets,
         stage_in,
+    )
+
+
+def staging_tier(
+    reservable: Sequence[str], encodings: Mapping[str, TierEncoding], *, on_host: bool, pinned: bool
+) -> str | None:
+    """The tier whose memory a snapshot is copied into (see :func:`plan_save`): the first of
+    ``reservable`` that ``encodings`` (the tiers the version goes to) stores as is, for a state
+    on the host or without pinned staging; ``None``: a staging buffer."""
+    if not on_host and pinned:
+        return None
+    return next(
+        (n for n in reservable if n in encodings and encoding_kind(encodings[n]).as_is), None
     )
 
 

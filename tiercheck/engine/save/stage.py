@@ -33,10 +33,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tiercheck.codec import full_blob_size, write_full_blob
 from tiercheck.codec.encode.plan import Flat, Planner
 from tiercheck.consistency.keys import blob_key
-from tiercheck.defaults import encoding_kind
 from tiercheck.engine.commit.tier import prepare_for
 from tiercheck.engine.jobs import Holder, Job
 from tiercheck.engine.options import Options
+from tiercheck.engine.save.plan import staging_tier
 from tiercheck.engine.save.staging import SnapshotCopy, StagingBuffer, StagingPool
 from tiercheck.errors import TiercheckError, TierWriteFailed
 from tiercheck.tiers.base import SupportsReserve
@@ -129,13 +129,16 @@ class Stager:
         backs and faults in room for its blob in the background. Returns the bytes readied
         (0 where no tier will be copied into, or a save has reserved already)."""
         flat = planner.flatten(state)
-        if not flat.on_host and self.pool.pin:
-            return 0  # a GPU state is staged through pinned buffers
+        into = staging_tier(
+            [n for n, p in self.pipes.items() if isinstance(p.tier, SupportsReserve)],
+            {n: p.policy.encoding for n, p in self.pipes.items()},
+            on_host=flat.on_host,
+            pinned=self.pool.pin,
+        )
+        if into is None:
+            return 0
         size, _ = full_blob_size(flat.layout, version=version, rank=self.rank)
-        for pipe in self.pipes.values():
-            if isinstance(pipe.tier, SupportsReserve) and encoding_kind(pipe.policy.encoding).as_is:
-                return size if prepare_for(pipe, size) else 0
-        return 0
+        return size if prepare_for(self.pipes[into], size) else 0
 
     async def stage(
         self, job: Job, flat: Flat, marks: dict[int, Any] | None, *, into: str | None
