@@ -36,7 +36,9 @@ def test_every_golden_file_is_present_and_small() -> None:
         assert (GOLDEN / name).stat().st_size < 64 << 10, name
 
 
-@pytest.mark.parametrize("name", ["base.full.tcb", "base.full.v1_1.tcb", "base.packed.tcb"])
+@pytest.mark.parametrize(
+    "name", ["base.full.tcb", "base.full.v1_1.tcb", "base.full.v1_2.tcb", "base.packed.tcb"]
+)
 def test_golden_base_decodes_bit_exact(name: str) -> None:
     base_state, _ = golden_states()
     base_raw, _ = golden_raw_states()
@@ -92,16 +94,38 @@ def test_golden_files_exercise_every_plane_mode() -> None:
 def test_full_blob_encoding_has_not_drifted() -> None:
     # A full blob has no compressor in it, so today's encoder must write the very same bytes.
     base_raw, _ = golden_raw_states()
-    assert join(encode_full(base_raw, rank=0)[0]) == read("base.full.v1_1.tcb")
+    assert join(encode_full(base_raw, rank=0)[0]) == read("base.full.v1_2.tcb")
 
 
 def test_golden_format_versions_and_chunk_digests() -> None:
-    """The 1.0 full blob has no chunk digests; the 1.1 one has those of the payload."""
+    """The 1.0 full blob has no chunk digests; the 1.1 one has those of the payload; the 1.2
+    one also says what its skeleton holds."""
     base_raw, _ = golden_raw_states()
-    old, new = read("base.full.tcb"), read("base.full.v1_1.tcb")
+    old, v11, new = read("base.full.tcb"), read("base.full.v1_1.tcb"), read("base.full.v1_2.tcb")
     assert struct.unpack("<HH", old[8:12]) == (1, 0)
-    assert struct.unpack("<HH", new[8:12]) == (1, 1)
+    assert struct.unpack("<HH", v11[8:12]) == (1, 1)
+    assert struct.unpack("<HH", new[8:12]) == (1, 2)
     assert read_meta(old).chunk_digests is None
-    assert read_meta(new).chunk_digests == base_raw.chunk_digests
-    # The same payload either way: the digests and the body agree.
+    assert read_meta(v11).chunk_digests == read_meta(new).chunk_digests == base_raw.chunk_digests
+    # The same payload every way: the digests and the body agree.
     assert read_meta(old).raw_digest == read_meta(new).raw_digest == base_raw.raw_digest
+
+
+HOLDS = ("has_arrays", "has_dtensors", "has_refs")
+
+
+@pytest.mark.parametrize("name", ["base.full.tcb", "base.full.v1_1.tcb", "base.full.v1_2.tcb"])
+def test_what_a_skeleton_holds_is_read_from_a_1_2_header_and_found_in_an_older_one(
+    name: str,
+) -> None:
+    layout = read_meta(read(name)).layout
+    said = {h: layout.__dict__[h] for h in HOLDS if h in layout.__dict__}
+    # Found by walking the skeleton (what a reader of a 1.0 or 1.1 blob does):
+    walked = {h: getattr(type(layout), h).func(layout) for h in HOLDS}
+    assert walked == {"has_arrays": True, "has_dtensors": False, "has_refs": False}
+    if name.endswith("v1_2.tcb"):
+        assert said == walked  # said by the header: no walk
+    else:
+        assert "has_arrays" not in said  # nothing says: walked when asked
+        assert layout.has_arrays is True
+        assert said.items() <= walked.items()

@@ -35,11 +35,13 @@ OLD_FILES = {
     "base.packed.tcb": "packed base: planes + zstd-1, 4 KiB frames (rank 1)",
     "delta.packed.tcb": "packed 1-step delta: xor + planes + zstd-1, 4 KiB frames (rank 1)",
     "delta.raw.tcb": "packed delta without compression: xor only (rank 0)",
+    "base.full.v1_1.tcb": "full blob of the base state, format 1.1: chunk digests (rank 0)",
 }
 
 #: Files of the current format, written by :func:`main`.
 NEW_FILES = {
-    "base.full.v1_1.tcb": "full blob of the base state, format 1.1: chunk digests (rank 0)",
+    "base.full.v1_2.tcb": "full blob of the base state, format 1.2: chunk digests and what "
+    "the skeleton holds (rank 0)",
 }
 
 #: file name -> (how it was encoded), for the test's messages.
@@ -160,7 +162,7 @@ def encode_all() -> dict[str, bytes]:
     def join(parts: list[Any]) -> bytes:
         return b"".join(bytes(p) for p in parts)
 
-    return {"base.full.v1_1.tcb": join(encode_full(base, rank=0)[0])}
+    return {"base.full.v1_2.tcb": join(encode_full(base, rank=0)[0])}
 
 
 def main() -> None:

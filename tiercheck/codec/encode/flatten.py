@@ -434,6 +434,7 @@ def flatten_walk(
     layout = Layout.build(skeleton, walker.entries)
     layout.__dict__["has_dtensors"] = walker.dtensors > 0  # known: spare the skeleton scan
     layout.__dict__["has_refs"] = walker.refs > 0
+    layout.__dict__["has_arrays"] = bool(walker.arrays)
     return layout, walker.tensors, tuple(walker.arrays)
 
 

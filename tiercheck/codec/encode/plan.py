@@ -505,11 +505,12 @@ class StatePlan:
         ):
             return None
         if dirty:
-            has_dtensors = self.layout.has_dtensors
-            has_refs = self.layout.has_refs
+            known = {
+                name: getattr(self.layout, name)
+                for name in ("has_dtensors", "has_refs", "has_arrays")
+            }
             self.layout = self.layout.with_skeleton(self.root.enc)
-            self.layout.__dict__["has_dtensors"] = has_dtensors  # same structure
-            self.layout.__dict__["has_refs"] = has_refs
+            self.layout.__dict__.update(known)  # same structure
         return self.layout, out
 
 

@@ -5,7 +5,7 @@ Byte layout (format 1; every integer little-endian)::
     offset size  field
     0      8     magic  b"\\x89TCKPT\\r\\n"  (high byte, CR LF: catch 7-bit and text-mode damage)
     8      2     format major version (1) -- a reader refuses any other major
-    10     2     format minor version (1) -- additions a 1.0 reader may ignore
+    10     2     format minor version (2) -- additions a 1.0 reader may ignore
     12     1     kind: 1 = full (raw payload as is), 2 = packed (xor/planes/zstd pipeline)
     13     3     reserved, zero
     16     8     header_nbytes: length of the msgpack header
@@ -31,7 +31,11 @@ that encodes or decodes it, and checked before it is decompressed.
 
 Header (a msgpack map): ``version``, ``rank``, ``stages`` (``[name, params]`` pairs, see
 :mod:`.stages`), ``layout`` (``[skeleton, [[path, dtype name, shape], ...]]``; offsets are
-recomputed, so a layout read back is always canonical). Full blobs of format 1.1 add
+recomputed, so a layout read back is always canonical). Format 1.2 adds ``holds``: which of
+``"arrays"``, ``"dtensors"`` and ``"refs"`` the skeleton holds (numpy arrays, DTensor records,
+replica references), so that a reader knows how a blob can be restored without walking a
+skeleton of thousands of entries first; a reader of an older blob walks it. Full blobs of format
+1.1 add
 ``chunks``, the last key: the leaves of ``body_digest`` (one little-endian u64 per 8 MiB chunk
 of the body), so that a reader of part of the body checks the chunks it reads alone
 (:mod:`.partial`); a 1.0 reader ignores it, and a 1.0 full blob (or one encoded from a state
@@ -57,7 +61,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import chain
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
@@ -85,6 +90,7 @@ __all__ = [
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
     "HEAD",
+    "HOLDS",
     "KINDS",
     "KIND_FULL",
     "KIND_PACKED",
@@ -103,6 +109,7 @@ __all__ = [
     "frame_extents",
     "full_header",
     "header_region",
+    "holds",
     "layout_bytes",
     "pack_header",
     "parse",
@@ -115,7 +122,7 @@ __all__ = [
 MAGIC = b"\x89TCKPT\r\n"
 #: The format version written; a reader refuses another major.
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1
+FORMAT_MINOR = 2
 #: The fixed part before the header: magic, versions, kind, lengths, digests, checksum.
 PREAMBLE_NBYTES = 64
 #: Bytes 0..32 of the preamble: magic, major, minor, kind, header_nbytes, body_nbytes.
@@ -222,6 +229,9 @@ def layout_bytes(layout: Layout) -> bytes:
 
 
 _INT_ONLY = {int}
+_LIST_ONLY = {list}
+_STR_ONLY = {str}
+_THREE = {3}
 
 
 def _layout_from_obj(obj: Any) -> Layout:
@@ -230,8 +240,36 @@ def _layout_from_obj(obj: Any) -> Layout:
     skeleton, specs = obj
     if not isinstance(specs, list):
         raise FormatError("malformed layout in blob header")
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    # Checked column by column (each a pass in C over a header of up to 100,000 entries); a
+    # header that fails is walked entry by entry to name the first bad one.
+    if not (_LIST_ONLY.issuperset(map(type, specs)) and _THREE.issuperset(map(len, specs))):
+        _name_bad_entry(specs)
+    paths, names, shapes = zip(*specs, strict=True) if specs else ((), (), ())
+    if not (
+        _STR_ONLY.issuperset(map(type, paths))
+        and _STR_ONLY.issuperset(map(type, names))
+        and _LIST_ONLY.issuperset(map(type, shapes))
+    ):
+        _name_bad_entry(specs)
+    dims = list(chain.from_iterable(shapes))
+    if not _INT_ONLY.issuperset(map(type, dims)) or (dims and min(dims) < 0):
+        _name_bad_entry(specs)
     dtypes: dict[str, torch.dtype] = {}
+    for name in set(names):
+        dtype = dtype_from_name(name)
+        if dtype is None:
+            raise UnsupportedFormat(
+                f"blob holds a tensor of dtype {name!r}, which this build of torch lacks"
+            )
+        dtypes[name] = dtype
+    layout = Layout.from_columns(skeleton, paths, list(map(dtypes.__getitem__, names)), shapes)
+    if len(layout.index) != len(layout.specs):
+        raise FormatError("blob header lists a tensor path twice")
+    return layout
+
+
+def _name_bad_entry(specs: list[Any]) -> NoReturn:
+    """Raise :class:`~tiercheck.errors.FormatError` naming the first malformed entry."""
     for entry in specs:
         if (
             type(entry) is not list
@@ -239,23 +277,10 @@ def _layout_from_obj(obj: Any) -> Layout:
             or type(entry[0]) is not str
             or type(entry[1]) is not str
             or type(entry[2]) is not list
-            # set(map(type, ...)): the element check without a Python-level loop
             or (entry[2] and (not _INT_ONLY.issuperset(map(type, entry[2])) or min(entry[2]) < 0))
         ):
             raise FormatError(f"malformed tensor entry {entry!r} in blob header")
-        dtype = dtypes.get(entry[1])
-        if dtype is None:
-            dtype = dtype_from_name(entry[1])
-            if dtype is None:
-                raise UnsupportedFormat(
-                    f"blob holds a tensor of dtype {entry[1]!r}, which this build of torch lacks"
-                )
-            dtypes[entry[1]] = dtype
-        entries.append((entry[0], dtype, tuple(entry[2])))
-    layout = Layout.build(skeleton, entries)
-    if len(layout.index) != len(layout.specs):
-        raise FormatError("blob header lists a tensor path twice")
-    return layout
+    raise AssertionError("a column check failed on entries that each pass it")
 
 
 #: Stands for the layout among the fields of a header (see :func:`pack_header`).
@@ -301,10 +326,37 @@ def full_header(layout: Layout, version: int, rank: int, chunks: bytes | None) -
         "rank": rank,
         "stages": [[stage.name, stage.params()]],
         "layout": LAYOUT_FIELD,
+        "holds": holds(layout),
     }
     if chunks is not None:
         fields["chunks"] = chunks
     return pack_header(fields, layout)
+
+
+#: What a skeleton may hold that decides how its blob is restored, as ``holds`` names it.
+HOLDS = ("arrays", "dtensors", "refs")
+
+
+def holds(layout: Layout) -> list[str]:
+    """The header's ``holds`` field of ``layout``: the :data:`HOLDS` its skeleton holds (known
+    for layouts :func:`~tiercheck.codec.encode.flatten.flatten` made; else the skeleton is walked
+    once)."""
+    return [name for name in HOLDS if getattr(layout, f"has_{name}")]
+
+
+def _learn_holds(layout: Layout, stage: Stage | None, field: Any) -> None:
+    """Tell ``layout`` what its skeleton holds, from its header's ``holds`` field (format 1.2)
+    or, for an older blob, from its flatten stage as far as that says."""
+    known = layout.__dict__
+    if isinstance(stage, FlattenStage):
+        # Only blobs naming flatten/3 hold replica references (the writer names /3 exactly
+        # then), and /1 names a blob without DTensors or references.
+        known["has_refs"] = stage.major == 3
+        if stage.major == 1:
+            known["has_dtensors"] = False
+    if type(field) is list and _STR_ONLY.issuperset(map(type, field)):
+        for name in HOLDS:
+            known[f"has_{name}"] = name in field
 
 
 def chunks_bytes(leaves: Sequence[int]) -> bytes:
@@ -425,10 +477,7 @@ def parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None = 
     if type(version) is not int or type(rank) is not int:
         raise FormatError("blob header lacks version or rank")
     layout = _layout_from_obj(header.get("layout"))
-    if stages and isinstance(stages[0], FlattenStage):
-        # Only blobs naming flatten/3 hold replica references (the writer names /3 exactly
-        # then): known without scanning the skeleton, which a restore would do once per blob.
-        layout.__dict__["has_refs"] = stages[0].major == 3
+    _learn_holds(layout, stages[0] if stages else None, header.get("holds"))
     kinds = [type(s) for s in stages]
     base: BaseRef | None = None
     packed: PackedInfo | None = None

@@ -9,11 +9,14 @@ come from :meth:`Layout.views`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
+from typing import NamedTuple
 
 import msgpack
+import numpy as np
 import torch
 
 from tiercheck.codec.format.dtypes import dtype_name
@@ -30,14 +33,17 @@ def align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """Where one tensor of the state lives in the raw payload.
 
     ``path`` is the tensor's place in the state written as subscripts (``"['model']['w']"``);
     it is unique within a layout and is what a delta matches tensors by. ``offset`` is the byte
     offset in the raw payload (a multiple of :data:`ALIGNMENT`) and ``nbytes`` the size of the
     tensor's elements (``numel * element_size``).
+
+    A named tuple (immutable, compared field by field): a layout of 100,000 tensors makes as
+    many of these on every restore, and a tuple is made in less than half the time of a frozen
+    dataclass.
     """
 
     path: str
@@ -65,20 +71,53 @@ class Layout:
     def build(
         cls,
         skeleton: bytes,
-        entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+        entries: Iterable[tuple[str, torch.dtype, Iterable[int]]],
     ) -> Layout:
-        """Lay out tensors given as ``(path, dtype, shape)`` in order (offsets are computed)."""
-        specs: list[TensorSpec] = []
-        end = 0
-        for path, dtype, shape in entries:
-            offset = align(end)
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
-            specs.append(TensorSpec(path, dtype, tuple(shape), offset, nbytes))
-            end = offset + nbytes
-        return cls(skeleton, tuple(specs), align(end))
+        """Lay out tensors given as ``(path, dtype, shape)`` in order (offsets are computed).
+
+        Sizes and offsets are computed over arrays (a state of 100,000 tensors is laid out on
+        every restore, from its blob's header), exactly as the loop in :func:`_build_exact`;
+        that loop runs instead where a size could pass 2**62 bytes.
+        """
+        columns = list(zip(*entries, strict=True))
+        if not columns:
+            return cls(skeleton, (), 0)
+        return cls.from_columns(skeleton, columns[0], columns[1], columns[2])
+
+    @classmethod
+    def from_columns(
+        cls,
+        skeleton: bytes,
+        paths: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        shapes: Iterable[Iterable[int]],
+    ) -> Layout:
+        """:meth:`build` from the entries' columns: their paths, dtypes and shapes."""
+        tuples: list[tuple[int, ...]] = list(map(tuple, shapes))
+        n = len(paths)
+        if not n:
+            return cls(skeleton, (), 0)
+        ndims = np.fromiter(map(len, tuples), np.int64, n)
+        try:
+            dims = np.fromiter(chain.from_iterable(tuples), np.int64, int(ndims.sum()))
+        except OverflowError:  # a dimension past int64 (a damaged header)
+            return _build_exact(cls, skeleton, paths, dtypes, tuples)
+        itemsizes = {d: d.itemsize for d in set(dtypes)}
+        items = np.fromiter(map(itemsizes.__getitem__, dtypes), np.int64, n)
+        numel = np.ones(n, np.int64)
+        shaped = ndims > 0
+        if dims.size:
+            starts = (np.cumsum(ndims) - ndims)[shaped]
+            # float64 first: a product past 2**62 would wrap in int64 (a damaged header).
+            if float(np.multiply.reduceat(dims.astype(np.float64), starts).max()) * 16 >= 2.0**62:
+                return _build_exact(cls, skeleton, paths, dtypes, tuples)
+            numel[shaped] = np.multiply.reduceat(dims, starts)
+        nbytes = numel * items
+        widths = (nbytes + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+        ends = np.cumsum(widths)
+        offsets = ends - widths
+        specs = tuple(map(TensorSpec, paths, dtypes, tuples, offsets.tolist(), nbytes.tolist()))
+        return cls(skeleton, specs, int(ends[-1]))
 
     @cached_property
     def index(self) -> dict[str, int]:
@@ -206,6 +245,27 @@ class Layout:
         values, such as a step counter) may differ.
         """
         return self.specs == other.specs and self.payload_nbytes == other.payload_nbytes
+
+
+def _build_exact(
+    cls: type[Layout],
+    skeleton: bytes,
+    paths: Iterable[str],
+    dtypes: Iterable[torch.dtype],
+    shapes: Iterable[tuple[int, ...]],
+) -> Layout:
+    """:meth:`Layout.build` in Python integers (no bound on a size)."""
+    specs: list[TensorSpec] = []
+    end = 0
+    for path, dtype, shape in zip(paths, dtypes, shapes, strict=True):
+        offset = align(end)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        specs.append(TensorSpec(path, dtype, shape, offset, nbytes))
+        end = offset + nbytes
+    return cls(skeleton, tuple(specs), align(end))
 
 
 def check_payload(payload: torch.Tensor, nbytes: int, what: str) -> None:
