@@ -43,8 +43,9 @@ from tiercheck.errors import ChecksumMismatch, FormatError
 
 __all__ = ["Scatter", "plan_scatter", "read_scattered", "scatterable", "spans_overlap"]
 
-#: One piece of a chunk: its offset in the chunk, the address it goes to, its length.
-Piece = tuple[int, int, int]
+#: One piece of a chunk: its offset in the chunk, the address it goes to, its length (a list of
+#: three ints: 100,000 tensors make as many pieces, and a list is what numpy hands out).
+Piece = Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Scatter:
     """Where each chunk of a payload goes: ``pieces[c]`` for chunk ``c`` (see the module)."""
 
     payload_nbytes: int
-    pieces: tuple[tuple[Piece, ...], ...]
+    pieces: tuple[Sequence[Piece], ...]
 
     @property
     def chunks(self) -> int:
@@ -94,9 +95,7 @@ def plan_scatter(
     rows, chunk = rows[order], chunk[order]
     bounds = np.searchsorted(chunk, np.arange(count + 1)).tolist()
     listed = rows.tolist()
-    pieces = tuple(
-        tuple(tuple(piece) for piece in listed[bounds[c] : bounds[c + 1]]) for c in range(count)
-    )
+    pieces = tuple(listed[bounds[c] : bounds[c + 1]] for c in range(count))
     return Scatter(payload_nbytes, pieces)
 
 

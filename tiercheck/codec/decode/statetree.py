@@ -224,7 +224,17 @@ def _check(target: Any, source: Any, path: _Path, strict: bool, out: list[str]) 
     elif tk == "mapping":
         for key, value in source.items():
             if key in target:
-                _check(target[key], value, (path, key), strict, out)
+                t = target[key]
+                if (
+                    type(value) in _SOURCE_TENSORS
+                    and type(t) in _PLAIN_TENSORS
+                    and t.shape == value.shape
+                    and t.dtype == value.dtype
+                    and not t.is_meta
+                    and not t.is_inference()
+                ):
+                    continue  # the common case, that fits, without a call (a state of 100,000)
+                _check(t, value, (path, key), strict, out)
             elif strict:
                 out.append(f"{_where(path)}: the version holds key {key!r} that the target lacks")
         out.extend(
@@ -318,8 +328,13 @@ def _apply(
     if kind == "mapping":
         for key, value in source.items():
             if key in target:
-                merged = _apply(target[key], value, copies, own)
-                if merged is not target[key]:
+                t = target[key]
+                if type(t) in _PLAIN_TENSORS and type(value) in _SOURCE_TENSORS:
+                    copies[0].append(t)  # the common case without a call
+                    copies[1].append(value)
+                    continue
+                merged = _apply(t, value, copies, own)
+                if merged is not t:
                     target[key] = merged
             else:
                 # A key only the version holds (strict=False): the target gets a copy of its

@@ -262,7 +262,7 @@ def _plan(
     n = len(targets)
     Tensor = torch.Tensor
     sizes = np.fromiter(map(operator.attrgetter("nbytes"), sources), np.int64, n)
-    if all(type(s) is TensorSpec for s in sources):
+    if set(map(type, sources)) <= {TensorSpec}:
         # The layout's records (the stand-in of a state without DTensors): their offsets.
         offsets = np.fromiter(map(operator.attrgetter("offset"), sources), np.int64, n)
     else:
@@ -274,6 +274,15 @@ def _plan(
     direct = _direct(targets)
     if all(direct):
         starts = np.fromiter(map(Tensor.data_ptr, targets), np.int64, n)
+        if _disjoint(np.stack((starts, starts + sizes), 1)):
+            # The common case: every target written by address, in the order given.
+            return _Plan(
+                plan_scatter(layout_nbytes, np.stack((offsets, sizes, starts), 1)),
+                list(targets),
+                [],
+                [],
+                None,
+            )
         spans = np.stack((starts, starts + sizes), 1)
     else:
         spans = np.array(
