@@ -333,6 +333,9 @@ def lean(
         skeleton = write_tree(tree)
         built = Layout.build(skeleton, leaner.entries)
     built.__dict__["has_refs"] = True
+    for name in ("has_arrays", "has_dtensors"):
+        if layout.__dict__.get(name) is False:  # a lean layout holds a part of the full one's
+            built.__dict__[name] = False
     return Lean(built, tuple(index for _, index in leaner.sources))
 
 

@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercheck.codec.format.blobformat import _layout_from_obj, layout_bytes
+from tiercheck.codec.format.blobformat import layout_bytes
 from tiercheck.codec.format.layout import ALIGNMENT, Layout, TensorSpec
+from tiercheck.codec.format.layout import layout_from_header as _layout_from_obj
 from tiercheck.errors import FormatError, UnsupportedFormat
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.complex128, torch.bool]

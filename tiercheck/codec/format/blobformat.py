@@ -61,18 +61,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Any, NoReturn
+from typing import Any
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
-import torch
 import xxhash
 
 from tiercheck.codec.format.digest import chunk_count, tree_root
-from tiercheck.codec.format.dtypes import dtype_from_name
-from tiercheck.codec.format.layout import Layout, align
+from tiercheck.codec.format.layout import Layout, align, layout_from_header
 from tiercheck.codec.format.stages import (
     FlattenStage,
     PlanesStage,
@@ -228,61 +225,6 @@ def layout_bytes(layout: Layout) -> bytes:
     return _ARRAY_OF_2 + _pack(layout.skeleton) + layout.packed_entries
 
 
-_INT_ONLY = {int}
-_LIST_ONLY = {list}
-_STR_ONLY = {str}
-_THREE = {3}
-
-
-def _layout_from_obj(obj: Any) -> Layout:
-    if not isinstance(obj, list) or len(obj) != 2 or type(obj[0]) is not bytes:
-        raise FormatError("malformed layout in blob header")
-    skeleton, specs = obj
-    if not isinstance(specs, list):
-        raise FormatError("malformed layout in blob header")
-    # Checked column by column (each a pass in C over a header of up to 100,000 entries); a
-    # header that fails is walked entry by entry to name the first bad one.
-    if not (_LIST_ONLY.issuperset(map(type, specs)) and _THREE.issuperset(map(len, specs))):
-        _name_bad_entry(specs)
-    paths, names, shapes = zip(*specs, strict=True) if specs else ((), (), ())
-    if not (
-        _STR_ONLY.issuperset(map(type, paths))
-        and _STR_ONLY.issuperset(map(type, names))
-        and _LIST_ONLY.issuperset(map(type, shapes))
-    ):
-        _name_bad_entry(specs)
-    dims = list(chain.from_iterable(shapes))
-    if not _INT_ONLY.issuperset(map(type, dims)) or (dims and min(dims) < 0):
-        _name_bad_entry(specs)
-    dtypes: dict[str, torch.dtype] = {}
-    for name in set(names):
-        dtype = dtype_from_name(name)
-        if dtype is None:
-            raise UnsupportedFormat(
-                f"blob holds a tensor of dtype {name!r}, which this build of torch lacks"
-            )
-        dtypes[name] = dtype
-    layout = Layout.from_columns(skeleton, paths, list(map(dtypes.__getitem__, names)), shapes)
-    if len(layout.index) != len(layout.specs):
-        raise FormatError("blob header lists a tensor path twice")
-    return layout
-
-
-def _name_bad_entry(specs: list[Any]) -> NoReturn:
-    """Raise :class:`~tiercheck.errors.FormatError` naming the first malformed entry."""
-    for entry in specs:
-        if (
-            type(entry) is not list
-            or len(entry) != 3
-            or type(entry[0]) is not str
-            or type(entry[1]) is not str
-            or type(entry[2]) is not list
-            or (entry[2] and (not _INT_ONLY.issuperset(map(type, entry[2])) or min(entry[2]) < 0))
-        ):
-            raise FormatError(f"malformed tensor entry {entry!r} in blob header")
-    raise AssertionError("a column check failed on entries that each pass it")
-
-
 #: Stands for the layout among the fields of a header (see :func:`pack_header`).
 LAYOUT_FIELD = object()
 
@@ -348,15 +290,16 @@ def _learn_holds(layout: Layout, stage: Stage | None, field: Any) -> None:
     """Tell ``layout`` what its skeleton holds, from its header's ``holds`` field (format 1.2)
     or, for an older blob, from its flatten stage as far as that says."""
     known = layout.__dict__
+    if type(field) is list and all(type(name) is str for name in field):
+        for name in HOLDS:
+            known[f"has_{name}"] = name in field
     if isinstance(stage, FlattenStage):
-        # Only blobs naming flatten/3 hold replica references (the writer names /3 exactly
-        # then), and /1 names a blob without DTensors or references.
+        # The stage has the last word where it speaks (the decoder goes by it): only blobs
+        # naming flatten/3 hold replica references (the writer names /3 exactly then), and /1
+        # names a blob without DTensors or references.
         known["has_refs"] = stage.major == 3
         if stage.major == 1:
             known["has_dtensors"] = False
-    if type(field) is list and _STR_ONLY.issuperset(map(type, field)):
-        for name in HOLDS:
-            known[f"has_{name}"] = name in field
 
 
 def chunks_bytes(leaves: Sequence[int]) -> bytes:
@@ -476,7 +419,7 @@ def parse(view: memoryview, total: int, known: tuple[Layout, int, int] | None = 
     version, rank = header.get("version"), header.get("rank")
     if type(version) is not int or type(rank) is not int:
         raise FormatError("blob header lacks version or rank")
-    layout = _layout_from_obj(header.get("layout"))
+    layout = layout_from_header(header.get("layout"))
     _learn_holds(layout, stages[0] if stages else None, header.get("holds"))
     kinds = [type(s) for s in stages]
     base: BaseRef | None = None
