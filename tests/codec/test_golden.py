@@ -16,10 +16,11 @@ from tests.golden.make_golden import (
     BASE_VERSION,
     DELTA_VERSION,
     FILES,
+    PACKED,
     golden_raw_states,
     golden_states,
 )
-from tiercheck.codec import decode, encode_full, read_meta, verify
+from tiercheck.codec import decode, encode_full, encode_packed, read_meta, verify
 from tiercheck.codec.packed.frames import LOW, ZSTD
 
 from ._helpers import assert_same, join
@@ -129,3 +130,11 @@ def test_what_a_skeleton_holds_is_read_from_a_1_2_header_and_found_in_an_older_o
         assert "has_arrays" not in said  # nothing says: walked when asked
         assert layout.has_arrays is True
         assert said.items() <= walked.items()
+
+
+def test_a_packed_blob_of_today_says_what_its_skeleton_holds() -> None:
+    base_raw, delta_raw = golden_raw_states()
+    for raw, base in ((base_raw, None), (delta_raw, base_raw)):
+        layout = read_meta(join(encode_packed(raw, rank=1, base=base, options=PACKED)[0])).layout
+        said = {h: layout.__dict__.get(h) for h in HOLDS}
+        assert said == {"has_arrays": True, "has_dtensors": False, "has_refs": False}

@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 BASE_VERSION = 100
 DELTA_VERSION = 101
 
-#: Files written by format 1.0 (the packed ones are what 1.1 writes but for the minor version;
-#: the full one has no chunk digests). Kept as they are; :func:`main` does not rewrite them.
+#: Files written by formats 1.0 and 1.1 (the 1.0 full blob has no chunk digests; no header
+#: here says what its skeleton holds, which 1.2 adds). Kept as they are; :func:`main` does not
+#: rewrite them.
 OLD_FILES = {
     "base.full.tcb": "full blob of the base state, format 1.0: no chunk digests (rank 0)",
     "base.packed.tcb": "packed base: planes + zstd-1, 4 KiB frames (rank 1)",
