@@ -6,11 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiercheck.codec import encode_full, encode_packed, read_meta, snapshot
+from tiercheck.codec.encode.plan import Planner
 from tiercheck.codec.format.blobformat import layout_bytes
 from tiercheck.codec.format.layout import ALIGNMENT, Layout, TensorSpec
 from tiercheck.codec.format.layout import layout_from_header as _layout_from_obj
@@ -101,3 +104,45 @@ def test_an_unknown_dtype_and_a_repeated_path_are_refused() -> None:
     with pytest.raises(FormatError, match="malformed layout"):
         _layout_from_obj([b"\x90", {"a": 1}])
     assert _layout_from_obj([b"\x90", []]) == Layout(b"\x90", (), 0)
+
+
+# --- what a header says its skeleton holds (format 1.2) ---------------------------------------
+
+HOLDS = ("has_arrays", "has_dtensors", "has_refs")
+
+leaves = st.one_of(
+    st.integers(0, 9).map(lambda n: torch.arange(n, dtype=torch.float32)),
+    st.integers(0, 9).map(lambda n: np.arange(n, dtype=np.int32)),
+    st.integers(-5, 5),
+    st.text(max_size=3),
+)
+states = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.dictionaries(st.text("abc", min_size=1, max_size=2), inner, max_size=4),
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+    ),
+    max_leaves=12,
+).map(lambda tree: {"state": tree, "step": 1})
+
+
+def walked(layout: Layout) -> dict[str, bool]:
+    """What walking the skeleton finds (what a reader of an older blob does)."""
+    return {h: getattr(type(layout), h).func(layout) for h in HOLDS}
+
+
+@settings(max_examples=60, deadline=None)
+@given(states)
+def test_what_a_header_says_its_skeleton_holds_is_what_a_walk_finds(state: Any) -> None:
+    raw = snapshot(state, version=3)
+    truth = walked(raw.layout)
+    for parts, _ in (encode_full(raw, rank=0), encode_packed(raw, rank=0)):
+        layout = read_meta(b"".join(bytes(p) for p in parts)).layout
+        assert {h: layout.__dict__[h] for h in HOLDS} == truth  # said, not walked
+    # Through the save's cached plan too, its second state with a changed value (the layout
+    # then takes the new skeleton and keeps what the first one held).
+    planner = Planner()
+    planner.flatten(state)
+    again = planner.flatten({**state, "step": 2}).layout
+    assert {h: again.__dict__[h] for h in HOLDS} == walked(again) == truth
