@@ -237,18 +237,37 @@ class _Server:
             return {"ok": self.handlers[request["op"]](*request.get("args", ()))}
         except StoreError as exc:
             return {"err": str(exc), "kind": "request"}
-        except lmdb.CorruptedError as exc:
-            # A page garbled under the server: the environment is set aside (renaming a mapped
-            # file is harmless) and this server stops; the next one starts anew.
+        except _DAMAGED as exc:
+            # A page garbled or cut away under the server (LMDB says so in several words: a
+            # corrupt page, a page not found, a panic, a transaction it failed inside): the
+            # environment is set aside (renaming a mapped file is harmless) and this server
+            # stops; the next one starts anew. Answering a mere store error instead would keep
+            # a damaged environment in service, failing every request that reads that page.
             with self.lock:
                 if not self.stopping:
                     self.stopping = True
-                    set_aside(self.folder, f"LMDB found it corrupt while serving: {exc}")
-            return {"err": f"the manifest is damaged: {exc}", "kind": "damaged"}
+                    set_aside(
+                        self.folder,
+                        f"LMDB could not read it while serving: {type(exc).__name__}: {exc}",
+                    )
+            return {
+                "err": f"the manifest is damaged: {type(exc).__name__}: {exc}",
+                "kind": "damaged",
+            }
         except (lmdb.Error, OSError, TypeError, ValueError, KeyError) as exc:
             # Answered, never a dropped connection: the client would take that for a dead
             # process and send the request again.
             return {"err": f"{type(exc).__name__}: {exc}", "kind": "store"}
+
+
+#: What LMDB raises, serving, when the environment's pages are not what it wrote.
+_DAMAGED = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.PanicError,
+    lmdb.InvalidError,
+    lmdb.BadTxnError,
+)
 
 
 def _open_store(folder: str, notes: list[str]) -> Store:
